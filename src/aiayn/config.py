@@ -1,0 +1,497 @@
+"""Typed run configuration: the only reader of YAML and command-line overrides.
+
+Precedence is command line > YAML > model preset > defaults. Every key is checked at load: an
+unknown key is an error that suggests the nearest known one, a wrong type or an out-of-range
+value is an error naming the key, and all problems are reported together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from aiayn.errors import ConfigError
+
+# Table 3 of the paper, plus small presets that train on a laptop CPU in minutes.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "transformer_base": dict(N=6, d_model=512, d_ff=2048, h=8, dropout=0.1),
+    "transformer_big": dict(N=6, d_model=1024, d_ff=4096, h=16, dropout=0.3),
+    "small": dict(N=3, d_model=256, d_ff=1024, h=4, dropout=0.1),
+    "tiny": dict(N=2, d_model=128, d_ff=512, h=4, dropout=0.1),
+}
+
+
+@dataclass
+class ModelConfig:
+    kind: Literal["seq2seq", "lm", "classifier"] = "seq2seq"
+    """seq2seq: encoder-decoder (translation); lm: decoder only; classifier: encoder + pooled head."""
+    preset: str | None = None
+    """Name from MODEL_PRESETS; its values apply unless a key is set explicitly."""
+    N: int = 6
+    """Layers in the encoder, and in the decoder unless decoder_layers is set (§3.1)."""
+    decoder_layers: int | None = None
+    """Decoder layers when they differ from N."""
+    d_model: int = 512
+    """Width of every sublayer's input and output, and of the embeddings (§3.1)."""
+    d_ff: int = 2048
+    """Inner width of the position-wise feed-forward network (§3.3)."""
+    h: int = 8
+    """Attention heads; d_k = d_v = d_model / h (§3.2.2)."""
+    dropout: float = 0.1
+    """Residual and embedding dropout, P_drop (§5.4)."""
+    attention_dropout: float = 0.0
+    """Dropout on attention weights (not in the paper; tensor2tensor uses it)."""
+    positions: Literal["sinusoidal", "learned"] = "sinusoidal"
+    """Sinusoidal encodings (§3.5) or learned position embeddings."""
+    norm: Literal["post", "pre"] = "post"
+    """post: LayerNorm(x + Sublayer(x)) as in the paper; pre: x + Sublayer(LayerNorm(x))."""
+    max_len: int = 1024
+    """Longest sequence (in tokens) the position table covers."""
+    share_embeddings: Literal["all", "decoder", "none"] = "all"
+    """all: source, target and output share one matrix (needs the joint vocabulary, §3.4);
+    decoder: target embedding and output projection; none: three separate matrices."""
+    num_classes: int = 2
+    """Output classes (classifier only)."""
+    pooling: Literal["mean", "first"] = "mean"
+    """How the classifier pools encoder states: mean over non-pad tokens, or the first token."""
+
+    def validate(self) -> list[str]:
+        errs = []
+        for name in ("N", "d_model", "d_ff", "h", "max_len", "num_classes"):
+            if getattr(self, name) < 1:
+                errs.append(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.decoder_layers is not None and self.decoder_layers < 1:
+            errs.append(f"model.decoder_layers must be >= 1, got {self.decoder_layers}")
+        if self.h >= 1 and self.d_model % self.h:
+            errs.append(f"model.d_model ({self.d_model}) must be divisible by model.h ({self.h})")
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                errs.append(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.preset is not None and self.preset not in MODEL_PRESETS:
+            errs.append(
+                f"model.preset {self.preset!r} is not a preset; choose from "
+                f"{sorted(MODEL_PRESETS)}" + _suggest(self.preset, MODEL_PRESETS)
+            )
+        return errs
+
+
+@dataclass
+class TokenizerConfig:
+    path: str | None = None
+    """SentencePiece model file; default <run_dir>/tokenizer/spm.model. Trained if missing."""
+    type: Literal["bpe", "unigram"] = "bpe"
+    """SentencePiece model type."""
+    vocab_size: int = 8000
+    """Size of the one joint source+target vocabulary (§3.4 shares it between languages)."""
+    character_coverage: float = 1.0
+    """Share of characters covered by the vocabulary (0.9995 for scripts with many characters)."""
+    sample_sentences: int = 1_000_000
+    """At most this many sentences, read from the training stream, train the tokenizer."""
+    user_symbols: list[str] = field(default_factory=list)
+    """Extra symbols that are never split (e.g. language tags)."""
+    seed: int = 1
+    """Seed of the sentence sample; the same seed gives the same tokenizer."""
+
+    def validate(self) -> list[str]:
+        errs = []
+        if self.vocab_size < 8:
+            errs.append(f"tokenizer.vocab_size must be >= 8, got {self.vocab_size}")
+        if not 0.0 < self.character_coverage <= 1.0:
+            errs.append(
+                f"tokenizer.character_coverage must be in (0, 1], got {self.character_coverage}"
+            )
+        if self.sample_sentences < 1:
+            errs.append(f"tokenizer.sample_sentences must be >= 1, got {self.sample_sentences}")
+        return errs
+
+
+@dataclass
+class DataConfig:
+    format: Literal["parallel", "tsv", "jsonl", "parquet", "text", "hub"] = "parallel"
+    """parallel: PREFIX.SRC + PREFIX.TGT line-aligned files (gzip allowed); tsv/jsonl/parquet:
+    one file (or glob) per split; text: one document per line (lm); hub: a hub dataset name."""
+    train: str | None = None
+    """Training split: a file prefix (parallel), a path or glob, or a hub split name."""
+    valid: str | None = None
+    """Validation split, same form as train."""
+    test: str | None = None
+    """Test split, same form as train."""
+    src_lang: str = "de"
+    """Source language: the file suffix (parallel) and the default source field."""
+    tgt_lang: str = "en"
+    """Target language: the file suffix (parallel) and the default target field."""
+    src_field: str | None = None
+    """Field holding the source text (dots reach into nested records: translation.de)."""
+    tgt_field: str | None = None
+    """Field holding the target text."""
+    text_field: str = "text"
+    """Field holding the text (lm, classifier)."""
+    label_field: str = "label"
+    """Field holding the integer class (classifier)."""
+    hub_name: str | None = None
+    """Hub dataset name for format hub, e.g. bentrevett/multi30k or wmt14."""
+    hub_config: str | None = None
+    """Hub dataset configuration, e.g. de-en."""
+    max_len: int = 256
+    """Examples with more tokens than this on either side are dropped and counted."""
+    shuffle_buffer: int = 10_000
+    """Examples read, shuffled and bucketed by length together; 0 keeps the stream order."""
+    on_invalid_utf8: Literal["skip", "error"] = "skip"
+    """A line that is not valid UTF-8 is skipped and counted, or stops the run."""
+
+    def validate(self) -> list[str]:
+        errs = []
+        if self.train is None:
+            errs.append("data.train is required (a file prefix, path, or hub split name)")
+        if self.format == "hub" and not self.hub_name:
+            errs.append("data.hub_name is required when data.format is hub")
+        if self.max_len < 2:
+            errs.append(f"data.max_len must be >= 2, got {self.max_len}")
+        if self.shuffle_buffer < 0:
+            errs.append(f"data.shuffle_buffer must be >= 0, got {self.shuffle_buffer}")
+        return errs
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adam", "adamw"] = "adam"
+    """Adam as in §5.3; adamw decouples weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    """Adam beta_1, beta_2 (§5.3)."""
+    eps: float = 1e-9
+    """Adam epsilon (§5.3)."""
+    weight_decay: float = 0.0
+    """L2 (adam) or decoupled (adamw) weight decay."""
+
+    def validate(self) -> list[str]:
+        errs = []
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            errs.append(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.eps <= 0:
+            errs.append(f"optim.eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            errs.append(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        return errs
+
+
+@dataclass
+class ScheduleConfig:
+    kind: Literal["noam", "constant"] = "noam"
+    """noam: factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (§5.3); constant: lr."""
+    warmup: int = 4000
+    """Optimizer steps of linear warmup (§5.3)."""
+    factor: float = 1.0
+    """Multiplier on the noam rate (the paper uses 1)."""
+    lr: float = 1e-4
+    """Learning rate of the constant schedule."""
+
+    def validate(self) -> list[str]:
+        errs = []
+        if self.warmup < 1:
+            errs.append(f"schedule.warmup must be >= 1, got {self.warmup}")
+        if self.factor <= 0 or self.lr <= 0:
+            errs.append("schedule.factor and schedule.lr must be > 0")
+        return errs
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100_000
+    """Optimizer steps to train for."""
+    max_epochs: int | None = None
+    """Stop after this many passes over the training data, if earlier than max_steps."""
+    seed: int = 1
+    """Seeds parameters, dropout and data order."""
+    max_tokens: int = 4096
+    """Tokens per micro-batch (padding included), like fairseq --max-tokens."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; the schedule steps once per optimizer step."""
+    clip_norm: float = 0.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    label_smoothing: float = 0.1
+    """epsilon_ls of §5.4."""
+    eval_every: int = 1000
+    """Validate every this many optimizer steps (0: only at the end)."""
+    eval_batches: int | None = None
+    """Validate on at most this many batches (None: the whole validation split)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto picks CUDA when present."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16 runs the forward pass under autocast; weights and optimizer stay fp32."""
+    threads: int | None = None
+    """torch intra-op threads on CPU (None: torch's default)."""
+
+    def validate(self) -> list[str]:
+        errs = []
+        for name in ("max_steps", "max_tokens", "grad_accum"):
+            if getattr(self, name) < 1:
+                errs.append(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_epochs is not None and self.max_epochs < 1:
+            errs.append(f"train.max_epochs must be >= 1, got {self.max_epochs}")
+        if self.clip_norm < 0:
+            errs.append(f"train.clip_norm must be >= 0, got {self.clip_norm}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            errs.append(f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.eval_every < 0:
+            errs.append(f"train.eval_every must be >= 0, got {self.eval_every}")
+        return errs
+
+
+@dataclass
+class DistributedConfig:
+    backend: Literal["ddp", "deepspeed"] = "ddp"
+    """ddp: PyTorch DistributedDataParallel (also the single-process path); deepspeed: ZeRO."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage 0-3."""
+    offload_optimizer: bool = False
+    """ZeRO-Offload: optimizer state and step on the CPU."""
+    offload_params: bool = False
+    """ZeRO-3 parameter offload to the CPU."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass."""
+
+    def validate(self) -> list[str]:
+        errs = []
+        if not 0 <= self.zero_stage <= 3:
+            errs.append(f"distributed.zero_stage must be 0..3, got {self.zero_stage}")
+        if self.backend == "ddp" and (self.zero_stage or self.offload_optimizer):
+            errs.append("distributed.zero_stage/offload_optimizer need distributed.backend=deepspeed")
+        return errs
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 1000
+    """Save every this many optimizer steps (and at the end)."""
+    keep_last: int = 5
+    """Keep this many most recent checkpoints."""
+    resume: Literal["auto", "never"] = "auto"
+    """auto: continue from the latest valid checkpoint in run_dir; never: refuse a run_dir that
+    already holds checkpoints rather than overwrite it."""
+
+    def validate(self) -> list[str]:
+        errs = []
+        if self.every_steps < 1:
+            errs.append(f"checkpoint.every_steps must be >= 1, got {self.every_steps}")
+        if self.keep_last < 1:
+            errs.append(f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
+        return errs
+
+
+@dataclass
+class LoggingConfig:
+    every_steps: int = 50
+    """Console and TensorBoard scalars every this many optimizer steps."""
+    tensorboard: bool = True
+    """Write TensorBoard events into <run_dir>/tb."""
+
+    def validate(self) -> list[str]:
+        if self.every_steps < 1:
+            return [f"logging.every_steps must be >= 1, got {self.every_steps}"]
+        return []
+
+
+@dataclass
+class DecodeConfig:
+    beam: int = 4
+    """Beam size; 1 is greedy search (§6.1 uses 4)."""
+    alpha: float = 0.6
+    """Length penalty ((5 + len) / 6)^alpha (§6.1)."""
+    max_len_b: int = 50
+    """Hypotheses stop at source length + max_len_b tokens (§6.1)."""
+    batch_size: int = 64
+    """Sentences decoded together."""
+
+    def validate(self) -> list[str]:
+        errs = []
+        if self.beam < 1:
+            errs.append(f"decode.beam must be >= 1, got {self.beam}")
+        if self.max_len_b < 1 or self.batch_size < 1:
+            errs.append("decode.max_len_b and decode.batch_size must be >= 1")
+        return errs
+
+
+@dataclass
+class Config:
+    run_dir: str = "runs/default"
+    """Everything a run writes: resolved config, checkpoints, logs, TensorBoard events."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def validate(self) -> list[str]:
+        errs: list[str] = []
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if dataclasses.is_dataclass(section):
+                errs += section.validate()
+        if self.model.kind != "seq2seq" and self.data.format == "parallel":
+            errs.append(
+                f"data.format parallel is for model.kind seq2seq; a {self.model.kind} model "
+                "reads text, tsv, jsonl, parquet or hub data"
+            )
+        if self.model.kind == "lm" and self.model.share_embeddings == "all":
+            self.model.share_embeddings = "decoder"  # an LM has no source side to share with
+        if self.data.max_len + 2 > self.model.max_len:
+            errs.append(
+                f"data.max_len ({self.data.max_len}) + 2 special tokens exceeds model.max_len "
+                f"({self.model.max_len}); lower data.max_len or raise model.max_len"
+            )
+        return errs
+
+    @property
+    def tokenizer_path(self) -> Path:
+        if self.tokenizer.path:
+            return Path(self.tokenizer.path)
+        return Path(self.run_dir) / "tokenizer" / "spm.model"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as fh:
+            yaml.safe_dump(self.to_dict(), fh, sort_keys=False)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Build a Config from a YAML file and `section.key=value` overrides, validated."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = _read_yaml(Path(path))
+    for item in overrides:
+        _apply_override(raw, item)
+    return config_from_dict(raw, source=str(path) if path else "<overrides>")
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
+    errs: list[str] = []
+    model_raw = raw.get("model")
+    if isinstance(model_raw, dict) and model_raw.get("preset") in MODEL_PRESETS:
+        raw = {**raw, "model": {**MODEL_PRESETS[model_raw["preset"]], **model_raw}}
+    cfg = _build(Config, raw, "", errs)
+    if not errs:
+        errs = cfg.validate()
+    if errs:
+        lines = "\n".join(f"  - {e}" for e in errs)
+        raise ConfigError(f"invalid configuration ({source}):\n{lines}")
+    return cfg
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {data!r}")
+    return data
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    try:
+        value = yaml.safe_load(text) if text else None
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def _suggest(name: str, known, prefix: str = "") -> str:
+    close = difflib.get_close_matches(str(name), list(known), n=1, cutoff=0.5)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
+
+
+def _build(cls, raw: Any, prefix: str, errs: list[str]):
+    where = prefix.rstrip(".") or "top level"
+    if not isinstance(raw, dict):
+        errs.append(f"{where} must be a mapping, got {raw!r}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in known:
+            errs.append(f"unknown key {prefix}{key}" + _suggest(key, known, prefix))
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        value, tp = raw[f.name], hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = _build(tp, value, f"{prefix}{f.name}.", errs)
+        else:
+            ok, converted, expected = _coerce(value, tp)
+            if ok:
+                kwargs[f.name] = converted
+            else:
+                errs.append(f"{prefix}{f.name} must be {expected}, got {value!r}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
+    """Check `value` against a field type; return (ok, converted value, expected description)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return True, None, ""
+        expected = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            ok, converted, exp = _coerce(value, arg)
+            if ok:
+                return True, converted, ""
+            expected.append(exp)
+        return False, None, " or ".join(expected + ["null"])
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        return value in choices, value, "one of " + ", ".join(map(str, choices))
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            return False, None, f"a list of {item_tp.__name__}"
+        out = []
+        for item in value:
+            ok, converted, _ = _coerce(item, item_tp)
+            if not ok:
+                return False, None, f"a list of {item_tp.__name__}"
+            out.append(converted)
+        return True, out, ""
+    if tp is bool:
+        return isinstance(value, bool), value, "true or false"
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value, "an integer"
+    if tp is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return ok, float(value) if ok else None, "a number"
+    if tp is str:
+        ok = isinstance(value, str | int | float) and not isinstance(value, bool)
+        return ok, str(value) if ok else None, "a string"
+    return isinstance(value, tp), value, tp.__name__

@@ -1,0 +1,25 @@
+"""Errors a user can act on. The CLI prints their message without a traceback."""
+
+
+class AiaynError(Exception):
+    """Base class: the message names the problem and how to fix it."""
+
+
+class ConfigError(AiaynError):
+    """A config file or override is malformed, unknown, or out of range."""
+
+
+class DataError(AiaynError):
+    """A corpus is missing, empty, mis-aligned, or unreadable."""
+
+
+class TokenizerError(AiaynError):
+    """A tokenizer is missing or does not match the contract a run recorded."""
+
+
+class CheckpointError(AiaynError):
+    """A checkpoint is missing, corrupt, or belongs to another model."""
+
+
+class TrainingError(AiaynError):
+    """Training cannot go on (for example a non-finite loss)."""
