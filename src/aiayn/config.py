@@ -308,6 +308,8 @@ class DecodeConfig:
     """Hypotheses stop at source length + max_len_b tokens (§6.1)."""
     batch_size: int = 64
     """Sentences decoded together."""
+    bleu_tokenize: str = "13a"
+    """sacreBLEU tokenizer: 13a (WMT standard), intl, char (for one-word targets), none."""
 
     def validate(self) -> list[str]:
         errs = []
@@ -315,6 +317,8 @@ class DecodeConfig:
             errs.append(f"decode.beam must be >= 1, got {self.beam}")
         if self.max_len_b < 1 or self.batch_size < 1:
             errs.append("decode.max_len_b and decode.batch_size must be >= 1")
+        if self.bleu_tokenize not in ("13a", "intl", "char", "none", "zh", "ja-mecab", "flores200"):
+            errs.append(f"decode.bleu_tokenize {self.bleu_tokenize!r} is not a sacreBLEU tokenizer")
         return errs
 
 
@@ -374,7 +378,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     if path is not None:
         raw = _read_yaml(Path(path))
     for item in overrides:
-        _apply_override(raw, item)
+        apply_override(raw, item)
     return config_from_dict(raw, source=str(path) if path else "<overrides>")
 
 
@@ -406,7 +410,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _apply_override(raw: dict[str, Any], item: str) -> None:
+def apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {item!r} must look like section.key=value")

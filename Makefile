@@ -1,0 +1,55 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   trains the offline demo end to end (tokenizer, model, test BLEU / exact match)
+#   make test   passes the tests
+# Each creates .venv and installs torch before the project: with no torch installed, a loose
+# requirement would pull several GB of CUDA packages even on a CPU-only machine.
+
+VENV ?= .venv
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+
+.PHONY: install demo demo-lm demo-classify test test-fast lint format clean-demo
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: install
+	$(BIN)/aiayn demo-data numbers --out data/demo/numbers
+	$(BIN)/aiayn train --config configs/demo.yaml
+	$(BIN)/aiayn evaluate --checkpoint runs/demo --split test
+
+demo-lm: install
+	$(BIN)/aiayn demo-data lm --out data/demo/lm
+	$(BIN)/aiayn train --config configs/demo_lm.yaml
+	$(BIN)/aiayn evaluate --checkpoint runs/demo_lm --split test
+	$(BIN)/aiayn generate --checkpoint runs/demo_lm --prompt "forty-one forty-two" --temperature 0
+
+demo-classify: install
+	$(BIN)/aiayn demo-data classify --out data/demo/classify
+	$(BIN)/aiayn train --config configs/demo_classify.yaml
+	$(BIN)/aiayn evaluate --checkpoint runs/demo_classify --split test
+
+test: install
+	$(BIN)/pytest -q
+
+test-fast: install
+	$(BIN)/pytest -q -m "not slow and not dist"
+
+lint: install
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks
+
+format: install
+	$(BIN)/ruff format src tests benchmarks
+	$(BIN)/ruff check --fix src tests benchmarks
+
+clean-demo:
+	rm -rf runs/demo runs/demo_lm runs/demo_classify data/demo

@@ -1,0 +1,209 @@
+"""The checkpoint manager: layout, atomic writes, manifest, retention, resume.
+
+Layout of a run directory:
+
+    run_dir/checkpoints/step_00001000/
+        model.safetensors   weights (tied matrices stored once); loads without unpickling code
+        trainer.pt          optimizer, schedule, data position, RNG states, counters
+        manifest.json       step, sizes and sha256 of the files above, config, tokenizer contract
+    run_dir/checkpoints/latest   name of the newest complete checkpoint
+
+A checkpoint is written into a hidden temporary directory, flushed and fsynced, then renamed
+into place; only then does `latest` move. A crash at any moment leaves the previous
+checkpoint loadable, and a directory without a valid manifest is never loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+from aiayn.errors import CheckpointError
+from aiayn.tokenizer import check_contract
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MODEL_FILE, TRAINER_FILE, MANIFEST_FILE = "model.safetensors", "trainer.pt", "manifest.json"
+# Fields that decide tensor shapes or meaning: a checkpoint differing in any cannot be loaded.
+ARCHITECTURE_FIELDS = (
+    "kind", "N", "decoder_layers", "d_model", "d_ff", "h", "positions", "norm",
+    "share_embeddings", "num_classes", "pooling",
+)  # fmt: skip
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def read_manifest(ckpt: Path, verify: bool = True) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; CheckpointError if it is incomplete or corrupt."""
+    try:
+        manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{ckpt} has no readable {MANIFEST_FILE} ({exc})") from None
+    for name, meta in manifest.get("files", {}).items():
+        path = ckpt / name
+        if not path.is_file() or path.stat().st_size != meta["bytes"]:
+            raise CheckpointError(f"{path} is missing or truncated")
+        if verify and _sha256(path) != meta["sha256"]:
+            raise CheckpointError(f"{path} does not match its checksum: the file is corrupt")
+    return manifest
+
+
+def check_architecture(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
+    """Raise if the checkpoint was written by a model of another shape."""
+    diffs = [
+        f"model.{k}: checkpoint {saved.get(k)!r}, config {current.get(k)!r}"
+        for k in ARCHITECTURE_FIELDS
+        if saved.get(k) != current.get(k)
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"{where} was written by a different model:\n  "
+            + "\n  ".join(diffs)
+            + "\nUse the config the checkpoint was trained with, or a new run_dir."
+        )
+
+
+class CheckpointManager:
+    """Saves and finds checkpoints of one run. Every rank calls it; only writers write."""
+
+    def __init__(self, run_dir: str | Path, every_steps: int, keep_last: int, is_writer: bool):
+        self.root = Path(run_dir) / "checkpoints"
+        self.every_steps = every_steps
+        self.keep_last = keep_last
+        self.is_writer = is_writer
+
+    def due(self, step: int) -> bool:
+        return step % self.every_steps == 0
+
+    def checkpoints(self) -> list[Path]:
+        """Complete-looking checkpoint directories, oldest first."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.glob("step_*") if p.is_dir())
+
+    def latest(self) -> Path | None:
+        """The newest checkpoint that validates; broken ones are skipped with a warning."""
+        for ckpt in reversed(self.checkpoints()):
+            try:
+                read_manifest(ckpt)
+                return ckpt
+            except CheckpointError as exc:
+                log.warning("skipping checkpoint %s: %s", ckpt.name, exc)
+        return None
+
+    def save(
+        self, step: int, model: nn.Module, trainer_state: dict[str, Any], meta: dict[str, Any]
+    ) -> Path | None:
+        """Write checkpoint `step` atomically; return its path (None on non-writers)."""
+        if not self.is_writer:
+            return None
+        started = time.perf_counter()
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_model(model, str(tmp / MODEL_FILE))
+        torch.save(trainer_state, tmp / TRAINER_FILE)
+        files = {}
+        for name in (MODEL_FILE, TRAINER_FILE):
+            with open(tmp / name, "rb+") as fh:
+                os.fsync(fh.fileno())
+            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+        manifest = {"format": FORMAT_VERSION, "step": step, "files": files, **meta}
+        _write_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1))
+        if final.exists():  # a re-save of the same step (e.g. after a resume at the end)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        _write_atomic(self.root / "latest", final.name + "\n")
+        self._prune()
+        log.info("saved %s in %.2fs", final, time.perf_counter() - started)
+        return final
+
+    def _prune(self) -> None:
+        for stale in self.root.glob(".tmp-*"):  # left by a crash during an earlier save
+            shutil.rmtree(stale, ignore_errors=True)
+        for old in self.checkpoints()[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or the latest valid one of a run directory."""
+    path = Path(path)
+    if (path / MANIFEST_FILE).is_file():
+        return path
+    for run_dir in (path, path.parent):  # a run_dir, or its checkpoints/ folder
+        found = CheckpointManager(run_dir, 1, 1, is_writer=False).latest()
+        if found is not None:
+            return found
+    raise CheckpointError(
+        f"no valid checkpoint at {path}: pass a run_dir holding checkpoints/ or a "
+        "checkpoints/step_XXXXXXXX directory"
+    )
+
+
+def load_checkpoint(
+    ckpt: Path, model: nn.Module, *, expect_model: Any = None, tokenizer: Any = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Load weights into `model`; return (trainer_state, manifest). Never unpickles code.
+
+    `expect_model` (a ModelConfig) and `tokenizer` are checked against what the checkpoint
+    recorded before any tensor is read, so a mismatch names its fields instead of a shape.
+    """
+    manifest = read_manifest(ckpt)
+    if expect_model is not None:
+        check_architecture(manifest["config"]["model"], dataclasses.asdict(expect_model), str(ckpt))
+    if tokenizer is not None:
+        check_contract(manifest["tokenizer"], tokenizer, where=str(ckpt))
+    try:
+        missing, unexpected = load_model(model, str(ckpt / MODEL_FILE), strict=False)
+    except RuntimeError as exc:  # shape mismatches
+        raise CheckpointError(f"{ckpt} does not fit this model: {exc}") from None
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{ckpt} does not fit this model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
+    trainer_state = torch.load(ckpt / TRAINER_FILE, map_location="cpu", weights_only=True)
+    return trainer_state, manifest

@@ -1,0 +1,195 @@
+"""`aiayn` subcommands. Thin: each parses its arguments and calls one function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from aiayn.errors import AiaynError
+
+CONFIG_HELP = "YAML run config (configs/*.yaml)"
+OVERRIDES_HELP = "dotted overrides, e.g. train.max_steps=200 model.dropout=0"
+
+
+def _add_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help=CONFIG_HELP)
+    p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+
+
+def _add_checkpoint(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="run_dir (its latest checkpoint) or a step dir")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("overrides", nargs="*", help="overrides of the checkpoint's config, e.g. decode.beam=1")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aiayn", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train (resumes from run_dir's latest checkpoint)")
+    _add_config(p)
+
+    tok = sub.add_parser("tokenizer", help="SentencePiece tokenizer")
+    tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
+    p = tok_sub.add_parser("train", help="train the joint tokenizer from the training stream")
+    _add_config(p)
+    p.add_argument("--force", action="store_true", help="replace an existing tokenizer")
+
+    p = sub.add_parser("params", help="print the model's parameter count")
+    _add_config(p)
+    p.add_argument("--vocab-size", type=int, help="vocabulary size (default: the tokenizer's)")
+
+    p = sub.add_parser("translate", help="translate lines from stdin or a file")
+    _add_checkpoint(p)
+    p.add_argument("--input", help="source file (default stdin)")
+    p.add_argument("--output", help="hypotheses file (default stdout)")
+
+    p = sub.add_parser("evaluate", help="BLEU / perplexity / accuracy of a checkpoint")
+    _add_checkpoint(p)
+    p.add_argument("--split", default="test", choices=["train", "valid", "test"])
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    p = sub.add_parser("generate", help="sample from a language model")
+    _add_checkpoint(p)
+    p.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=50)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("demo-data", help="write a generated demo corpus")
+    p.add_argument("kind", choices=["numbers", "lm", "classify"])
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--seed", type=int, default=1)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args) or 0
+    except AiaynError as exc:
+        print(f"aiayn {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def cmd_train(args) -> int:
+    from aiayn.config import load_config
+    from aiayn.train import train
+
+    train(load_config(args.config, args.overrides))
+    return 0
+
+
+def cmd_tokenizer(args) -> int:
+    from aiayn.config import load_config
+    from aiayn.errors import TokenizerError
+    from aiayn.metrics import setup_logging
+    from aiayn.train import prepare_tokenizer
+
+    setup_logging(None)
+    cfg = load_config(args.config, args.overrides)
+    if cfg.tokenizer_path.is_file() and not args.force:
+        raise TokenizerError(
+            f"{cfg.tokenizer_path} exists; runs trained with it depend on it. Pass --force to "
+            "replace it, or set tokenizer.path to a new file"
+        )
+    tok = prepare_tokenizer(cfg, retrain=True)
+    print(json.dumps({"path": str(tok.path), **tok.contract()}, indent=1))
+    return 0
+
+
+def cmd_params(args) -> int:
+    import torch
+
+    from aiayn.config import load_config
+    from aiayn.model import build_model, count_parameters
+    from aiayn.tokenizer import PAD_ID, Tokenizer
+
+    cfg = load_config(args.config, args.overrides)
+    vocab = args.vocab_size
+    if vocab is None:
+        path = cfg.tokenizer_path
+        vocab = Tokenizer(path).vocab_size if path.is_file() else cfg.tokenizer.vocab_size
+    with torch.device("meta"):  # count without allocating: big is 213M parameters
+        model = build_model(cfg.model, vocab, PAD_ID)
+    n = count_parameters(model)
+    print(f"{cfg.model.kind} N={cfg.model.N} d_model={cfg.model.d_model} d_ff={cfg.model.d_ff} "
+          f"h={cfg.model.h} vocab={vocab} share_embeddings={cfg.model.share_embeddings}")  # fmt: skip
+    print(f"parameters: {n:,} ({n / 1e6:.1f}M)")
+    return 0
+
+
+def cmd_translate(args) -> int:
+    from aiayn.evaluate import load_for_inference, translate
+
+    cfg, model, tok, _ = load_for_inference(args.checkpoint, args.overrides, args.device)
+    text = Path(args.input).read_text(encoding="utf-8") if args.input else sys.stdin.read()
+    lines = text.splitlines()
+    device = next(model.parameters()).device
+    hyps = translate(model, tok, lines, cfg.decode, device)
+    out = "".join(h + "\n" for h in hyps)
+    if args.output:
+        Path(args.output).write_text(out, encoding="utf-8")
+    else:
+        sys.stdout.write(out)
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    from aiayn.evaluate import evaluate
+
+    result = evaluate(args.checkpoint, args.split, args.overrides)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(f"checkpoint {result['checkpoint']}  split {args.split}")
+    for src, ref, hyp in result.pop("samples", []):
+        print(f"  src: {src}\n  ref: {ref}\n  hyp: {hyp}\n")
+    for key, value in result.items():
+        if key not in ("checkpoint", "split"):
+            print(f"{key:>18}: {value:.4f}" if isinstance(value, float) else f"{key:>18}: {value}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from aiayn.decode import generate
+    from aiayn.errors import ConfigError
+    from aiayn.evaluate import load_for_inference
+
+    cfg, model, tok, _ = load_for_inference(args.checkpoint, args.overrides, args.device)
+    if cfg.model.kind != "lm":
+        raise ConfigError(f"generate needs an lm checkpoint; this one is {cfg.model.kind}")
+    prompts = args.prompt or [""]
+    ids = [[tok.eos_id] + p for p in tok.encode(prompts)]  # eos separates documents in training
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(args.seed)
+    out = generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, eos_id=tok.eos_id, generator=gen)  # fmt: skip
+    for prompt, text in zip(prompts, tok.decode(out), strict=True):
+        print(f"{prompt}{' ' if prompt else ''}{text}")
+    return 0
+
+
+def cmd_demo_data(args) -> int:
+    from aiayn import demo_data
+
+    writer = {"numbers": demo_data.write_numbers, "lm": demo_data.write_lm,
+              "classify": demo_data.write_classify}[args.kind]  # fmt: skip
+    writer(Path(args.out), seed=args.seed)
+    print(f"{args.kind} corpus in {args.out}")
+    return 0
+
+
+COMMANDS = {
+    "train": cmd_train,
+    "tokenizer": cmd_tokenizer,
+    "params": cmd_params,
+    "translate": cmd_translate,
+    "evaluate": cmd_evaluate,
+    "generate": cmd_generate,
+    "demo-data": cmd_demo_data,
+}

@@ -1,0 +1,131 @@
+"""Evaluation: validation loss and perplexity, translation with BLEU, classifier accuracy."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import sacrebleu
+import torch
+from torch import nn
+
+from aiayn.checkpoint import load_checkpoint, read_manifest, resolve_checkpoint
+from aiayn.config import Config, DecodeConfig, apply_override, config_from_dict
+from aiayn.data import BatchLoader, open_split
+from aiayn.data.batch import Batch
+from aiayn.decode import beam_search, greedy_search
+from aiayn.loss import batch_loss
+from aiayn.model import build_model
+from aiayn.tokenizer import Tokenizer
+
+log = logging.getLogger("aiayn")
+
+
+def validation_metrics(
+    model: nn.Module, batches: list[Batch], kind: str, pad_id: int, device: torch.device
+) -> dict[str, float]:
+    """Loss without label smoothing (so perplexity is the model's own), and accuracy."""
+    was_training = model.training
+    model.eval()
+    loss_sum, correct, n = 0.0, 0.0, 0
+    with torch.inference_mode():
+        for batch in batches:
+            batch = batch.to(device)
+            loss, right = batch_loss(model, batch, kind, 0.0, pad_id)
+            loss_sum += float(loss)
+            correct += float(right)
+            n += batch.n_tokens
+    model.train(was_training)
+    loss = loss_sum / max(n, 1)
+    result = {"loss": loss, "accuracy": correct / max(n, 1)}
+    if kind != "classifier":
+        result["ppl"] = math.exp(min(loss, 50.0))
+    return result
+
+
+def translate(
+    model: nn.Module, tok: Tokenizer, lines: list[str], cfg: DecodeConfig, device: torch.device
+) -> list[str]:
+    """Translate `lines` in length-sorted batches; hypotheses come back in input order."""
+    max_src = getattr(model, "max_len", None)
+    encoded = [ids[: max_src - 1] if max_src else ids for ids in tok.encode(lines)]
+    order = sorted(range(len(lines)), key=lambda i: len(encoded[i]))
+    out: list[str] = [""] * len(lines)
+    for start in range(0, len(order), cfg.batch_size):
+        idx = order[start : start + cfg.batch_size]
+        rows = [encoded[i] + [tok.eos_id] for i in idx]
+        src = torch.full((len(rows), max(map(len, rows))), tok.pad_id, dtype=torch.long)
+        for r, ids in enumerate(rows):
+            src[r, : len(ids)] = torch.tensor(ids)
+        special = dict(bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id)
+        if cfg.beam == 1:
+            hyps = greedy_search(model, src.to(device), max_len_b=cfg.max_len_b, **special)
+        else:
+            hyps = beam_search(model, src.to(device), beam=cfg.beam, alpha=cfg.alpha,
+                               max_len_b=cfg.max_len_b, **special)  # fmt: skip
+        for i, text in zip(idx, tok.decode(hyps), strict=True):
+            out[i] = text
+    return out
+
+
+def bleu_scores(hyps: list[str], refs: list[str], tokenize: str = "13a") -> dict[str, Any]:
+    """Cased and lowercased corpus sacreBLEU, each with its signature, and exact match."""
+    cased = sacrebleu.metrics.BLEU(tokenize=tokenize)
+    lower = sacrebleu.metrics.BLEU(tokenize=tokenize, lowercase=True)
+    return {
+        "bleu": cased.corpus_score(hyps, [refs]).score,
+        "bleu_signature": str(cased.get_signature()),
+        "bleu_lc": lower.corpus_score(hyps, [refs]).score,
+        "bleu_lc_signature": str(lower.get_signature()),
+        "exact_match": sum(h.strip() == r.strip() for h, r in zip(hyps, refs, strict=True))
+        / max(len(refs), 1),
+    }
+
+
+def load_for_inference(
+    checkpoint: str | Path, overrides: list[str] = (), device: str = "auto"
+) -> tuple[Config, nn.Module, Tokenizer, Path]:
+    """Rebuild a model from a checkpoint's own config (plus overrides) and load its weights."""
+    from aiayn.dist.env import pick_device
+
+    ckpt = resolve_checkpoint(checkpoint)
+    raw = read_manifest(ckpt, verify=False)["config"]
+    for item in overrides:
+        apply_override(raw, item)
+    cfg = config_from_dict(raw, source=f"{ckpt}/manifest.json")
+    tok = Tokenizer(cfg.tokenizer_path)
+    model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
+    load_checkpoint(ckpt, model, expect_model=cfg.model, tokenizer=tok)
+    model.to(pick_device(device)).eval()
+    return cfg, model, tok, ckpt
+
+
+def evaluate(checkpoint: str | Path, split: str = "test", overrides: list[str] = ()) -> dict:
+    """Score a checkpoint on a data split: BLEU (seq2seq), perplexity (lm), accuracy."""
+    cfg, model, tok, ckpt = load_for_inference(checkpoint, overrides, "auto")
+    device = next(model.parameters()).device
+    spec = getattr(cfg.data, split, None)
+    if spec is None:
+        from aiayn.errors import ConfigError
+
+        raise ConfigError(f"data.{split} is not set in the run's config; pass data.{split}=...")
+    kind = cfg.model.kind
+    if kind == "seq2seq":
+        pairs = list(open_split(cfg.data, spec, kind))
+        srcs, refs = [p["src"] for p in pairs], [p["tgt"] for p in pairs]
+        hyps = translate(model, tok, srcs, cfg.decode, device)
+        result: dict[str, Any] = bleu_scores(hyps, refs, cfg.decode.bleu_tokenize)
+        result["samples"] = list(zip(srcs[:5], refs[:5], hyps[:5], strict=True))
+        out = Path(cfg.run_dir) / "eval" / f"{split}.{ckpt.name}.hyp"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("".join(h + "\n" for h in hyps))
+        result["hypotheses_file"] = str(out)
+    else:
+        loader = BatchLoader(cfg.data, spec, tok, kind=kind, max_tokens=cfg.train.max_tokens,
+                             seed=cfg.train.seed, train=False)  # fmt: skip
+        result = validation_metrics(model, list(loader), kind, tok.pad_id, device)
+    result["checkpoint"] = str(ckpt)
+    result["split"] = split
+    return result

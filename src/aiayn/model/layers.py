@@ -1,0 +1,96 @@
+"""Encoder and decoder layers (§3.1): attention and feed-forward sublayers with residuals."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from aiayn.model.attention import CrossAttention, KVCache, SelfAttention
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied to each position alike (§3.3)."""
+
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.w_1 = nn.Linear(d_model, d_ff)
+        self.w_2 = nn.Linear(d_ff, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_2(torch.relu(self.w_1(x)))  # (B, T, d_ff) -> (B, T, D)
+
+
+class Residual(nn.Module):
+    """A sublayer with its residual connection, dropout (§5.4) and layer norm.
+
+    post (the paper, §3.1): LayerNorm(x + Dropout(Sublayer(x)))
+    pre:                    x + Dropout(Sublayer(LayerNorm(x))); the stack ends in a LayerNorm.
+    """
+
+    def __init__(self, d_model: int, dropout: float, norm: str):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.pre = norm == "pre"
+
+    def forward(self, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]):
+        if self.pre:
+            return x + self.dropout(sublayer(self.norm(x)))
+        return self.norm(x + self.dropout(sublayer(x)))
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention over the whole source, then the FFN (§3.1)."""
+
+    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, att_drop: float, norm: str):
+        super().__init__()
+        self.self_attn = SelfAttention(d_model, h, att_drop)
+        self.ffn = FeedForward(d_model, d_ff)
+        self.res_attn = Residual(d_model, dropout, norm)
+        self.res_ffn = Residual(d_model, dropout, norm)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        x = self.res_attn(x, lambda y: self.self_attn(y, mask=mask))  # (B, S, D)
+        return self.res_ffn(x, self.ffn)  # (B, S, D)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, attention over the encoder output, then the FFN (§3.1).
+
+    With cross=False (the decoder-only LM) the middle sublayer is left out.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        h: int,
+        dropout: float,
+        att_drop: float,
+        norm: str,
+        cross: bool = True,
+    ):
+        super().__init__()
+        self.self_attn = SelfAttention(d_model, h, att_drop)
+        self.res_self = Residual(d_model, dropout, norm)
+        self.cross_attn = CrossAttention(d_model, h, att_drop) if cross else None
+        self.res_cross = Residual(d_model, dropout, norm) if cross else None
+        self.ffn = FeedForward(d_model, d_ff)
+        self.res_ffn = Residual(d_model, dropout, norm)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        self_mask: torch.Tensor | None,
+        is_causal: bool,
+        memory: torch.Tensor | None = None,
+        src_mask: torch.Tensor | None = None,
+        self_cache: KVCache | None = None,
+        cross_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        x = self.res_self(x, lambda y: self.self_attn(y, self_mask, is_causal, self_cache))
+        if self.cross_attn is not None:
+            x = self.res_cross(x, lambda y: self.cross_attn(y, memory, src_mask, cross_cache))
+        return self.res_ffn(x, self.ffn)  # (B, T, D)

@@ -1,0 +1,231 @@
+"""Training: builds the pieces in order and runs the loop. Imports the others; imported by none
+but the CLI.
+
+text -> tokenizer -> BatchLoader -> model -> loss -> engine (backward, clip, optimizer, schedule)
+-> checkpoint manager and metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aiayn.checkpoint import CheckpointManager, load_checkpoint
+from aiayn.config import Config
+from aiayn.data import BatchLoader, sample_sentences
+from aiayn.dist.engine import LocalEngine
+from aiayn.dist.env import DistEnv, setup
+from aiayn.errors import CheckpointError, TrainingError
+from aiayn.evaluate import validation_metrics
+from aiayn.loss import batch_loss
+from aiayn.metrics import Metrics, setup_logging
+from aiayn.model import build_model, count_parameters
+from aiayn.seeding import load_rng_state, rng_state, seed_everything
+from aiayn.tokenizer import Tokenizer, train_tokenizer
+
+log = logging.getLogger("aiayn")
+
+
+def prepare_tokenizer(cfg: Config, retrain: bool = False) -> Tokenizer:
+    """Load the run's tokenizer, training it first from the training stream if it is missing."""
+    path = cfg.tokenizer_path
+    if path.is_file() and not retrain:
+        return Tokenizer(path)
+    n = cfg.tokenizer.sample_sentences
+    log.info("training a %s tokenizer (vocab %d) on up to %d sentences of %s -> %s",
+             cfg.tokenizer.type, cfg.tokenizer.vocab_size, n, cfg.data.train, path)  # fmt: skip
+    sentences = sample_sentences(cfg.data, cfg.model.kind, n, cfg.tokenizer.seed)
+    return train_tokenizer(cfg.tokenizer, sentences, path)
+
+
+@dataclass
+class Progress:
+    """Counters that survive a restart."""
+
+    step: int = 0
+    tokens: int = 0
+    wall_seconds: float = 0.0
+
+
+@dataclass
+class Window:
+    """Training statistics accumulated on the device between two log lines (no host sync)."""
+
+    loss: torch.Tensor | float = 0.0
+    correct: torch.Tensor | float = 0.0
+    tokens: int = 0
+    steps: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def add(self, loss: torch.Tensor, correct: torch.Tensor, tokens: int) -> None:
+        self.loss = self.loss + loss.detach().float()
+        self.correct = self.correct + correct
+        self.tokens += tokens
+
+
+def train(cfg: Config) -> dict[str, float]:
+    """Train until train.max_steps (or train.max_epochs); return the last validation metrics."""
+    env = setup(cfg.train.device)
+    run_dir = Path(cfg.run_dir)
+    setup_logging(run_dir, env.rank)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    ckpts = CheckpointManager(
+        run_dir, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last, env.is_main
+    )
+    resume_from = _resume_point(cfg, ckpts)
+    tok = prepare_tokenizer(cfg)
+    seed_everything(cfg.train.seed)
+    model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
+    engine = LocalEngine(model, cfg, env.device)
+    loader = BatchLoader(cfg.data, cfg.data.train, tok, kind=cfg.model.kind,
+                         max_tokens=cfg.train.max_tokens, seed=cfg.train.seed, train=True,
+                         rank=env.rank, world_size=env.world_size)  # fmt: skip
+    progress = Progress()
+    if resume_from is not None:
+        progress = _restore(resume_from, cfg, tok, engine, loader)
+    cfg.save(run_dir / "config.yaml")
+    metrics = Metrics(run_dir, env.is_main, cfg.logging.tensorboard)
+    log.info("model %s: %s parameters | vocab %d | %d tokens x %d micro-batches per step | "
+             "device %s | %s", cfg.model.kind, f"{count_parameters(model):,}", tok.vocab_size,
+             cfg.train.max_tokens, cfg.train.grad_accum, env.device,
+             f"resumed from step {progress.step}" if progress.step else "new run")  # fmt: skip
+    try:
+        return _loop(cfg, env, tok, engine, loader, ckpts, metrics, progress)
+    finally:
+        metrics.close()
+
+
+def _resume_point(cfg: Config, ckpts: CheckpointManager) -> Path | None:
+    existing = ckpts.checkpoints()
+    if cfg.checkpoint.resume == "never":
+        if existing:
+            raise CheckpointError(
+                f"{cfg.run_dir} already holds checkpoints ({existing[-1].name}) and "
+                "checkpoint.resume=never: choose a new run_dir, or delete the old run first"
+            )
+        return None
+    latest = ckpts.latest()
+    if existing and latest is None:
+        raise CheckpointError(
+            f"{ckpts.root} holds checkpoints but none is valid; move them away to start over"
+        )
+    return latest
+
+
+def _restore(ckpt: Path, cfg: Config, tok: Tokenizer, engine, loader) -> Progress:
+    trainer_state, _ = load_checkpoint(ckpt, engine.module, expect_model=cfg.model, tokenizer=tok)
+    engine.load_state_dict(trainer_state["engine"])
+    loader.load_state_dict(trainer_state["data"])
+    load_rng_state(trainer_state["rng"])
+    log.info("resuming from %s", ckpt)
+    return Progress(**trainer_state["progress"])
+
+
+def _save(cfg, ckpts, step, tok, engine, loader, progress) -> None:
+    state = {
+        "engine": engine.state_dict(),
+        "data": loader.state_dict(),
+        "rng": rng_state(),
+        "progress": vars(progress).copy(),
+    }
+    meta = {"config": cfg.to_dict(), "tokenizer": tok.contract()}
+    ckpts.save(step, engine.module, state, meta)
+
+
+def _loop(cfg, env: DistEnv, tok, engine, loader, ckpts, metrics, progress) -> dict[str, float]:
+    kind, smoothing, pad = cfg.model.kind, cfg.train.label_smoothing, tok.pad_id
+    valid = _validation_batches(cfg, tok, env) if cfg.data.valid else None
+    batches, window, last_eval = iter(loader), Window(), {}
+    saved_step = progress.step
+    while progress.step < cfg.train.max_steps:
+        micro = [next(batches) for _ in range(cfg.train.grad_accum)]
+        if cfg.train.max_epochs is not None and loader.epoch >= cfg.train.max_epochs:
+            break
+        n_tokens = sum(b.n_tokens for b in micro)
+        engine.train()
+        for batch in micro:
+            batch = batch.to(env.device)
+            with engine.autocast():
+                loss, correct = batch_loss(engine.model, batch, kind, smoothing, pad)
+            # Dividing by the step's tokens, not the micro-batch's, makes accumulation exact.
+            engine.backward(loss / max(n_tokens, 1))
+            window.add(loss, correct, batch.n_tokens)
+        grad_norm = engine.step()
+        progress.step += 1
+        progress.tokens += n_tokens
+        step, last = progress.step, progress.step == cfg.train.max_steps
+        if step % cfg.logging.every_steps == 0 or last:
+            window = _log_window(metrics, step, window, grad_norm, engine.lr, progress)
+        if valid and ((cfg.train.eval_every and step % cfg.train.eval_every == 0) or last):
+            last_eval = _validate(cfg, engine, valid, metrics, step, pad)
+        if ckpts.due(step) or last:
+            _check_finite(window, step, ckpts)
+            _save(cfg, ckpts, step, tok, engine, loader, progress)
+            saved_step = step
+    if progress.step != saved_step:  # stopped early by max_epochs
+        _check_finite(window, progress.step, ckpts)
+        _save(cfg, ckpts, progress.step, tok, engine, loader, progress)
+    return last_eval
+
+
+def _log_window(metrics, step, window: Window, grad_norm, lr, progress) -> Window:
+    """One host sync per log line: the whole window's sums come off the device together."""
+    loss_sum = float(window.loss)
+    if not math.isfinite(loss_sum):
+        raise TrainingError(
+            f"the training loss became {loss_sum} before step {step}. No checkpoint holds these "
+            "weights. Lower the learning rate (schedule.factor), set train.clip_norm (e.g. 1.0), "
+            "or use train.precision=fp32, then re-run: it resumes from the last good checkpoint."
+        )
+    elapsed = time.perf_counter() - window.started
+    progress.wall_seconds += elapsed
+    tokens = max(window.tokens, 1)
+    loss = loss_sum / tokens
+    metrics.log("train", step, {
+        "loss": loss,
+        "ppl": math.exp(min(loss, 50.0)),
+        "accuracy": float(window.correct) / tokens,
+        "lr": lr,
+        "grad_norm": float(grad_norm),
+        "tokens_per_s": window.tokens / max(elapsed, 1e-9),
+        "tokens": progress.tokens,
+    })  # fmt: skip
+    return Window()
+
+
+def _check_finite(window: Window, step: int, ckpts: CheckpointManager) -> None:
+    """Never write a checkpoint from weights a non-finite loss has touched."""
+    if not math.isfinite(float(window.loss)):
+        latest = ckpts.latest()
+        raise TrainingError(
+            f"non-finite training loss before step {step}; not saving. The last good checkpoint "
+            f"is {latest or 'none'}. Lower schedule.factor or set train.clip_norm, then re-run."
+        )
+
+
+def _validation_batches(cfg: Config, tok: Tokenizer, env: DistEnv) -> list[Any]:
+    loader = BatchLoader(cfg.data, cfg.data.valid, tok, kind=cfg.model.kind,
+                         max_tokens=cfg.train.max_tokens, seed=cfg.train.seed, train=False,
+                         rank=env.rank, world_size=env.world_size)  # fmt: skip
+    batches = []
+    for batch in loader:
+        if cfg.train.eval_batches is not None and len(batches) >= cfg.train.eval_batches:
+            break
+        batches.append(batch)
+    return batches
+
+
+def _validate(cfg, engine, batches, metrics, step, pad_id) -> dict[str, float]:
+    with engine.autocast():
+        result = validation_metrics(
+            engine.model, batches, cfg.model.kind, pad_id, device=engine.device
+        )
+    metrics.log("valid", step, result)
+    return result
