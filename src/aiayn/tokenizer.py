@@ -1,0 +1,184 @@
+"""SentencePiece tokenizer: train, load, encode, decode, and the contract a run records.
+
+One joint source+target vocabulary (§3.4 shares it between the languages, which lets the model
+tie its embeddings). The special ids are fixed so that every model and every data path agrees
+on them without reading the tokenizer: pad 0, unk 1, bos 2, eos 3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import sentencepiece as spm
+
+from aiayn.config import TokenizerConfig
+from aiayn.errors import TokenizerError
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+# SentencePiece stores num_threads inside the model file, so a thread count that followed the
+# machine would give different bytes on different machines. A constant keeps the file (and its
+# sha256, which checkpoints record) the same everywhere.
+_TRAIN_THREADS = 4
+
+
+class Tokenizer:
+    """A loaded SentencePiece model with aiayn's fixed special ids."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise TokenizerError(
+                f"tokenizer model not found: {self.path}. Train one with "
+                "`aiayn tokenizer train --config FILE`, or set tokenizer.path to an existing "
+                ".model file"
+            )
+        data = self.path.read_bytes()
+        self.sp = spm.SentencePieceProcessor()
+        try:
+            self.sp.LoadFromSerializedProto(data)
+        except (RuntimeError, OSError) as exc:
+            raise TokenizerError(
+                f"{self.path} is not a SentencePiece model ({exc}); retrain it with "
+                "`aiayn tokenizer train --config FILE`"
+            ) from None
+        self.sha256 = hashlib.sha256(data).hexdigest()
+        self.vocab_size = self.sp.vocab_size()
+        self.pad_id, self.unk_id = self.sp.pad_id(), self.sp.unk_id()
+        self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
+        found = (self.pad_id, self.unk_id, self.bos_id, self.eos_id)
+        if found != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+            raise TokenizerError(
+                f"{self.path} has special ids pad/unk/bos/eos = {found}, but aiayn needs "
+                f"{(PAD_ID, UNK_ID, BOS_ID, EOS_ID)}; train the tokenizer with "
+                "`aiayn tokenizer train --config FILE`"
+            )
+        self.type = _model_type(data)
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, without bos/eos (the data path adds what each side needs)."""
+        return self.sp.encode(list(texts), out_type=int)
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        """Text of each id sequence: cut at the first eos, pad and bos dropped."""
+        rows = []
+        for row in ids:
+            row = [int(i) for i in row]
+            if self.eos_id in row:
+                row = row[: row.index(self.eos_id)]
+            rows.append([i for i in row if i != self.pad_id and i != self.bos_id])
+        return self.sp.decode(rows)
+
+    def contract(self) -> dict:
+        """What a run records about its tokenizer, to refuse a different one at resume."""
+        return {
+            "sha256": self.sha256,
+            "vocab_size": self.vocab_size,
+            "pad_id": self.pad_id,
+            "unk_id": self.unk_id,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "type": self.type,
+        }
+
+
+def _model_type(data: bytes) -> str:
+    from sentencepiece import sentencepiece_model_pb2 as pb  # protobuf comes with tensorboard
+
+    proto = pb.ModelProto()
+    proto.ParseFromString(data)
+    return pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()
+
+
+def check_contract(recorded: dict, tok: Tokenizer, where: str) -> None:
+    """Raise TokenizerError listing every field where `tok` differs from what `where` recorded."""
+    found = tok.contract()
+    diffs = [
+        f"  - {key}: recorded {recorded[key]!r}, found {found.get(key)!r}"
+        for key in recorded
+        if recorded[key] != found.get(key)
+    ]
+    if diffs:
+        lines = "\n".join(diffs)
+        raise TokenizerError(
+            f"tokenizer {tok.path} is not the one {where} was trained with:\n{lines}\n"
+            "Token ids would mean different words. Use the tokenizer the run was trained with "
+            "(set tokenizer.path to it), or start a new run_dir."
+        )
+
+
+def train_tokenizer(cfg: TokenizerConfig, sentences: Iterable[str], out_path: Path) -> Tokenizer:
+    """Train a SentencePiece model on `sentences` and write out_path (.model, .vocab, .json).
+
+    The same sentences in the same order give the same bytes. Files appear atomically: a
+    crash leaves either the old files or the new ones, never a half-written model.
+    """
+    out_path = Path(out_path)
+    sents = [s for s in sentences if s and not s.isspace()]
+    if not sents:
+        raise TokenizerError(
+            "no sentences to train the tokenizer on: the training split is empty; check data.train"
+        )
+    model = io.BytesIO()  # in memory: no temp path ends up inside the model file
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sents),
+            model_writer=model,
+            model_type=cfg.type,
+            vocab_size=cfg.vocab_size,
+            character_coverage=cfg.character_coverage,
+            user_defined_symbols=list(cfg.user_symbols),
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            input_sentence_size=0,  # the caller already sampled; use every sentence given
+            num_threads=_TRAIN_THREADS,
+            minloglevel=2,
+        )
+    except RuntimeError as exc:
+        raise _training_error(cfg, len(sents), str(exc)) from None
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".spm-", dir=out_path.parent))
+    try:
+        (tmp / "spm.model").write_bytes(model.getvalue())
+        tok = Tokenizer(tmp / "spm.model")
+        vocab = "".join(
+            f"{tok.sp.id_to_piece(i)}\t{tok.sp.get_score(i):g}\n" for i in range(tok.vocab_size)
+        )
+        (tmp / "spm.vocab").write_text(vocab, encoding="utf-8")
+        contract = {**tok.contract(), "sentences": len(sents)}
+        (tmp / "spm.json").write_text(json.dumps(contract, indent=2) + "\n")
+        # The .model goes last: its presence means its companions are complete.
+        os.replace(tmp / "spm.vocab", out_path.with_suffix(".vocab"))
+        os.replace(tmp / "spm.json", out_path.with_suffix(".json"))
+        os.replace(tmp / "spm.model", out_path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Tokenizer(out_path)
+
+
+def _training_error(cfg: TokenizerConfig, n: int, message: str) -> TokenizerError:
+    too_high = re.search(r"Vocabulary size too high .*<= (\d+)", message)
+    if too_high:
+        return TokenizerError(
+            f"tokenizer.vocab_size {cfg.vocab_size} is too large for the {n} training sentences: "
+            f"SentencePiece can make at most {too_high.group(1)} pieces from them. Set "
+            f"tokenizer.vocab_size <= {too_high.group(1)}, or train on more text "
+            "(tokenizer.sample_sentences)"
+        )
+    if "smaller than required_chars" in message:
+        return TokenizerError(
+            f"tokenizer.vocab_size {cfg.vocab_size} is too small to hold every character of the "
+            f"corpus ({message.rsplit(']', 1)[-1].strip()}); raise tokenizer.vocab_size or lower "
+            "tokenizer.character_coverage"
+        )
+    return TokenizerError(f"SentencePiece training failed: {message}; check the tokenizer section")

@@ -1,0 +1,90 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from aiayn.config import MODEL_PRESETS, Config, config_from_dict, load_config
+from aiayn.errors import ConfigError
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+
+
+def write(tmp_path, data) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_unknown_key_is_an_error_that_suggests_the_nearest_key(tmp_path):
+    path = write(tmp_path, {"data": {"train": "x"}, "model": {"dropuot": 0.3}})
+    with pytest.raises(ConfigError, match=r"unknown key model\.dropuot; did you mean model\.dropout"):
+        load_config(path)
+
+
+def test_unknown_section_suggests_the_section():
+    with pytest.raises(ConfigError, match="unknown key trian; did you mean train"):
+        config_from_dict({"trian": {"max_steps": 3}, "data": {"train": "x"}})
+
+
+def test_all_problems_are_reported_together():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(
+            {"data": {"train": "x"}, "train": {"max_steps": "many", "max_tokens": 1.5},
+             "model": {"norm": "middle"}}  # fmt: skip
+        )
+    text = str(err.value)
+    assert "train.max_steps must be an integer, got 'many'" in text
+    assert "train.max_tokens must be an integer" in text
+    assert "model.norm must be one of post, pre" in text
+
+
+def test_values_are_range_checked():
+    with pytest.raises(ConfigError, match=r"model.d_model \(100\) must be divisible by model.h \(8\)"):
+        config_from_dict({"data": {"train": "x"}, "model": {"d_model": 100}})
+    with pytest.raises(ConfigError, match="data.train is required"):
+        config_from_dict({})
+
+
+def test_precedence_is_command_line_over_yaml_over_preset_over_defaults(tmp_path):
+    path = write(
+        tmp_path,
+        {"data": {"train": "x"}, "model": {"preset": "transformer_big", "d_ff": 3000},
+         "train": {"max_steps": 50, "seed": 7}},  # fmt: skip
+    )
+    cfg = load_config(path, ["train.max_steps=200", "model.h=8"])
+    assert cfg.train.max_steps == 200  # command line over YAML
+    assert cfg.train.seed == 7  # YAML over default
+    assert cfg.model.d_ff == 3000  # YAML over preset
+    assert cfg.model.h == 8  # command line over preset
+    assert cfg.model.d_model == 1024 and cfg.model.dropout == 0.3  # preset over default
+    assert cfg.train.grad_accum == 1  # default
+
+
+def test_presets_are_table_3():
+    assert MODEL_PRESETS["transformer_base"] == dict(N=6, d_model=512, d_ff=2048, h=8, dropout=0.1)
+    assert MODEL_PRESETS["transformer_big"] == dict(N=6, d_model=1024, d_ff=4096, h=16, dropout=0.3)
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = load_config(None, ["data.train=x", "model.preset=small", "optim.betas=[0.9, 0.99]"])
+    cfg.save(tmp_path / "resolved.yaml")
+    again = load_config(tmp_path / "resolved.yaml")
+    assert again == cfg
+    assert again.optim.betas == [0.9, 0.99]
+
+
+def test_missing_and_malformed_files_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        load_config(None, ["train.max_steps"])
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
