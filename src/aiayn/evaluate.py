@@ -49,8 +49,8 @@ def translate(
     model: nn.Module, tok: Tokenizer, lines: list[str], cfg: DecodeConfig, device: torch.device
 ) -> list[str]:
     """Translate `lines` in length-sorted batches; hypotheses come back in input order."""
-    max_src = getattr(model, "max_len", None)
-    encoded = [ids[: max_src - 1] if max_src else ids for ids in tok.encode(lines)]
+    max_src = model.cfg.max_len - 1  # room for eos
+    encoded = [ids[:max_src] for ids in tok.encode(lines)]
     order = sorted(range(len(lines)), key=lambda i: len(encoded[i]))
     out: list[str] = [""] * len(lines)
     for start in range(0, len(order), cfg.batch_size):

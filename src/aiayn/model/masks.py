@@ -15,7 +15,7 @@ def padding_mask(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
 
 
 def causal_mask(T: int, S: int | None = None, device: torch.device | None = None) -> torch.Tensor:
-    """(T, S): the T queries are the last T of S positions; each sees keys up to its own (§3.2.3)."""
+    """(T, S): T queries, the last T of S positions, each see keys up to their own (§3.2.3)."""
     S = T if S is None else S
     return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
 

@@ -1,0 +1,208 @@
+"""Greedy search, beam search (§6.1) and LM sampling, with cached keys and values.
+
+Each new token costs one decoder step: the decoder is fed only the newest token, and the keys
+and values of earlier positions (and of the encoder output) come from a DecoderState.
+Returned ids exclude bos and eos.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from aiayn.model import DecoderOnlyLM, DecoderState, Seq2SeqTransformer
+
+
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) and no autograd while decoding; the caller's mode comes back."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def length_penalty(length: int | torch.Tensor, alpha: float):
+    """GNMT's lp(Y) = ((5 + |Y|) / 6)^alpha (§6.1); |Y| counts the eos token."""
+    return ((5 + length) / 6) ** alpha
+
+
+def _max_lengths(model: Seq2SeqTransformer, src: torch.Tensor, pad_id: int, max_len_b: int):
+    """(B,) most output tokens per sentence: its source length + max_len_b (§6.1), capped so
+    that bos + outputs fit the model's positions."""
+    src_len = (src != pad_id).sum(dim=1)
+    return (src_len + max_len_b).clamp(max=model.cfg.max_len - 1)
+
+
+def greedy_search(
+    model: Seq2SeqTransformer,
+    src: torch.Tensor,
+    *,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int,
+    max_len_b: int = 50,
+) -> list[list[int]]:
+    """The most probable next token at every step, for each sentence of src (B, S)."""
+    with _eval_mode(model):
+        memory, src_mask = model.encode(src)  # (B, S, D), (B, 1, 1, S)
+        limits = _max_lengths(model, src, pad_id, max_len_b)  # (B,)
+        state = DecoderState()
+        last = src.new_full((src.size(0), 1), bos_id)  # (B, 1)
+        done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)
+        steps = []
+        for step in range(int(limits.max())):
+            logits = model.decode(last, memory, src_mask, state)  # (B, 1, V)
+            last = logits[:, -1].argmax(dim=-1, keepdim=True)  # (B, 1)
+            steps.append(last)
+            done |= (last[:, 0] == eos_id) | (step + 1 >= limits)
+            if bool(done.all()):
+                break
+        out = torch.cat(steps, dim=1).tolist()  # (B, steps): rows run on past their end
+    return [_cut(row[:limit], eos_id) for row, limit in zip(out, limits.tolist(), strict=True)]
+
+
+def _cut(ids: list[int], eos_id: int) -> list[int]:
+    return ids[: ids.index(eos_id)] if eos_id in ids else ids
+
+
+def beam_search(
+    model: Seq2SeqTransformer,
+    src: torch.Tensor,
+    *,
+    beam: int = 4,
+    alpha: float = 0.6,
+    max_len_b: int = 50,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int,
+) -> list[list[int]]:
+    """Beam search over B sentences at once (B * beam decoder rows), §6.1.
+
+    Hypotheses are ranked by log P(Y | X) / lp(Y). A hypothesis that ends in eos is finished;
+    a sentence stops once `beam` hypotheses are finished (fairseq's rule: with beam=1 this is
+    exactly greedy search), or at its length limit, where eos is forced. Its output is the best
+    finished hypothesis.
+    """
+    B, K = src.size(0), beam
+    with _eval_mode(model):
+        memory, src_mask = model.encode(src)  # (B, S, D), (B, 1, 1, S)
+        memory = memory.repeat_interleave(K, dim=0)  # (B*K, S, D): row b*K + k is beam k of b
+        src_mask = src_mask.repeat_interleave(K, dim=0)  # (B*K, 1, 1, S)
+        limits = _max_lengths(model, src, pad_id, max_len_b)  # (B,)
+        state = DecoderState()
+        last = src.new_full((B * K, 1), bos_id)  # (B*K, 1)
+        history = src.new_zeros((B * K, 0))  # (B*K, t): tokens of each live hypothesis
+        scores = torch.full((B, K), float("-inf"), device=src.device)  # (B, K) log P so far
+        scores[:, 0] = 0.0  # one live hypothesis to start, not K copies of it
+        finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
+        done = torch.zeros(B, dtype=torch.bool, device=src.device)
+        for step in range(int(limits.max()) + 1):
+            logits = model.decode(last, memory, src_mask, state)[:, -1]  # (B*K, V)
+            logp = torch.log_softmax(logits.float(), dim=-1)  # (B*K, V)
+            at_limit = (step >= limits).repeat_interleave(K)  # (B*K,)
+            logp[at_limit] = _only_eos(logp[at_limit], eos_id)
+            V = logp.size(-1)
+            cand = (scores.view(-1, 1) + logp).view(B, K * V)  # (B, K*V)
+            # 2K candidates: even if K of them end in eos, K live ones remain.
+            vals, idx = cand.topk(2 * K, dim=1)  # (B, 2K)
+            origin, tok = idx // V, idx % V  # (B, 2K): beam extended, token appended
+            _finish(finished, done, vals, origin, tok, history, step, alpha, eos_id)
+            done |= step >= limits
+            if bool(done.all()):
+                break
+            # The K best candidates that do not end in eos live on (stable order by score).
+            rank = torch.arange(2 * K, device=src.device).expand(B, -1)
+            order = torch.where(tok == eos_id, rank + 2 * K, rank).argsort(dim=1)[:, :K]
+            scores = vals.gather(1, order)  # (B, K)
+            rows = origin.gather(1, order) + K * torch.arange(B, device=src.device)[:, None]
+            rows = rows.view(-1)  # (B*K,) parent row of each new hypothesis
+            last = tok.gather(1, order).view(-1, 1)  # (B*K, 1)
+            history = torch.cat([history[rows], last], dim=1)  # (B*K, t + 1)
+            state.reorder(rows)
+    return [max(hyps)[1] for hyps in finished]
+
+
+def _only_eos(logp: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """At the length limit a hypothesis can only end: every token but eos is impossible."""
+    forced = torch.full_like(logp, float("-inf"))
+    forced[:, eos_id] = logp[:, eos_id]
+    return forced
+
+
+def _finish(finished, done, vals, origin, tok, history, step, alpha, eos_id) -> None:
+    """Record the hypotheses ending in eos among the top K candidates of unfinished sentences."""
+    K = vals.size(1) // 2
+    ends = (tok[:, :K] == eos_id) & torch.isfinite(vals[:, :K]) & ~done[:, None]  # (B, K)
+    if not bool(ends.any()):
+        return
+    lp = length_penalty(step + 1, alpha)  # step + 1 tokens, eos included
+    for b, j in ends.nonzero().tolist():
+        if len(finished[b]) < K:
+            ids = history[b * K + int(origin[b, j])].tolist()
+            finished[b].append((float(vals[b, j]) / lp, ids))
+        if len(finished[b]) == K:
+            done[b] = True
+
+
+def generate(
+    model: DecoderOnlyLM,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    eos_id: int,
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """Sample up to max_new_tokens after each prompt; returns the new tokens, without eos.
+
+    temperature 0 takes the argmax. Prompts of different lengths are batched without padding:
+    all are fed up to the shortest prompt's length, then each row is fed its own prompt tokens
+    while the others sample (the forced-prefix trick), one cached step per position.
+    """
+    if not prompts or min(map(len, prompts)) < 1:
+        raise ValueError("generate needs at least one prompt, each of at least one token")
+    device = next(model.parameters()).device
+    lens = torch.tensor([len(p) for p in prompts], device=device)  # (B,)
+    total = int(lens.max()) + max_new_tokens
+    tokens = torch.zeros(len(prompts), total, dtype=torch.long, device=device)  # (B, total)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p)
+    pos = int(lens.min())
+    with _eval_mode(model):
+        state = DecoderState()
+        logits = model(tokens[:, :pos], state=state)  # (B, pos, V)
+        done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+        while pos < total:
+            nxt = _sample(logits[:, -1], temperature, top_k, generator)  # (B,)
+            in_prompt = pos < lens  # (B,)
+            tokens[:, pos] = torch.where(in_prompt, tokens[:, pos], nxt)
+            done |= (~in_prompt & (nxt == eos_id)) | (pos + 1 >= lens + max_new_tokens)
+            pos += 1
+            if bool(done.all()):
+                break
+            logits = model(tokens[:, pos - 1 : pos], state=state)  # (B, 1, V)
+    rows = tokens.tolist()
+    return [
+        _cut(row[n:pos][:max_new_tokens], eos_id)
+        for row, n in zip(rows, lens.tolist(), strict=True)
+    ]
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:
+    """(B, V) logits -> (B,) next tokens."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)

@@ -1,0 +1,227 @@
+"""The Transformer (§3) as three models: encoder-decoder, decoder-only LM, encoder classifier."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from aiayn.config import ModelConfig
+from aiayn.model.attention import CrossAttention, KVCache, SelfAttention
+from aiayn.model.layers import DecoderLayer, EncoderLayer
+from aiayn.model.masks import padding_mask, self_attention_mask
+from aiayn.model.positions import make_positions
+
+
+class Embeddings(nn.Module):
+    """Token embedding times sqrt(d_model) (§3.4), plus positions (§3.5), then dropout (§5.4)."""
+
+    def __init__(self, vocab_size: int, cfg: ModelConfig, token: nn.Embedding | None = None):
+        super().__init__()
+        self.token = token if token is not None else nn.Embedding(vocab_size, cfg.d_model)
+        self.positions = make_positions(cfg.positions, cfg.d_model, cfg.max_len)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.scale = math.sqrt(cfg.d_model)
+
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        x = self.token(tokens) * self.scale  # (B, T, D)
+        x = x + self.positions(tokens.size(1), start)  # (B, T, D) + (T, D)
+        return self.dropout(x)
+
+
+def _layer_args(cfg: ModelConfig) -> tuple:
+    return cfg.d_model, cfg.d_ff, cfg.h, cfg.dropout, cfg.attention_dropout, cfg.norm
+
+
+def _final_norm(cfg: ModelConfig) -> nn.Module:
+    # Pre-LN leaves the residual stream unnormalised, so the stack ends in a LayerNorm;
+    # post-LN layers already end in one.
+    return nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
+
+
+class Encoder(nn.Module):
+    """N identical layers of self-attention and FFN (§3.1)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(EncoderLayer(*_layer_args(cfg)) for _ in range(cfg.N))
+        self.norm = _final_norm(cfg)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, mask)  # (B, S, D)
+        return self.norm(x)
+
+
+class DecoderState:
+    """What incremental decoding carries from step to step: every layer's keys and values, and
+    how many target positions have been fed. Made empty; the decoder fills it on first use."""
+
+    def __init__(self):
+        self.self_attn: list[KVCache] = []
+        self.cross_attn: list[KVCache] = []
+        self.length = 0
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep batch rows `index` (B',), e.g. the hypotheses that survive a beam-search step."""
+        for cache in self.self_attn + self.cross_attn:
+            cache.reorder(index)
+
+
+class Decoder(nn.Module):
+    """decoder_layers (default N) layers of masked self-attention, cross-attention and FFN."""
+
+    def __init__(self, cfg: ModelConfig, cross: bool = True):
+        super().__init__()
+        n = cfg.decoder_layers or cfg.N
+        self.layers = nn.ModuleList(DecoderLayer(*_layer_args(cfg), cross=cross) for _ in range(n))
+        self.norm = _final_norm(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        self_mask: torch.Tensor | None,
+        is_causal: bool,
+        memory: torch.Tensor | None = None,
+        src_mask: torch.Tensor | None = None,
+        state: DecoderState | None = None,
+    ) -> torch.Tensor:
+        if state is not None and not state.self_attn:
+            state.self_attn = [KVCache() for _ in self.layers]
+            state.cross_attn = [KVCache() for _ in self.layers]
+        for i, layer in enumerate(self.layers):
+            caches = (
+                (state.self_attn[i], state.cross_attn[i]) if state is not None else (None, None)
+            )
+            x = layer(x, self_mask, is_causal, memory, src_mask, *caches)  # (B, T, D)
+        return self.norm(x)
+
+
+class Seq2SeqTransformer(nn.Module):
+    """Encoder-decoder for translation (§3, Figure 1)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, pad_id: int):
+        super().__init__()
+        self.cfg, self.pad_id = cfg, pad_id
+        self.src_embed = Embeddings(vocab_size, cfg)
+        # share_embeddings=all: one matrix for both languages and the output (§3.4).
+        shared = self.src_embed.token if cfg.share_embeddings == "all" else None
+        self.tgt_embed = Embeddings(vocab_size, cfg, token=shared)
+        self.encoder = Encoder(cfg)
+        self.decoder = Decoder(cfg, cross=True)
+        self.out = nn.Linear(cfg.d_model, vocab_size, bias=False)  # pre-softmax projection
+        if cfg.share_embeddings in ("all", "decoder"):
+            self.out.weight = self.tgt_embed.token.weight
+        init_parameters(self, cfg.d_model)
+
+    def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """src (B, S) -> memory (B, S, D) and src_mask (B, 1, 1, S), True at real tokens."""
+        src_mask = padding_mask(src, self.pad_id)
+        return self.encoder(self.src_embed(src), src_mask), src_mask
+
+    def decode(
+        self,
+        tgt: torch.Tensor,
+        memory: torch.Tensor,
+        src_mask: torch.Tensor,
+        state: DecoderState | None = None,
+    ) -> torch.Tensor:
+        """tgt (B, T) -> logits (B, T, V). With a state, tgt holds only the new positions, which
+        follow the state.length already fed; the state is updated in place."""
+        start = state.length if state is not None else 0
+        self_mask, is_causal = self_attention_mask(tgt, self.pad_id, start)
+        x = self.tgt_embed(tgt, start)  # (B, T, D)
+        x = self.decoder(x, self_mask, is_causal, memory, src_mask, state)  # (B, T, D)
+        if state is not None:
+            state.length += tgt.size(1)
+        return self.out(x)  # (B, T, V)
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """src (B, S), tgt_in (B, T) -> logits (B, T, V) predicting tgt_out."""
+        memory, src_mask = self.encode(src)
+        return self.decode(tgt_in, memory, src_mask)
+
+
+class DecoderOnlyLM(nn.Module):
+    """The decoder alone, without cross-attention: a causal language model."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, pad_id: int):
+        super().__init__()
+        self.cfg, self.pad_id = cfg, pad_id
+        self.embed = Embeddings(vocab_size, cfg)
+        self.decoder = Decoder(cfg, cross=False)
+        self.out = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        if cfg.share_embeddings != "none":  # an LM has no source side: all means decoder
+            self.out.weight = self.embed.token.weight
+        init_parameters(self, cfg.d_model)
+
+    def forward(self, tokens: torch.Tensor, state: DecoderState | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V). With a state, tokens are the new positions only."""
+        start = state.length if state is not None else 0
+        mask, is_causal = self_attention_mask(tokens, self.pad_id, start)
+        x = self.decoder(self.embed(tokens, start), mask, is_causal, state=state)  # (B, T, D)
+        if state is not None:
+            state.length += tokens.size(1)
+        return self.out(x)  # (B, T, V)
+
+
+class EncoderClassifier(nn.Module):
+    """The encoder, pooled over positions, then a small head: one label per sequence."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, pad_id: int):
+        super().__init__()
+        self.cfg, self.pad_id = cfg, pad_id
+        self.embed = Embeddings(vocab_size, cfg)
+        self.encoder = Encoder(cfg)
+        self.head = nn.Sequential(
+            nn.Linear(cfg.d_model, cfg.d_model),
+            nn.Tanh(),
+            nn.Dropout(cfg.dropout),
+            nn.Linear(cfg.d_model, cfg.num_classes),
+        )
+        init_parameters(self, cfg.d_model)
+
+    def forward(self, src: torch.Tensor) -> torch.Tensor:
+        """src (B, S) -> logits (B, num_classes)."""
+        mask = padding_mask(src, self.pad_id)  # (B, 1, 1, S)
+        x = self.encoder(self.embed(src), mask)  # (B, S, D)
+        if self.cfg.pooling == "first":
+            pooled = x[:, 0]  # (B, D)
+        else:
+            keep = (src != self.pad_id).unsqueeze(-1).to(x.dtype)  # (B, S, 1)
+            pooled = (x * keep).sum(1) / keep.sum(1).clamp(min=1)  # (B, D)
+        return self.head(pooled)  # (B, C)
+
+
+def init_parameters(model: nn.Module, d_model: int) -> None:
+    """Xavier-uniform Linear weights, zero biases, embeddings N(0, d_model^-0.5).
+
+    With the sqrt(d_model) scaling of §3.4 the embedded inputs then have unit scale. Embeddings
+    go last so that an output projection tied to them keeps the embedding init.
+    """
+    modules = list(model.modules())
+    for m in modules:
+        if isinstance(m, nn.Linear):
+            nn.init.xavier_uniform_(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+    for m in modules:
+        if isinstance(m, (SelfAttention, CrossAttention)):
+            m.reset_fused()
+    for m in modules:
+        if isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=d_model**-0.5)
+
+
+_MODELS = {"seq2seq": Seq2SeqTransformer, "lm": DecoderOnlyLM, "classifier": EncoderClassifier}
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, pad_id: int) -> nn.Module:
+    """The model of kind cfg.kind, initialised. Presets must already be applied to cfg."""
+    return _MODELS[cfg.kind](cfg, vocab_size, pad_id)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Unique parameters: a matrix tied in several places counts once."""
+    return sum(p.numel() for p in model.parameters())  # parameters() yields each tensor once

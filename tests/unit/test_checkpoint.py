@@ -1,0 +1,135 @@
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from aiayn.checkpoint import (
+    CheckpointManager,
+    load_checkpoint,
+    read_manifest,
+    resolve_checkpoint,
+)
+from aiayn.config import ModelConfig
+from aiayn.errors import CheckpointError, TokenizerError
+
+CONTRACT = {"sha256": "abc", "vocab_size": 50, "pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
+
+
+class Tied(nn.Module):
+    """Two names for one matrix, like a tied embedding and output projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.out = nn.Linear(8, 50, bias=False)
+        self.out.weight = self.emb.weight
+
+
+def fake_tokenizer(**changes):
+    contract = {**CONTRACT, **changes}
+    return SimpleNamespace(path="tok.model", contract=lambda: contract)
+
+
+def save(manager, step, model=None, cfg=None):
+    model = model or Tied()
+    meta = {"config": {"model": vars(cfg or ModelConfig())}, "tokenizer": CONTRACT}
+    state = {"progress": {"step": step}, "rng": torch.get_rng_state()}
+    return manager.save(step, model, state, meta)
+
+
+def test_save_then_load_round_trips_weights_and_state(tmp_path):
+    manager = CheckpointManager(tmp_path, every_steps=10, keep_last=3, is_writer=True)
+    model = Tied()
+    path = save(manager, 10, model)
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000010"
+    manifest = read_manifest(path)
+    assert set(manifest["files"]) == {"model.safetensors", "trainer.pt"}
+    fresh = Tied()
+    state, _ = load_checkpoint(path, fresh, expect_model=ModelConfig(), tokenizer=fake_tokenizer())
+    torch.testing.assert_close(fresh.emb.weight, model.emb.weight, rtol=0, atol=0)
+    assert fresh.out.weight is fresh.emb.weight  # tying survives
+    assert state["progress"]["step"] == 10
+
+
+def test_only_the_last_k_are_kept_and_latest_is_the_newest(tmp_path):
+    manager = CheckpointManager(tmp_path, every_steps=1, keep_last=2, is_writer=True)
+    for step in (1, 2, 3, 4):
+        save(manager, step)
+    assert [p.name for p in manager.checkpoints()] == ["step_00000003", "step_00000004"]
+    assert manager.latest().name == "step_00000004"
+    assert resolve_checkpoint(tmp_path).name == "step_00000004"
+    assert resolve_checkpoint(tmp_path / "checkpoints").name == "step_00000004"
+
+
+def test_a_corrupt_or_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
+    manager = CheckpointManager(tmp_path, every_steps=1, keep_last=5, is_writer=True)
+    save(manager, 1)
+    newest = save(manager, 2)
+    weights = newest / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # same size, one flipped bit
+    weights.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert manager.latest().name == "step_00000001"
+    assert "step_00000002" in caplog.text and "checksum" in caplog.text
+    (newest / "trainer.pt").write_bytes(b"")  # truncated
+    assert manager.latest().name == "step_00000001"
+
+
+def test_a_save_interrupted_before_its_manifest_is_never_loaded(tmp_path):
+    manager = CheckpointManager(tmp_path, every_steps=1, keep_last=5, is_writer=True)
+    save(manager, 1)
+    # What a kill during a save leaves: a temporary dir, and even a renamed dir without manifest.
+    (tmp_path / "checkpoints" / ".tmp-step_00000002-123").mkdir()
+    half = tmp_path / "checkpoints" / "step_00000002"
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"partial")
+    assert manager.latest().name == "step_00000001"
+    save(manager, 3)
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # cleaned up by the next save
+
+
+def test_a_checkpoint_from_another_model_names_the_mismatching_fields(tmp_path):
+    manager = CheckpointManager(tmp_path, every_steps=1, keep_last=5, is_writer=True)
+    path = save(manager, 1, cfg=ModelConfig(d_model=512, N=6))
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path, Tied(), expect_model=ModelConfig(d_model=256, N=3))
+    assert "model.d_model: checkpoint 512, config 256" in str(err.value)
+    assert "model.N: checkpoint 6, config 3" in str(err.value)
+
+
+def test_a_tokenizer_that_does_not_match_the_contract_is_refused(tmp_path):
+    manager = CheckpointManager(tmp_path, every_steps=1, keep_last=5, is_writer=True)
+    path = save(manager, 1)
+    with pytest.raises(TokenizerError, match="sha256: recorded 'abc', found 'zzz'"):
+        load_checkpoint(path, Tied(), tokenizer=fake_tokenizer(sha256="zzz"))
+
+
+def test_weights_of_another_shape_are_a_checkpoint_error(tmp_path):
+    manager = CheckpointManager(tmp_path, every_steps=1, keep_last=5, is_writer=True)
+    path = save(manager, 1)
+    other = nn.Linear(3, 3)
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        load_checkpoint(path, other)
+
+
+def test_missing_checkpoint_says_what_to_pass(tmp_path):
+    with pytest.raises(CheckpointError, match="no valid checkpoint at"):
+        resolve_checkpoint(tmp_path)
+
+
+def test_manifest_records_config_and_tokenizer_contract(tmp_path):
+    manager = CheckpointManager(tmp_path, every_steps=1, keep_last=5, is_writer=True)
+    path = save(manager, 7)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["step"] == 7 and manifest["tokenizer"] == CONTRACT
+    assert manifest["config"]["model"]["d_model"] == 512
+
+
+def test_non_writers_write_nothing(tmp_path):
+    manager = CheckpointManager(tmp_path, every_steps=1, keep_last=5, is_writer=False)
+    assert save(manager, 1) is None
+    assert not (tmp_path / "checkpoints").exists()

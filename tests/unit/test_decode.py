@@ -1,0 +1,201 @@
+"""Decoding: the cached path equals recomputation, beam search is sound, sampling is right."""
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aiayn.config import ModelConfig
+from aiayn.decode import beam_search, generate, greedy_search, length_penalty
+from aiayn.model import DecoderState, build_model
+
+V, PAD, BOS, EOS = 50, 0, 1, 2
+
+
+def tiny(kind="seq2seq", seed=0, **overrides):
+    cfg = dict(N=2, d_model=32, d_ff=64, h=4, dropout=0.1, max_len=64, kind=kind)
+    torch.manual_seed(seed)
+    return build_model(ModelConfig(**{**cfg, **overrides}), V, PAD)  # left in training mode
+
+
+def pad_rows(rows):
+    width = max(len(r) for r in rows)
+    return torch.stack([F.pad(r, (0, width - len(r)), value=PAD) for r in rows])
+
+
+def reversal_batch(g, n):
+    """src = x + eos, tgt_in = bos + reversed(x), tgt_out = reversed(x) + eos, right-padded."""
+    src, tgt_in, tgt_out = [], [], []
+    for _ in range(n):
+        x = torch.randint(3, V, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g)
+        y = x.flip(0)
+        src.append(torch.cat([x, torch.tensor([EOS])]))
+        tgt_in.append(torch.cat([torch.tensor([BOS]), y]))
+        tgt_out.append(torch.cat([y, torch.tensor([EOS])]))
+    return pad_rows(src), pad_rows(tgt_in), pad_rows(tgt_out)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    """A seq2seq half-trained to reverse its input: it emits eos, at different lengths, and is
+    unsure enough that beam search has something to find. Returned in training mode."""
+    model = tiny()
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(100):
+        src, tgt_in, tgt_out = reversal_batch(g, 32)
+        logits = model(src, tgt_in)
+        loss = F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=PAD)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model
+
+
+@pytest.fixture(scope="module")
+def src():
+    return reversal_batch(torch.Generator().manual_seed(5), 8)[0]
+
+
+@contextmanager
+def evaluated(model):
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train()
+
+
+def greedy_by_recomputation(model, src, max_len_b):
+    """Greedy search the slow way: the whole prefix is re-run through the model every step."""
+    out = []
+    with evaluated(model), torch.no_grad():
+        for row in src:
+            row = row[row != PAD][None]
+            prefix = [BOS]
+            for _ in range(row.size(1) + max_len_b):
+                nxt = int(model(row, torch.tensor([prefix]))[0, -1].argmax())
+                if nxt == EOS:
+                    break
+                prefix.append(nxt)
+            out.append(prefix[1:])
+    return out
+
+
+KW = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD, max_len_b=4)
+
+
+def test_cached_greedy_equals_greedy_by_recomputing_the_prefix(toy, src):
+    cached = greedy_search(toy, src, **KW)
+    assert cached == greedy_by_recomputation(toy, src, max_len_b=4)
+    src_lens = (src != PAD).sum(1).tolist()
+    assert any(len(c) < n for c, n in zip(cached, src_lens, strict=True))  # some stopped at eos
+
+
+def test_decoding_restores_the_training_mode(toy, src):
+    assert toy.training
+    greedy_search(toy, src, **KW)
+    beam_search(toy, src, **KW)
+    assert toy.training
+    with evaluated(toy):
+        beam_search(toy, src, **KW)
+        assert not toy.training
+
+
+def test_hypotheses_that_never_end_stop_at_source_length_plus_max_len_b(toy, src):
+    never = dict(KW, eos_id=BOS)  # the toy never predicts bos, so nothing ends by itself
+    limits = ((src != PAD).sum(1) + KW["max_len_b"]).tolist()
+    for search in (greedy_search, beam_search):
+        assert [len(h) for h in search(toy, src, **never)] == limits
+        # §6.1's limit is capped so that bos + the output fit the model's 64 positions
+        assert [len(h) for h in search(toy, src[:2], **dict(never, max_len_b=100))] == [63, 63]
+
+
+def test_reordered_decoder_state_equals_recomputing_the_reordered_prefixes(toy, src):
+    src = src[:3]
+    tgt = torch.randint(3, V, (3, 4))
+    with evaluated(toy), torch.no_grad():
+        memory, src_mask = toy.encode(src)
+        state = DecoderState()
+        toy.decode(tgt[:, :3], memory, src_mask, state)  # prefill three positions
+        index = torch.tensor([2, 2, 0])
+        state.reorder(index)
+        step = toy.decode(tgt[index, 3:], memory[index], src_mask[index], state)
+        full = toy(src[index], tgt[index])
+    torch.testing.assert_close(step[:, 0], full[:, 3], atol=1e-5, rtol=1e-5)
+
+
+def test_beam_of_one_equals_greedy(toy, src):
+    assert beam_search(toy, src, beam=1, **KW) == greedy_search(toy, src, **KW)
+
+
+def score(model, src_row, hyp, alpha):
+    """log P(hyp + eos | src) / lp, the quantity beam search maximises."""
+    src_row = src_row[src_row != PAD][None]
+    tgt_in, tgt_out = torch.tensor([[BOS] + hyp]), torch.tensor([hyp + [EOS]])
+    with evaluated(model), torch.no_grad():
+        logp = model(src_row, tgt_in).log_softmax(-1).gather(-1, tgt_out[..., None]).sum()
+    return logp.item() / length_penalty(len(hyp) + 1, alpha)
+
+
+def test_beam_search_finds_hypotheses_scoring_at_least_as_well_as_greedy(toy, src):
+    beams = beam_search(toy, src, beam=4, alpha=0.6, **KW)
+    greedy = greedy_search(toy, src, **KW)
+    beam_scores = [score(toy, s, h, 0.6) for s, h in zip(src, beams, strict=True)]
+    greedy_scores = [score(toy, s, h, 0.6) for s, h in zip(src, greedy, strict=True)]
+    assert all(b >= g - 1e-4 for b, g in zip(beam_scores, greedy_scores, strict=True))
+    assert any(b > g + 1e-3 for b, g in zip(beam_scores, greedy_scores, strict=True))
+
+
+def test_a_larger_alpha_favours_longer_hypotheses_that_score_better_under_it(toy, src):
+    plain = beam_search(toy, src, alpha=0.0, **KW)
+    favoured = beam_search(toy, src, alpha=2.0, **KW)
+    assert sum(map(len, favoured)) > sum(map(len, plain))
+    for s, f, p in zip(src, favoured, plain, strict=True):
+        assert score(toy, s, f, 2.0) >= score(toy, s, p, 2.0) - 1e-4
+        assert score(toy, s, p, 0.0) >= score(toy, s, f, 0.0) - 1e-4
+
+
+def test_decoding_a_batch_equals_decoding_each_sentence_alone(toy, src):
+    for search, extra in ((greedy_search, {}), (beam_search, {"beam": 3})):
+        batch = search(toy, src, **KW, **extra)
+        alone = [search(toy, row[row != PAD][None], **KW, **extra)[0] for row in src]
+        assert batch == alone
+
+
+def lm_argmax_by_recomputation(model, prompt, n):
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
+def test_generate_at_temperature_zero_equals_argmax_decoding():
+    model = tiny("lm")
+    prompts = [[5, 6, 7], [8, 9], [9, 10, 11, 12, 13]]  # different lengths, batched together
+    out = generate(model, prompts, max_new_tokens=6, temperature=0.0, eos_id=-1)
+    model.eval()
+    assert out == [lm_argmax_by_recomputation(model, p, 6) for p in prompts]
+
+
+def test_top_k_one_sampling_equals_greedy_and_eos_stops_a_row():
+    model = tiny("lm")
+    prompts = [[5, 6, 7], [8, 9]]
+    greedy = generate(model, prompts, max_new_tokens=6, temperature=0.0, eos_id=-1)
+    g = torch.Generator().manual_seed(0)
+    top1 = generate(model, prompts, max_new_tokens=6, top_k=1, eos_id=-1, generator=g)
+    assert top1 == greedy
+    eos = greedy[0][3]
+    stopped = generate(model, prompts, max_new_tokens=6, temperature=0.0, eos_id=eos)
+    assert stopped[0] == greedy[0][: greedy[0].index(eos)]
+
+
+def test_sampling_is_reproducible_with_a_generator_and_varies_without_one():
+    model = tiny("lm")
+    kw = dict(max_new_tokens=8, temperature=1.0, eos_id=-1)
+    a = generate(model, [[5, 6]] * 4, generator=torch.Generator().manual_seed(1), **kw)
+    b = generate(model, [[5, 6]] * 4, generator=torch.Generator().manual_seed(1), **kw)
+    assert a == b
+    assert len({tuple(x) for x in a}) > 1  # four rows of the same prompt sampled differently
