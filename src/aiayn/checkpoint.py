@@ -38,9 +38,18 @@ FORMAT_VERSION = 1
 MODEL_FILE, TRAINER_FILE, MANIFEST_FILE = "model.safetensors", "trainer.pt", "manifest.json"
 # Fields that decide tensor shapes or meaning: a checkpoint differing in any cannot be loaded.
 ARCHITECTURE_FIELDS = (
-    "kind", "N", "decoder_layers", "d_model", "d_ff", "h", "positions", "norm",
-    "share_embeddings", "num_classes", "pooling",
-)  # fmt: skip
+    "kind",
+    "N",
+    "decoder_layers",
+    "d_model",
+    "d_ff",
+    "h",
+    "positions",
+    "norm",
+    "share_embeddings",
+    "num_classes",
+    "pooling",
+)
 
 
 def step_dir_name(step: int) -> str:

@@ -19,9 +19,13 @@ def _add_config(p: argparse.ArgumentParser) -> None:
 
 
 def _add_checkpoint(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="run_dir (its latest checkpoint) or a step dir")
+    p.add_argument(
+        "--checkpoint", required=True, help="run_dir (its latest checkpoint) or a step dir"
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("overrides", nargs="*", help="overrides of the checkpoint's config, e.g. decode.beam=1")
+    p.add_argument(
+        "overrides", nargs="*", help="overrides of the checkpoint's config, e.g. decode.beam=1"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,8 +120,10 @@ def cmd_params(args) -> int:
     with torch.device("meta"):  # count without allocating: big is 213M parameters
         model = build_model(cfg.model, vocab, PAD_ID)
     n = count_parameters(model)
-    print(f"{cfg.model.kind} N={cfg.model.N} d_model={cfg.model.d_model} d_ff={cfg.model.d_ff} "
-          f"h={cfg.model.h} vocab={vocab} share_embeddings={cfg.model.share_embeddings}")  # fmt: skip
+    print(
+        f"{cfg.model.kind} N={cfg.model.N} d_model={cfg.model.d_model} d_ff={cfg.model.d_ff} "
+        f"h={cfg.model.h} vocab={vocab} share_embeddings={cfg.model.share_embeddings}"
+    )
     print(f"parameters: {n:,} ({n / 1e6:.1f}M)")
     return 0
 
@@ -167,8 +173,15 @@ def cmd_generate(args) -> int:
     prompts = args.prompt or [""]
     ids = [[tok.eos_id] + p for p in tok.encode(prompts)]  # eos separates documents in training
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(args.seed)
-    out = generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, eos_id=tok.eos_id, generator=gen)  # fmt: skip
+    out = generate(
+        model,
+        ids,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        eos_id=tok.eos_id,
+        generator=gen,
+    )
     for prompt, text in zip(prompts, tok.decode(out), strict=True):
         print(f"{prompt}{' ' if prompt else ''}{text}")
     return 0
@@ -177,8 +190,11 @@ def cmd_generate(args) -> int:
 def cmd_demo_data(args) -> int:
     from aiayn import demo_data
 
-    writer = {"numbers": demo_data.write_numbers, "lm": demo_data.write_lm,
-              "classify": demo_data.write_classify}[args.kind]  # fmt: skip
+    writer = {
+        "numbers": demo_data.write_numbers,
+        "lm": demo_data.write_lm,
+        "classify": demo_data.write_classify,
+    }[args.kind]
     writer(Path(args.out), seed=args.seed)
     print(f"{args.kind} corpus in {args.out}")
     return 0

@@ -31,7 +31,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 @dataclass
 class ModelConfig:
     kind: Literal["seq2seq", "lm", "classifier"] = "seq2seq"
-    """seq2seq: encoder-decoder (translation); lm: decoder only; classifier: encoder + pooled head."""
+    """seq2seq: encoder-decoder (translation); lm: decoder only; classifier: encoder + head."""
     preset: str | None = None
     """Name from MODEL_PRESETS; its values apply unless a key is set explicitly."""
     N: int = 6
@@ -262,7 +262,9 @@ class DistributedConfig:
         if not 0 <= self.zero_stage <= 3:
             errs.append(f"distributed.zero_stage must be 0..3, got {self.zero_stage}")
         if self.backend == "ddp" and (self.zero_stage or self.offload_optimizer):
-            errs.append("distributed.zero_stage/offload_optimizer need distributed.backend=deepspeed")
+            errs.append(
+                "distributed.zero_stage/offload_optimizer need distributed.backend=deepspeed"
+            )
         return errs
 
 

@@ -63,8 +63,14 @@ def translate(
         if cfg.beam == 1:
             hyps = greedy_search(model, src.to(device), max_len_b=cfg.max_len_b, **special)
         else:
-            hyps = beam_search(model, src.to(device), beam=cfg.beam, alpha=cfg.alpha,
-                               max_len_b=cfg.max_len_b, **special)  # fmt: skip
+            hyps = beam_search(
+                model,
+                src.to(device),
+                beam=cfg.beam,
+                alpha=cfg.alpha,
+                max_len_b=cfg.max_len_b,
+                **special,
+            )
         for i, text in zip(idx, tok.decode(hyps), strict=True):
             out[i] = text
     return out
@@ -123,8 +129,15 @@ def evaluate(checkpoint: str | Path, split: str = "test", overrides: list[str] =
         out.write_text("".join(h + "\n" for h in hyps))
         result["hypotheses_file"] = str(out)
     else:
-        loader = BatchLoader(cfg.data, spec, tok, kind=kind, max_tokens=cfg.train.max_tokens,
-                             seed=cfg.train.seed, train=False)  # fmt: skip
+        loader = BatchLoader(
+            cfg.data,
+            spec,
+            tok,
+            kind=kind,
+            max_tokens=cfg.train.max_tokens,
+            seed=cfg.train.seed,
+            train=False,
+        )
         result = validation_metrics(model, list(loader), kind, tok.pad_id, device)
     result["checkpoint"] = str(ckpt)
     result["split"] = split

@@ -169,11 +169,15 @@ def train_tokenizer(cfg: TokenizerConfig, sentences: Iterable[str], out_path: Pa
 def _training_error(cfg: TokenizerConfig, n: int, message: str) -> TokenizerError:
     too_high = re.search(r"Vocabulary size too high .*<= (\d+)", message)
     if too_high:
+        more = (
+            "or raise tokenizer.sample_sentences to train on more of the corpus"
+            if n >= cfg.sample_sentences
+            else "or train on a larger corpus (these are all its sentences)"
+        )
         return TokenizerError(
             f"tokenizer.vocab_size {cfg.vocab_size} is too large for the {n} training sentences: "
             f"SentencePiece can make at most {too_high.group(1)} pieces from them. Set "
-            f"tokenizer.vocab_size <= {too_high.group(1)}, or train on more text "
-            "(tokenizer.sample_sentences)"
+            f"tokenizer.vocab_size <= {too_high.group(1)}, {more}"
         )
     if "smaller than required_chars" in message:
         return TokenizerError(

@@ -38,8 +38,14 @@ def prepare_tokenizer(cfg: Config, retrain: bool = False) -> Tokenizer:
     if path.is_file() and not retrain:
         return Tokenizer(path)
     n = cfg.tokenizer.sample_sentences
-    log.info("training a %s tokenizer (vocab %d) on up to %d sentences of %s -> %s",
-             cfg.tokenizer.type, cfg.tokenizer.vocab_size, n, cfg.data.train, path)  # fmt: skip
+    log.info(
+        "training a %s tokenizer (vocab %d) on up to %d sentences of %s -> %s",
+        cfg.tokenizer.type,
+        cfg.tokenizer.vocab_size,
+        n,
+        cfg.data.train,
+        path,
+    )
     sentences = sample_sentences(cfg.data, cfg.model.kind, n, cfg.tokenizer.seed)
     return train_tokenizer(cfg.tokenizer, sentences, path)
 
@@ -84,18 +90,33 @@ def train(cfg: Config) -> dict[str, float]:
     seed_everything(cfg.train.seed)
     model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
     engine = LocalEngine(model, cfg, env.device)
-    loader = BatchLoader(cfg.data, cfg.data.train, tok, kind=cfg.model.kind,
-                         max_tokens=cfg.train.max_tokens, seed=cfg.train.seed, train=True,
-                         rank=env.rank, world_size=env.world_size)  # fmt: skip
+    loader = BatchLoader(
+        cfg.data,
+        cfg.data.train,
+        tok,
+        kind=cfg.model.kind,
+        max_tokens=cfg.train.max_tokens,
+        seed=cfg.train.seed,
+        train=True,
+        rank=env.rank,
+        world_size=env.world_size,
+    )
     progress = Progress()
     if resume_from is not None:
         progress = _restore(resume_from, cfg, tok, engine, loader)
     cfg.save(run_dir / "config.yaml")
     metrics = Metrics(run_dir, env.is_main, cfg.logging.tensorboard)
-    log.info("model %s: %s parameters | vocab %d | %d tokens x %d micro-batches per step | "
-             "device %s | %s", cfg.model.kind, f"{count_parameters(model):,}", tok.vocab_size,
-             cfg.train.max_tokens, cfg.train.grad_accum, env.device,
-             f"resumed from step {progress.step}" if progress.step else "new run")  # fmt: skip
+    log.info(
+        "model %s: %s parameters | vocab %d | %d tokens x %d micro-batches per step | "
+        "device %s | %s",
+        cfg.model.kind,
+        f"{count_parameters(model):,}",
+        tok.vocab_size,
+        cfg.train.max_tokens,
+        cfg.train.grad_accum,
+        env.device,
+        f"resumed from step {progress.step}" if progress.step else "new run",
+    )
     try:
         return _loop(cfg, env, tok, engine, loader, ckpts, metrics, progress)
     finally:
@@ -188,15 +209,19 @@ def _log_window(metrics, step, window: Window, grad_norm, lr, progress) -> Windo
     progress.wall_seconds += elapsed
     tokens = max(window.tokens, 1)
     loss = loss_sum / tokens
-    metrics.log("train", step, {
-        "loss": loss,
-        "ppl": math.exp(min(loss, 50.0)),
-        "accuracy": float(window.correct) / tokens,
-        "lr": lr,
-        "grad_norm": float(grad_norm),
-        "tokens_per_s": window.tokens / max(elapsed, 1e-9),
-        "tokens": progress.tokens,
-    })  # fmt: skip
+    metrics.log(
+        "train",
+        step,
+        {
+            "loss": loss,
+            "ppl": math.exp(min(loss, 50.0)),
+            "accuracy": float(window.correct) / tokens,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens_per_s": window.tokens / max(elapsed, 1e-9),
+            "tokens": progress.tokens,
+        },
+    )
     return Window()
 
 
@@ -211,9 +236,17 @@ def _check_finite(window: Window, step: int, ckpts: CheckpointManager) -> None:
 
 
 def _validation_batches(cfg: Config, tok: Tokenizer, env: DistEnv) -> list[Any]:
-    loader = BatchLoader(cfg.data, cfg.data.valid, tok, kind=cfg.model.kind,
-                         max_tokens=cfg.train.max_tokens, seed=cfg.train.seed, train=False,
-                         rank=env.rank, world_size=env.world_size)  # fmt: skip
+    loader = BatchLoader(
+        cfg.data,
+        cfg.data.valid,
+        tok,
+        kind=cfg.model.kind,
+        max_tokens=cfg.train.max_tokens,
+        seed=cfg.train.seed,
+        train=False,
+        rank=env.rank,
+        world_size=env.world_size,
+    )
     batches = []
     for batch in loader:
         if cfg.train.eval_batches is not None and len(batches) >= cfg.train.eval_batches:

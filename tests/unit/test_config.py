@@ -17,7 +17,9 @@ def write(tmp_path, data) -> Path:
 
 def test_unknown_key_is_an_error_that_suggests_the_nearest_key(tmp_path):
     path = write(tmp_path, {"data": {"train": "x"}, "model": {"dropuot": 0.3}})
-    with pytest.raises(ConfigError, match=r"unknown key model\.dropuot; did you mean model\.dropout"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key model\.dropuot; did you mean model\.dropout"
+    ):
         load_config(path)
 
 
@@ -29,8 +31,11 @@ def test_unknown_section_suggests_the_section():
 def test_all_problems_are_reported_together():
     with pytest.raises(ConfigError) as err:
         config_from_dict(
-            {"data": {"train": "x"}, "train": {"max_steps": "many", "max_tokens": 1.5},
-             "model": {"norm": "middle"}}  # fmt: skip
+            {
+                "data": {"train": "x"},
+                "train": {"max_steps": "many", "max_tokens": 1.5},
+                "model": {"norm": "middle"},
+            }
         )
     text = str(err.value)
     assert "train.max_steps must be an integer, got 'many'" in text
@@ -39,7 +44,9 @@ def test_all_problems_are_reported_together():
 
 
 def test_values_are_range_checked():
-    with pytest.raises(ConfigError, match=r"model.d_model \(100\) must be divisible by model.h \(8\)"):
+    with pytest.raises(
+        ConfigError, match=r"model.d_model \(100\) must be divisible by model.h \(8\)"
+    ):
         config_from_dict({"data": {"train": "x"}, "model": {"d_model": 100}})
     with pytest.raises(ConfigError, match="data.train is required"):
         config_from_dict({})
@@ -48,8 +55,11 @@ def test_values_are_range_checked():
 def test_precedence_is_command_line_over_yaml_over_preset_over_defaults(tmp_path):
     path = write(
         tmp_path,
-        {"data": {"train": "x"}, "model": {"preset": "transformer_big", "d_ff": 3000},
-         "train": {"max_steps": 50, "seed": 7}},  # fmt: skip
+        {
+            "data": {"train": "x"},
+            "model": {"preset": "transformer_big", "d_ff": 3000},
+            "train": {"max_steps": 50, "seed": 7},
+        },
     )
     cfg = load_config(path, ["train.max_steps=200", "model.h=8"])
     assert cfg.train.max_steps == 200  # command line over YAML

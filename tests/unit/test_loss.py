@@ -10,7 +10,9 @@ def test_without_smoothing_it_is_the_summed_cross_entropy():
     logits, target = torch.randn(3, 5, 11), torch.randint(1, 11, (3, 5))
     loss, n = smoothed_cross_entropy(logits, target, 0.0, ignore_index=PAD)
     assert n == 15
-    torch.testing.assert_close(loss, F.cross_entropy(logits.view(-1, 11), target.view(-1), reduction="sum"))
+    torch.testing.assert_close(
+        loss, F.cross_entropy(logits.view(-1, 11), target.view(-1), reduction="sum")
+    )
 
 
 def test_smoothing_mixes_nll_with_the_uniform_distribution():

@@ -24,8 +24,12 @@ def test_noam_rises_linearly_then_decays_as_inverse_sqrt():
 
 def test_schedule_steps_once_per_optimizer_step_not_per_micro_batch():
     cfg = config_from_dict(
-        {"data": {"train": "x"}, "model": {"d_model": 16, "h": 2}, "train": {"grad_accum": 4},
-         "schedule": {"warmup": 10}}  # fmt: skip
+        {
+            "data": {"train": "x"},
+            "model": {"d_model": 16, "h": 2},
+            "train": {"grad_accum": 4},
+            "schedule": {"warmup": 10},
+        }
     )
     model = torch.nn.Linear(4, 1)
     engine = LocalEngine(model, cfg, torch.device("cpu"))

@@ -1,0 +1,37 @@
+"""The Batch: what every data path hands the model. One definition, read by all."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class Batch:
+    """A padded micro-batch. Padding uses the tokenizer's pad id; masks are built by the model.
+
+    seq2seq: src (B, S) ends with eos; tgt_in (B, T) = bos + y; tgt_out (B, T) = y + eos.
+    lm:      tgt_in (B, T) and tgt_out (B, T) are one packed block shifted by one token.
+    classifier: src (B, S) ends with eos; labels (B,).
+    """
+
+    ids: torch.Tensor
+    """(B,) int64: index of each example in the stream, for tracking what was consumed."""
+    n_tokens: int
+    """Non-pad target tokens (seq2seq, lm) or examples (classifier): the loss's denominator."""
+    src: torch.Tensor | None = None
+    tgt_in: torch.Tensor | None = None
+    tgt_out: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.numel())
+
+    def to(self, device: torch.device | str) -> Batch:
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            moved[f.name] = value.to(device, non_blocking=True) if torch.is_tensor(value) else value
+        return Batch(**moved)

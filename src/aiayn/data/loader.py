@@ -1,0 +1,363 @@
+"""Token-budget batches from a streamed corpus, shuffled and bucketed, resumable exactly.
+
+The stream is read in chunks of data.shuffle_buffer examples. Each chunk is tokenized with one
+`encode` call, filtered, shuffled with a generator seeded by (seed, epoch, chunk), sorted by
+length into batches of at most max_tokens tokens (padding included, like fairseq --max-tokens),
+and the batches are shuffled. We do not use datasets' `.shuffle(buffer_size)`: its buffer is not
+restored by `state_dict` (NOTES.md), so resume would not be exact.
+
+Position: the chunk where the current round of batches starts (epoch, chunk index, the source's
+`state_dict()` at that chunk's start, counters) plus how many global batches from that chunk's
+start the ranks have consumed. Resuming rebuilds that one chunk (deterministic) and skips.
+
+Ranks: every rank builds the same global sequence of batches and rank r takes global batches
+r, r+W, r+2W, ... The position is that of the whole group, so it does not depend on the world
+size and a checkpoint from N ranks resumes on M. The price: every rank reads and tokenizes the
+whole stream. That is cheap next to the model (about 60k translation pairs/s in one process on
+two CPU cores, with the next chunk prepared in a thread while the current one trains), and it
+avoids datasets' node splitting, which leaves ranks with unequal batch counts (NOTES.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from aiayn.config import DataConfig
+from aiayn.data.batch import Batch
+from aiayn.data.sources import KINDS, open_split
+from aiayn.errors import DataError
+from aiayn.tokenizer import Tokenizer
+
+STATE_VERSION = 1
+_ORDERED_CHUNK = 4096  # chunk size when data.shuffle_buffer is 0 (stream order kept)
+
+
+@dataclass
+class _Tokens:
+    """Token ids of many examples in one flat array: row i is flat[start[i]:start[i]+length[i]]."""
+
+    flat: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+
+    @classmethod
+    def of(cls, rows: list[list[int]]) -> _Tokens:
+        length = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        total = int(length.sum())
+        flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=total)
+        return cls(flat, np.cumsum(length) - length, length)
+
+    def padded(self, rows: np.ndarray, pad: int, bos: int | None = None, eos: int | None = None):
+        """(B, L) int64 tensor of the given rows, optionally bos-prefixed and eos-suffixed."""
+        lens, off = self.length[rows], int(bos is not None)
+        width = int(lens.max()) + off + int(eos is not None)
+        pos = np.arange(width)[None, :] - off  # position of each column inside the ids
+        mask = (pos >= 0) & (pos < lens[:, None])
+        out = np.full((len(rows), width), pad, dtype=np.int64)
+        out[mask] = self.flat[(self.start[rows][:, None] + pos)[mask]]
+        if bos is not None:
+            out[:, 0] = bos
+        if eos is not None:
+            out[np.arange(len(rows)), lens + off] = eos
+        return torch.from_numpy(out)
+
+
+@dataclass
+class _Chunk:
+    """A tokenized chunk and its batches, each batch a list of rows into the chunk."""
+
+    anchor: dict
+    batches: list[np.ndarray]
+    ids: np.ndarray  # stream index of each row
+    src: _Tokens | None = None
+    tgt: _Tokens | None = None
+    labels: np.ndarray | None = None
+    blocks: np.ndarray | None = None  # lm: (n_blocks, max_len + 1)
+
+
+class BatchLoader:
+    """Batches of one split for one rank. Iterate it; save and restore it with state_dict.
+
+    train=True loops over epochs forever (the trainer decides when to stop), reshuffling each
+    epoch, and each `for` continues where the last one stopped. train=False makes one pass in
+    stream order (still length-bucketed within a chunk; Batch.ids give the original order), and
+    each `for` starts a new pass, unless a state was just loaded.
+
+    Lengths: data.max_len counts the tokens of a text without bos/eos, so src, tgt_in and
+    tgt_out rows have at most max_len + 1 tokens (the config checks model.max_len has room).
+    """
+
+    def __init__(
+        self,
+        data_cfg: DataConfig,
+        split: str,
+        tokenizer: Tokenizer,
+        *,
+        kind: str,
+        max_tokens: int,
+        seed: int,
+        train: bool,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        if kind not in KINDS:
+            raise DataError(f"unknown model kind {kind!r}; choose from {KINDS}")
+        if max_tokens < 1:
+            raise DataError(f"max_tokens must be >= 1, got {max_tokens}; set train.max_tokens")
+        if not 0 <= rank < world_size:
+            raise DataError(f"rank {rank} is outside world size {world_size}")
+        self.cfg, self.split, self.tok, self.kind = data_cfg, split, tokenizer, kind
+        self.max_tokens, self.seed, self.train = max_tokens, seed, train
+        self.rank, self.world_size = rank, world_size
+        self.source = open_split(data_cfg, split, kind)
+        self.chunk_size = data_cfg.shuffle_buffer or _ORDERED_CHUNK
+        self.epoch = 0
+        self._pos = self._start()
+        self._resume_pending = False
+        self._stats = dict.fromkeys(
+            ("examples_read", "dropped_too_long", "dropped_empty", "batches"), 0
+        )
+        self._fingerprint = {
+            "split": split,
+            "format": data_cfg.format,
+            "kind": kind,
+            "train": train,
+            "max_tokens": max_tokens,
+            "seed": seed,
+            "shuffle_buffer": data_cfg.shuffle_buffer,
+            "max_len": data_cfg.max_len,
+            "tokenizer_sha256": tokenizer.contract()["sha256"],
+        }
+
+    # ---- position ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _start(epoch: int = 0) -> dict:
+        return {"epoch": epoch, "chunk": 0, "source": None, "read": 0, "next_id": 0, "done": 0}
+
+    def state_dict(self) -> dict:
+        """Plain ints, strings, lists and dicts: safe for torch.load(weights_only=True)."""
+        return {
+            "version": STATE_VERSION,
+            "fingerprint": dict(self._fingerprint),
+            "position": copy.deepcopy(self._pos),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state` at the next iter(); refuses a state made for other settings."""
+        if state.get("version") != STATE_VERSION:
+            raise DataError(
+                f"data position has version {state.get('version')}, this code reads "
+                f"{STATE_VERSION}; resume with the aiayn version that wrote the checkpoint"
+            )
+        diffs = [
+            f"  - {key}: checkpoint {state['fingerprint'].get(key)!r}, now {value!r}"
+            for key, value in self._fingerprint.items()
+            if state["fingerprint"].get(key) != value
+        ]
+        if diffs:
+            raise DataError(
+                f"the saved data position does not fit this loader of {self.split}:\n"
+                + "\n".join(diffs)
+                + "\nThe position is only meaningful for the same data, batching and tokenizer: "
+                "restore those settings, or train in a new run_dir."
+            )
+        self._pos = copy.deepcopy(state["position"])
+        self.epoch = self._pos["epoch"]
+        self._resume_pending = True
+
+    def stats(self) -> dict[str, int]:
+        """Counts since this loader was built (a resumed loader re-reads its current chunk)."""
+        return {**self._stats, "invalid_utf8_skipped": self.source.invalid_utf8}
+
+    # ---- iteration ----------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        if not self.train and not self._resume_pending:
+            self._pos = self._start()
+        self._resume_pending = False
+        pos, W = self._pos, self.world_size
+        chunks = _prefetch(self._chunks(pos))
+        stream = ((chunk, i) for chunk in chunks for i in range(len(chunk.batches)))
+        stream = itertools.islice(stream, pos["done"], None)  # consumed before the save
+        for k, (chunk, i) in enumerate(stream):
+            if k % W == 0:  # a round of W batches starts: the group's position moves past it
+                round_pos = {**chunk.anchor, "done": i + W}
+            if k % W == self.rank:
+                self._pos, self.epoch = round_pos, chunk.anchor["epoch"]
+                self._stats["batches"] += 1
+                yield self._make_batch(chunk, chunk.batches[i])
+        if not self.train:
+            self._pos = self._start()
+
+    def _chunks(self, pos: dict) -> Iterator[_Chunk]:
+        """Every chunk from the one at `pos` on: epoch after epoch if training."""
+        epoch, chunk, state = pos["epoch"], pos["chunk"], pos["source"]
+        read, next_id = pos["read"], pos["next_id"]
+        while True:
+            ds = self.source.dataset(state)
+            records = self.source.records(ds)
+            epoch_batches = 0
+            while examples := list(itertools.islice(records, self.chunk_size)):
+                anchor = dict(epoch=epoch, chunk=chunk, source=state, read=read, next_id=next_id)
+                state = ds.state_dict()  # the next chunk starts here
+                built = self._build_chunk(examples, anchor)
+                yield built
+                epoch_batches += len(built.batches)
+                read, next_id, chunk = read + len(examples), next_id + len(built.ids), chunk + 1
+            if pos["chunk"] == 0 and epoch_batches == 0:
+                raise self._nothing_left()
+            if not self.train:
+                return
+            epoch, chunk, state, read, next_id = epoch + 1, 0, None, 0, 0
+            pos = self._start(epoch)
+
+    def _nothing_left(self) -> DataError:
+        s = self.stats()
+        return DataError(
+            f"{self.split} gives no batches: of {s['examples_read']} examples read, "
+            f"{s['dropped_too_long']} are longer than data.max_len={self.cfg.max_len} tokens and "
+            f"{s['dropped_empty']} are empty; raise data.max_len or check the corpus"
+        )
+
+    # ---- one chunk ----------------------------------------------------------------------------
+
+    def _rng(self, anchor: dict) -> np.random.Generator | None:
+        if not (self.train and self.cfg.shuffle_buffer):
+            return None
+        return np.random.default_rng([self.seed, anchor["epoch"], anchor["chunk"]])
+
+    def _build_chunk(self, examples: list[dict], anchor: dict) -> _Chunk:
+        self._stats["examples_read"] += len(examples)
+        if self.kind == "lm":
+            return self._build_lm_chunk(examples, anchor)
+        rng = self._rng(anchor)
+        if self.kind == "seq2seq":
+            enc = self.tok.encode([e["src"] for e in examples] + [e["tgt"] for e in examples])
+            src, tgt = _Tokens.of(enc[: len(examples)]), _Tokens.of(enc[len(examples) :])
+            shortest = np.minimum(src.length, tgt.length)
+            longest = np.maximum(src.length, tgt.length)
+        else:
+            src, tgt = _Tokens.of(self.tok.encode([e["text"] for e in examples])), None
+            shortest = longest = src.length
+        empty = shortest == 0
+        too_long = ~empty & (longest > self.cfg.max_len)
+        self._stats["dropped_empty"] += int(empty.sum())
+        self._stats["dropped_too_long"] += int(too_long.sum())
+        keep = np.flatnonzero(~empty & ~too_long)
+        order = keep if rng is None else rng.permutation(keep)
+        width = longest + 1  # every row gains one special token (eos, or bos for tgt_in)
+        if self.cfg.shuffle_buffer:  # bucket: similar lengths share a batch, little padding
+            order = order[np.argsort(width[order], kind="stable")]
+        batches = _budget_batches(order, width, self.max_tokens)
+        if rng is not None:
+            batches = [batches[j] for j in rng.permutation(len(batches))]
+        labels = None
+        if self.kind == "classifier":
+            labels = np.array([e["label"] for e in examples], dtype=np.int64)
+        ids = anchor["read"] + np.arange(len(examples), dtype=np.int64)
+        return _Chunk(anchor, batches, ids, src=src, tgt=tgt, labels=labels)
+
+    def _build_lm_chunk(self, examples: list[dict], anchor: dict) -> _Chunk:
+        """Documents joined by eos and cut into blocks of max_len + 1 tokens."""
+        rng, eos, pad = self._rng(anchor), self.tok.eos_id, self.tok.pad_id
+        docs = self.tok.encode([e["text"] for e in examples])
+        kept = [d for d in docs if d]
+        self._stats["dropped_empty"] += len(docs) - len(kept)
+        if rng is not None:
+            kept = [kept[j] for j in rng.permutation(len(kept))]
+        stream = np.fromiter(itertools.chain.from_iterable(d + [eos] for d in kept), dtype=np.int64)
+        size = self.cfg.max_len + 1
+        if len(stream) % size == 1:  # a last block of one token has no target: drop it
+            stream = stream[:-1]
+        n_blocks = -(-len(stream) // size)
+        blocks = np.full(n_blocks * size, pad, dtype=np.int64)
+        blocks[: len(stream)] = stream  # the chunk's last block is padded, not dropped
+        rows = max(1, self.max_tokens // self.cfg.max_len)
+        order = np.arange(n_blocks)
+        batches = [order[j : j + rows] for j in range(0, n_blocks, rows)]
+        ids = anchor["next_id"] + order
+        return _Chunk(anchor, batches, ids, blocks=blocks.reshape(n_blocks, size))
+
+    def _make_batch(self, chunk: _Chunk, rows: np.ndarray) -> Batch:
+        ids = torch.from_numpy(chunk.ids[rows].copy())
+        pad, bos, eos = self.tok.pad_id, self.tok.bos_id, self.tok.eos_id
+        if self.kind == "lm":
+            block = torch.from_numpy(chunk.blocks[rows])
+            tgt_out = block[:, 1:].contiguous()
+            n = int((tgt_out != pad).sum())
+            return Batch(ids=ids, n_tokens=n, tgt_in=block[:, :-1].contiguous(), tgt_out=tgt_out)
+        src = chunk.src.padded(rows, pad, eos=eos)
+        if self.kind == "classifier":
+            labels = torch.from_numpy(chunk.labels[rows].copy())
+            return Batch(ids=ids, n_tokens=len(rows), src=src, labels=labels)
+        tgt_in = chunk.tgt.padded(rows, pad, bos=bos)
+        tgt_out = chunk.tgt.padded(rows, pad, eos=eos)
+        n = int(chunk.tgt.length[rows].sum()) + len(rows)
+        return Batch(ids=ids, n_tokens=n, src=src, tgt_in=tgt_in, tgt_out=tgt_out)
+
+
+_END = object()
+
+
+def _prefetch(items: Iterator, depth: int = 1) -> Iterator:
+    """Produce `items` in a thread, up to `depth` ahead, so the next chunk is read and tokenized
+    while the current one's batches train: SentencePiece releases the GIL while it encodes.
+
+    Order and content are those of `items`; only the timing changes. Leaving the loop early
+    stops the thread at its next hand-over.
+    """
+    hand = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                hand.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not put(item):
+                    return
+            put(_END)
+        except BaseException as exc:  # handed to the consumer, raised there
+            put(exc)
+
+    threading.Thread(target=produce, name="aiayn-data", daemon=True).start()
+    try:
+        while (item := hand.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
+def _budget_batches(order: np.ndarray, width: np.ndarray, max_tokens: int) -> list[np.ndarray]:
+    """Cut `order` into consecutive batches with rows * longest row <= max_tokens.
+
+    An example wider than max_tokens alone still gets a batch of its own.
+    """
+    batches, start, longest = [], 0, 0
+    for i, w in enumerate(width[order].tolist()):
+        wider = max(longest, w)
+        if i > start and (i - start + 1) * wider > max_tokens:
+            batches.append(order[start:i])
+            start, wider = i, w
+        longest = wider
+    if start < len(order):
+        batches.append(order[start:])
+    return batches

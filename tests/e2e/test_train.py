@@ -1,0 +1,166 @@
+"""End to end on one process: real training runs on generated corpora, real checkpoints."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from aiayn import demo_data
+from aiayn.config import load_config
+from aiayn.errors import CheckpointError, TrainingError
+from aiayn.evaluate import evaluate
+from aiayn.train import train
+
+
+@pytest.fixture(scope="module")
+def numbers(tmp_path_factory):
+    return demo_data.write_numbers(
+        tmp_path_factory.mktemp("numbers"), n_train=3000, n_valid=200, n_test=100
+    )
+
+
+def numbers_config(run_dir, corpus, *overrides):
+    return load_config(
+        None,
+        [
+            f"run_dir={run_dir}",
+            f"data.train={corpus}/train",
+            f"data.valid={corpus}/valid",
+            f"data.test={corpus}/test",
+            "data.src_lang=en",
+            "data.tgt_lang=de",
+            "data.max_len=40",
+            "data.shuffle_buffer=1000",
+            "model.N=1",
+            "model.d_model=64",
+            "model.d_ff=128",
+            "model.h=4",
+            "model.max_len=64",
+            "tokenizer.vocab_size=120",
+            "tokenizer.sample_sentences=2000",
+            "train.max_tokens=1200",
+            "schedule.warmup=30",
+            "schedule.factor=2.0",
+            "logging.every_steps=5",
+            "checkpoint.every_steps=10",
+            "decode.beam=2",
+            *overrides,
+        ],
+    )
+
+
+def scalars(run_dir, tag):
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_training_lowers_the_validation_loss_and_evaluates(tmp_path, numbers):
+    cfg = numbers_config(tmp_path / "run", numbers, "train.max_steps=60", "train.eval_every=20")
+    final = train(cfg)
+    valid = scalars(tmp_path / "run", "valid/loss")
+    assert [s for s, _ in valid] == [20, 40, 60]
+    assert valid[-1][1] < 0.7 * valid[0][1], valid
+    assert final["loss"] == pytest.approx(valid[-1][1], rel=1e-5)
+    assert (tmp_path / "run" / "config.yaml").is_file()
+    result = evaluate(tmp_path / "run", "test")
+    assert {"bleu", "bleu_signature", "exact_match", "hypotheses_file"} <= set(result)
+    assert "tok:13a" in result["bleu_signature"]
+    assert len(open(result["hypotheses_file"]).read().splitlines()) == 100
+
+
+def test_resume_after_a_stop_gives_bitwise_identical_weights(tmp_path, numbers):
+    """Dropout on: resume must restore RNG, optimizer, schedule and data position exactly."""
+    common = ("model.dropout=0.1", "train.eval_every=0", "checkpoint.every_steps=7")
+    train(numbers_config(tmp_path / "straight", numbers, "train.max_steps=14", *common))
+    train(numbers_config(tmp_path / "stopped", numbers, "train.max_steps=9", *common))
+    train(numbers_config(tmp_path / "stopped", numbers, "train.max_steps=14", *common))
+    a = load_file(tmp_path / "straight/checkpoints/step_00000014/model.safetensors")
+    b = load_file(tmp_path / "stopped/checkpoints/step_00000014/model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    lr = scalars(tmp_path / "stopped", "train/lr")
+    assert lr == scalars(tmp_path / "straight", "train/lr")  # the schedule continues
+
+
+def test_a_non_finite_loss_stops_the_run_and_is_never_checkpointed(tmp_path, numbers, monkeypatch):
+    import aiayn.train as train_module
+
+    real = train_module.batch_loss
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        loss, correct = real(*args, **kwargs)
+        calls["n"] += 1
+        return (loss * float("nan") if calls["n"] > 12 else loss), correct
+
+    monkeypatch.setattr(train_module, "batch_loss", poisoned)
+    cfg = numbers_config(tmp_path / "run", numbers, "train.max_steps=40", "train.eval_every=0")
+    with pytest.raises(TrainingError, match="loss became nan before step 15"):
+        train(cfg)
+    names = [p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")]
+    assert names == ["step_00000010"]
+
+
+def test_resume_never_refuses_to_overwrite_a_run(tmp_path, numbers):
+    train(numbers_config(tmp_path / "run", numbers, "train.max_steps=10", "train.eval_every=0"))
+    cfg = numbers_config(tmp_path / "run", numbers, "train.max_steps=10", "checkpoint.resume=never")
+    with pytest.raises(CheckpointError, match="already holds checkpoints"):
+        train(cfg)
+
+
+def test_resuming_with_another_model_names_the_fields(tmp_path, numbers):
+    train(numbers_config(tmp_path / "run", numbers, "train.max_steps=10", "train.eval_every=0"))
+    cfg = numbers_config(tmp_path / "run", numbers, "train.max_steps=20", "model.d_ff=256")
+    with pytest.raises(CheckpointError, match="model.d_ff: checkpoint 128, config 256"):
+        train(cfg)
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "aiayn", *args], capture_output=True, text=True, cwd=cwd
+    )
+
+
+def test_cli_config_typo_is_a_clear_error(tmp_path, project_root):
+    proc = run_cli("train", "--config", "configs/demo.yaml", "train.max_stpes=3", cwd=project_root)
+    assert proc.returncode == 2
+    assert "unknown key train.max_stpes; did you mean train.max_steps?" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("config", "paper"), [("wmt14_en_de_base", 65e6), ("wmt14_en_de_big", 213e6)]
+)
+def test_params_of_base_and_big_are_the_papers(project_root, config, paper):
+    proc = run_cli(
+        "params", "--config", f"configs/{config}.yaml", "--vocab-size", "37000", cwd=project_root
+    )
+    assert proc.returncode == 0, proc.stderr
+    count = int(proc.stdout.split("parameters: ")[1].split()[0].replace(",", ""))
+    assert abs(count - paper) / paper < 0.04, count
+
+
+def test_translate_cli_reads_stdin(tmp_path, numbers, project_root):
+    train(numbers_config(tmp_path / "run", numbers, "train.max_steps=5", "train.eval_every=0"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aiayn",
+            "translate",
+            "--checkpoint",
+            str(tmp_path / "run"),
+            "decode.beam=1",
+        ],
+        input="twenty-one\nthree hundred\n",
+        capture_output=True,
+        text=True,
+        cwd=project_root,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.splitlines()) == 2
