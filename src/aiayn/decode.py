@@ -85,11 +85,18 @@ def beam_search(
 ) -> list[list[int]]:
     """Beam search over B sentences at once (B * beam decoder rows), §6.1.
 
-    Hypotheses are ranked by log P(Y | X) / lp(Y). A hypothesis that ends in eos is finished;
-    a sentence stops once `beam` hypotheses are finished (fairseq's rule: with beam=1 this is
-    exactly greedy search), or at its length limit, where eos is forced. Its output is the best
-    finished hypothesis.
+    Hypotheses are ranked by log P(Y | X) / lp(Y). A hypothesis that ends in eos is finished.
+    A sentence stops when no live hypothesis can still beat its best finished one (a live
+    score can at best be divided by lp at the length limit, since log-probabilities only add
+    negative terms), or at its length limit, where eos is forced. Stopping once `beam`
+    hypotheses have finished (fairseq's rule) is not enough: a confident model puts improbable
+    eos continuations of its weaker beams among the top candidates, and the search would end
+    before the best hypothesis finishes. beam=1 is greedy search.
     """
+    if beam == 1:
+        return greedy_search(
+            model, src, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, max_len_b=max_len_b
+        )
     B, K = src.size(0), beam
     with _eval_mode(model):
         memory, src_mask = model.encode(src)  # (B, S, D), (B, 1, 1, S)
@@ -114,19 +121,20 @@ def beam_search(
             vals, idx = cand.topk(2 * K, dim=1)  # (B, 2K)
             origin, tok = idx // V, idx % V  # (B, 2K): beam extended, token appended
             _finish(finished, done, vals, origin, tok, history, step, alpha, eos_id)
-            done |= step >= limits
-            if bool(done.all()):
-                break
             # The K best candidates that do not end in eos live on (stable order by score).
             rank = torch.arange(2 * K, device=src.device).expand(B, -1)
             order = torch.where(tok == eos_id, rank + 2 * K, rank).argsort(dim=1)[:, :K]
             scores = vals.gather(1, order)  # (B, K)
+            best_live = scores[:, 0] / length_penalty(limits + 1, alpha)  # (B,) upper bound
+            done |= (step >= limits) | _cannot_improve(finished, best_live)
+            if bool(done.all()):
+                break
             rows = origin.gather(1, order) + K * torch.arange(B, device=src.device)[:, None]
             rows = rows.view(-1)  # (B*K,) parent row of each new hypothesis
             last = tok.gather(1, order).view(-1, 1)  # (B*K, 1)
             history = torch.cat([history[rows], last], dim=1)  # (B*K, t + 1)
             state.reorder(rows)
-    return [max(hyps)[1] for hyps in finished]
+    return [hyps[0][1] for hyps in finished]
 
 
 def _only_eos(logp: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -137,18 +145,27 @@ def _only_eos(logp: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 
 def _finish(finished, done, vals, origin, tok, history, step, alpha, eos_id) -> None:
-    """Record the hypotheses ending in eos among the top K candidates of unfinished sentences."""
+    """Record the hypotheses ending in eos among the top K candidates of unfinished sentences,
+    keeping each sentence's K best."""
     K = vals.size(1) // 2
     ends = (tok[:, :K] == eos_id) & torch.isfinite(vals[:, :K]) & ~done[:, None]  # (B, K)
     if not bool(ends.any()):
         return
     lp = length_penalty(step + 1, alpha)  # step + 1 tokens, eos included
     for b, j in ends.nonzero().tolist():
-        if len(finished[b]) < K:
-            ids = history[b * K + int(origin[b, j])].tolist()
-            finished[b].append((float(vals[b, j]) / lp, ids))
-        if len(finished[b]) == K:
-            done[b] = True
+        ids = history[b * K + int(origin[b, j])].tolist()
+        finished[b].append((float(vals[b, j]) / lp, ids))
+        finished[b].sort(key=lambda hyp: hyp[0], reverse=True)
+        del finished[b][K:]
+
+
+def _cannot_improve(finished, best_live: torch.Tensor) -> torch.Tensor:
+    """(B,) True where the best finished hypothesis beats anything a live one can reach."""
+    bound = best_live.tolist()
+    return torch.tensor(
+        [bool(hyps) and hyps[0][0] >= bound[b] for b, hyps in enumerate(finished)],
+        device=best_live.device,
+    )
 
 
 def generate(

@@ -199,3 +199,50 @@ def test_sampling_is_reproducible_with_a_generator_and_varies_without_one():
     b = generate(model, [[5, 6]] * 4, generator=torch.Generator().manual_seed(1), **kw)
     assert a == b
     assert len({tuple(x) for x in a}) > 1  # four rows of the same prompt sampled differently
+
+
+class ScriptedModel(torch.nn.Module):
+    """A confident stand-in for a trained model: along PATH each next token has p=0.9 and eos
+    p=0.06; off the path, eos has p=0.9. Its decoder history lives in the DecoderState so that
+    beam search's reorders apply to it like to real key/value caches."""
+
+    PATH = [5, 6, 7, 8, 9]
+
+    class History:
+        def __init__(self, rows):
+            self.rows = rows
+
+        def reorder(self, index):
+            self.rows = self.rows[index]
+
+    def __init__(self):
+        super().__init__()
+        self.cfg = ModelConfig(max_len=64)
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+
+    def encode(self, src):
+        return torch.zeros(src.size(0), src.size(1), 1), (src != PAD)[:, None, None, :]
+
+    def decode(self, last, memory, src_mask, state):
+        if not state.self_attn:
+            state.self_attn = [self.History(last.new_zeros((last.size(0), 0)))]
+        hist = state.self_attn[0]
+        hist.rows = torch.cat([hist.rows, last], dim=1)
+        probs = torch.full((last.size(0), V), 0.04 / (V - 2))
+        for r, row in enumerate(hist.rows.tolist()):
+            prefix = row[1:]  # after bos
+            if prefix == self.PATH[: len(prefix)] and len(prefix) < len(self.PATH):
+                probs[r, self.PATH[len(prefix)]], probs[r, EOS] = 0.9, 0.06
+            elif prefix == self.PATH:
+                probs[r, EOS] = 0.96
+            else:
+                probs[r, EOS] = 0.9
+        return probs.log()[:, None, :]
+
+
+def test_beam_search_does_not_stop_before_its_best_hypothesis_finishes():
+    """With fairseq's rule (stop at `beam` finished) the weak beams' eos endings fill the
+    finished list after two steps and the search returns a one-token hypothesis."""
+    src = torch.tensor([[4, 4, 4, EOS]])
+    out = beam_search(ScriptedModel(), src, beam=4, alpha=0.6, bos_id=BOS, eos_id=EOS, pad_id=PAD)
+    assert out == [ScriptedModel.PATH]
