@@ -164,10 +164,13 @@ def _loop(cfg, env: DistEnv, tok, engine, loader, ckpts, metrics, progress) -> d
     kind, smoothing, pad = cfg.model.kind, cfg.train.label_smoothing, tok.pad_id
     valid = _validation_batches(cfg, tok, env) if cfg.data.valid else None
     batches, window, last_eval = iter(loader), Window(), {}
-    saved_step = progress.step
+    saved_step, epoch = progress.step, loader.epoch
     while progress.step < cfg.train.max_steps:
         micro = [next(batches) for _ in range(cfg.train.grad_accum)]
-        if cfg.train.max_epochs is not None and loader.epoch >= cfg.train.max_epochs:
+        if loader.epoch != epoch:
+            _log_data(loader, f"epoch {epoch} done")
+            epoch = loader.epoch
+        if cfg.train.max_epochs is not None and epoch >= cfg.train.max_epochs:
             break
         n_tokens = sum(b.n_tokens for b in micro)
         engine.train()
@@ -193,7 +196,21 @@ def _loop(cfg, env: DistEnv, tok, engine, loader, ckpts, metrics, progress) -> d
     if progress.step != saved_step:  # stopped early by max_epochs
         _check_finite(window, progress.step, ckpts)
         _save(cfg, ckpts, progress.step, tok, engine, loader, progress)
+    _log_data(loader, f"training done at step {progress.step}, epoch {loader.epoch}")
     return last_eval
+
+
+def _log_data(loader: BatchLoader, when: str) -> None:
+    """What the loader read and dropped, so a filtered corpus never goes unnoticed."""
+    stats = loader.stats()
+    log.info("%s | data: %s", when, ", ".join(f"{k} {v}" for k, v in stats.items()))
+    dropped = stats["dropped_too_long"] + stats["dropped_empty"] + stats["invalid_utf8_skipped"]
+    if dropped > 0.05 * max(stats["examples_read"], 1):
+        log.warning(
+            "%d of %d examples were dropped: see data.max_len and the corpus",
+            dropped,
+            stats["examples_read"],
+        )
 
 
 def _log_window(metrics, step, window: Window, grad_norm, lr, progress) -> Window:
