@@ -44,12 +44,12 @@ test-fast: install
 	$(BIN)/pytest -q -m "not slow and not dist"
 
 lint: install
-	$(BIN)/ruff format --check src tests benchmarks
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests
 
 format: install
-	$(BIN)/ruff format src tests benchmarks
-	$(BIN)/ruff check --fix src tests benchmarks
+	$(BIN)/ruff format src tests
+	$(BIN)/ruff check --fix src tests
 
 clean-demo:
 	rm -rf runs/demo runs/demo_lm runs/demo_classify data/demo

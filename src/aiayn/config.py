@@ -56,7 +56,8 @@ class ModelConfig:
     """Longest sequence (in tokens) the position table covers."""
     share_embeddings: Literal["all", "decoder", "none"] = "all"
     """all: source, target and output share one matrix (needs the joint vocabulary, §3.4);
-    decoder: target embedding and output projection; none: three separate matrices."""
+    decoder: target embedding and output projection; none: three separate matrices.
+    An lm has no source side, so all means decoder there."""
     num_classes: int = 2
     """Output classes (classifier only)."""
     pooling: Literal["mean", "first"] = "mean"
@@ -350,8 +351,6 @@ class Config:
                 f"data.format parallel is for model.kind seq2seq; a {self.model.kind} model "
                 "reads text, tsv, jsonl, parquet or hub data"
             )
-        if self.model.kind == "lm" and self.model.share_embeddings == "all":
-            self.model.share_embeddings = "decoder"  # an LM has no source side to share with
         if self.data.max_len + 2 > self.model.max_len:
             errs.append(
                 f"data.max_len ({self.data.max_len}) + 2 special tokens exceeds model.max_len "

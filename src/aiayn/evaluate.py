@@ -50,7 +50,16 @@ def translate(
 ) -> list[str]:
     """Translate `lines` in length-sorted batches; hypotheses come back in input order."""
     max_src = model.cfg.max_len - 1  # room for eos
-    encoded = [ids[:max_src] for ids in tok.encode(lines)]
+    encoded = tok.encode(lines)
+    too_long = sum(len(ids) > max_src for ids in encoded)
+    if too_long:
+        log.warning(
+            "%d of %d inputs are longer than model.max_len - 1 = %d tokens and were cut to fit",
+            too_long,
+            len(lines),
+            max_src,
+        )
+        encoded = [ids[:max_src] for ids in encoded]
     order = sorted(range(len(lines)), key=lambda i: len(encoded[i]))
     out: list[str] = [""] * len(lines)
     for start in range(0, len(order), cfg.batch_size):

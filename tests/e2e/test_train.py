@@ -166,3 +166,72 @@ def test_translate_cli_reads_stdin(tmp_path, numbers, project_root):
     )
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.splitlines()) == 2
+
+
+def small_model(*overrides):
+    return [
+        "model.N=1",
+        "model.d_model=64",
+        "model.d_ff=128",
+        "model.h=4",
+        "model.max_len=64",
+        "tokenizer.vocab_size=100",
+        "tokenizer.sample_sentences=3000",
+        "train.max_tokens=1500",
+        "schedule.warmup=20",
+        "schedule.factor=2.0",
+        "logging.every_steps=10",
+        "train.eval_every=10",
+        "checkpoint.every_steps=100",
+        *overrides,
+    ]
+
+
+def test_the_language_model_learns_to_count(tmp_path):
+    corpus = demo_data.write_lm(tmp_path / "lm", n_train=1500, n_valid=50, n_test=50)
+    cfg = load_config(
+        None,
+        small_model(
+            f"run_dir={tmp_path}/run",
+            "model.kind=lm",
+            "data.format=text",
+            "data.max_len=48",
+            f"data.train={corpus}/train.txt",
+            f"data.valid={corpus}/valid.txt",
+            "train.max_steps=40",
+        ),
+    )
+    train(cfg)
+    valid = scalars(tmp_path / "run", "valid/ppl")
+    assert valid[-1][1] < 0.5 * valid[0][1], valid
+
+
+def test_the_classifier_learns_parity_and_reports_accuracy(tmp_path):
+    corpus = demo_data.write_classify(tmp_path / "cls", n_train=3000, n_valid=200, n_test=200)
+    cfg = load_config(
+        None,
+        small_model(
+            f"run_dir={tmp_path}/run",
+            "model.kind=classifier",
+            "data.format=jsonl",
+            "data.max_len=40",
+            f"data.train={corpus}/train.jsonl",
+            f"data.valid={corpus}/valid.jsonl",
+            f"data.test={corpus}/test.jsonl",
+            "train.max_steps=60",
+            "train.label_smoothing=0",
+        ),
+    )
+    train(cfg)
+    valid = scalars(tmp_path / "run", "valid/loss")
+    assert valid[-1][1] < valid[0][1] - 0.05, valid
+    result = evaluate(tmp_path / "run", "test")
+    assert 0.0 <= result["accuracy"] <= 1.0 and "ppl" not in result
+
+
+def test_bf16_autocast_trains(tmp_path, numbers):
+    cfg = numbers_config(
+        tmp_path / "run", numbers, "train.max_steps=6", "train.precision=bf16", "train.eval_every=3"
+    )
+    result = train(cfg)
+    assert 0 < result["loss"] < 10
