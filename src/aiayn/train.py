@@ -193,6 +193,8 @@ def _loop(cfg, env: DistEnv, tok, engine, loader, ckpts, metrics, progress) -> d
             _check_finite(window, step, ckpts)
             _save(cfg, ckpts, step, tok, engine, loader, progress)
             saved_step = step
+        if window.tokens == 0:  # tokens/s measures training, not validation or saving
+            window.started = time.perf_counter()
     if progress.step != saved_step:  # stopped early by max_epochs
         _check_finite(window, progress.step, ckpts)
         _save(cfg, ckpts, progress.step, tok, engine, loader, progress)
