@@ -1,0 +1,1 @@
+"""Where processes, devices and the optimizer engine are decided; the model never imports this."""
