@@ -222,6 +222,8 @@ class TrainConfig:
     """Validate every this many optimizer steps (0: only at the end)."""
     eval_batches: int | None = None
     """Validate on at most this many batches (None: the whole validation split)."""
+    eval_bleu: int = 200
+    """Validation sentences translated for sacreBLEU at each validation (seq2seq); 0: none."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto picks CUDA when present."""
     precision: Literal["fp32", "bf16"] = "fp32"
@@ -242,6 +244,8 @@ class TrainConfig:
             errs.append(f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.eval_every < 0:
             errs.append(f"train.eval_every must be >= 0, got {self.eval_every}")
+        if self.eval_bleu < 0:
+            errs.append(f"train.eval_bleu must be >= 0, got {self.eval_bleu}")
         return errs
 
 
@@ -294,11 +298,21 @@ class LoggingConfig:
     """Console and TensorBoard scalars every this many optimizer steps."""
     tensorboard: bool = True
     """Write TensorBoard events into <run_dir>/tb."""
+    samples: int = 3
+    """Source / reference / hypothesis triples shown at each validation (seq2seq)."""
+    peak_tflops: float | None = None
+    """The device's peak TFLOP/s for MFU. None: a GPU's data sheet, or a matmul measured at start
+    on CPU (and on GPUs without a known figure)."""
 
     def validate(self) -> list[str]:
+        errs = []
         if self.every_steps < 1:
-            return [f"logging.every_steps must be >= 1, got {self.every_steps}"]
-        return []
+            errs.append(f"logging.every_steps must be >= 1, got {self.every_steps}")
+        if self.samples < 0:
+            errs.append(f"logging.samples must be >= 0, got {self.samples}")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            errs.append(f"logging.peak_tflops must be > 0, got {self.peak_tflops}")
+        return errs
 
 
 @dataclass

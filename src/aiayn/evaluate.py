@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from pathlib import Path
@@ -97,6 +98,52 @@ def bleu_scores(hyps: list[str], refs: list[str], tokenize: str = "13a") -> dict
         "exact_match": sum(h.strip() == r.strip() for h, r in zip(hyps, refs, strict=True))
         / max(len(refs), 1),
     }
+
+
+class Validation:
+    """What each validation measures: loss, perplexity and accuracy on the validation batches
+    (built once), and for translation sacreBLEU on the first train.eval_bleu sentences, with a
+    few source / reference / hypothesis samples for TensorBoard."""
+
+    def __init__(self, cfg: Config, tok: Tokenizer, env):
+        self.cfg, self.tok = cfg, tok
+        loader = BatchLoader(
+            cfg.data,
+            cfg.data.valid,
+            tok,
+            kind=cfg.model.kind,
+            max_tokens=cfg.train.max_tokens,
+            seed=cfg.train.seed,
+            train=False,
+            rank=env.rank,
+            world_size=env.world_size,
+        )
+        limit = cfg.train.eval_batches  # None: all
+        self.batches = list(itertools.islice(loader, limit))
+        self.pairs: list[dict] = []
+        if cfg.model.kind == "seq2seq" and cfg.train.eval_bleu:
+            source = open_split(cfg.data, cfg.data.valid, "seq2seq")
+            self.pairs = list(itertools.islice(source, cfg.train.eval_bleu))
+
+    def run(self, engine, metrics, step: int) -> dict[str, float]:
+        cfg, model, device = self.cfg, engine.model, engine.device
+        with engine.autocast():
+            result = validation_metrics(
+                model, self.batches, cfg.model.kind, self.tok.pad_id, device
+            )
+            if self.pairs:
+                srcs, refs = [p["src"] for p in self.pairs], [p["tgt"] for p in self.pairs]
+                hyps = translate(engine.module, self.tok, srcs, cfg.decode, device)
+                scores = bleu_scores(hyps, refs, cfg.decode.bleu_tokenize)
+                result.update(bleu=scores["bleu"], bleu_lc=scores["bleu_lc"])
+                samples = zip(srcs[: cfg.logging.samples], refs, hyps, strict=False)
+                text = "\n\n".join(
+                    f"**source:** {s}  \n**reference:** {r}  \n**hypothesis:** {h}"
+                    for s, r, h in samples
+                )
+                metrics.text("valid/samples", step, text)
+        metrics.log("valid", step, result)
+        return result
 
 
 def load_for_inference(

@@ -1,23 +1,46 @@
-"""Console, log file and TensorBoard. Rank 0 writes; other ranks stay quiet."""
+"""Console, log file, progress bar and TensorBoard. Rank 0 writes; other ranks stay quiet."""
 
 from __future__ import annotations
 
 import logging
+import os
+import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 log = logging.getLogger("aiayn")
 
 
+class _TqdmHandler(logging.StreamHandler):
+    """Log lines printed above a live progress bar instead of through it. The periodic training
+    lines the bar already shows go to train.log only."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        if not getattr(record, "file_only", False):
+            tqdm.write(self.format(record), file=sys.stderr)
+
+
+def use_progress_bar() -> bool:
+    """A bar for a person at a terminal; plain periodic lines for Slurm logs and pipes."""
+    return sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
+
+
 def setup_logging(run_dir: str | Path | None, rank: int = 0) -> None:
-    """Plain lines on stderr and, on rank 0, in run_dir/train.log. Other ranks: warnings only."""
+    """Lines on stderr and, on rank 0, in run_dir/train.log. Other ranks: warnings and errors,
+    prefixed with their rank."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
+        handler.close()
     prefix = "" if rank == 0 else f"[rank {rank}] "
     fmt = logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(message)s", "%H:%M:%S")
-    console = logging.StreamHandler(sys.stderr)
+    console = _TqdmHandler() if rank == 0 and use_progress_bar() else logging.StreamHandler()
     console.setFormatter(fmt)
     root.addHandler(console)
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
@@ -26,24 +49,46 @@ def setup_logging(run_dir: str | Path | None, rank: int = 0) -> None:
         file = logging.FileHandler(Path(run_dir) / "train.log")
         file.setFormatter(fmt)
         root.addHandler(file)
+    # Libraries' chatter (TensorBoard's directory watcher, datasets) is not our log.
+    for name in ("tensorboard", "datasets", "fsspec", "urllib3"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def memory_bytes(device: torch.device) -> float:
+    """Peak CUDA memory allocated on a GPU; the process's resident memory on CPU."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/statm") as fh:
+            return float(int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+    except OSError:  # not Linux: the peak, in KiB on Linux, bytes on macOS
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return float(peak if sys.platform == "darwin" else peak * 1024)
 
 
 class Metrics:
-    """Scalars to the console and TensorBoard (`run_dir/tb`), written by rank 0 only."""
+    """Scalars, text and hparams to the console and TensorBoard (`run_dir/tb`), rank 0 only.
 
-    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool):
+    `purge_step`: a resumed run passes the step it resumes from + 1, and TensorBoard drops the
+    events the interrupted run had logged past its last checkpoint, so curves never hold a
+    step twice.
+    """
+
+    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool, purge_step=None):
         self.enabled = enabled
         self.writer = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(Path(run_dir) / "tb"))
+            tb = Path(run_dir) / "tb"
+            _wait_for_a_later_second(tb)
+            self.writer = SummaryWriter(str(tb), purge_step=purge_step)
 
-    def log(self, split: str, step: int, scalars: dict[str, float]) -> None:
+    def log(self, split: str, step: int, scalars: dict[str, float], console: bool = True) -> None:
         if not self.enabled:
             return
         text = " ".join(f"{k} {_fmt(v)}" for k, v in scalars.items())
-        log.info("%s step %d | %s", split, step, text)
+        log.info("%s step %d | %s", split, step, text, extra={"file_only": not console})
         if self.writer is not None:
             for key, value in scalars.items():
                 self.writer.add_scalar(f"{split}/{key}", value, step)
@@ -52,9 +97,66 @@ class Metrics:
         if self.enabled and self.writer is not None:
             self.writer.add_text(tag, text, step)
 
+    def hparams(self, config: dict[str, Any], final: dict[str, float], step: int) -> None:
+        """The resolved config beside the final metrics (TensorBoard's HParams tab)."""
+        if not (self.enabled and self.writer is not None):
+            return
+        flat = {
+            k: v if isinstance(v, int | float | str | bool) else str(v)
+            for k, v in _flatten(config).items()
+        }
+        metrics = {f"hparam/{k}": v for k, v in final.items() if isinstance(v, int | float)}
+        self.writer.add_hparams(flat, metrics, run_name=".", global_step=step)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+class ProgressBar:
+    """tqdm on rank 0 at a terminal (loss, lr, tokens/s, ETA); nothing otherwise."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.bar = None
+        if enabled and use_progress_bar():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+    def update(self, postfix: dict[str, float] | None = None) -> None:
+        if self.bar is None:
+            return
+        if postfix:
+            self.bar.set_postfix({k: _fmt(v) for k, v in postfix.items()}, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _wait_for_a_later_second(tb: Path) -> None:
+    """TensorBoard reads event files in name order, and names start with the creation second
+    then the pid. A run restarted within the second its predecessor started could sort first
+    and have its purge applied before the old events load; waiting (under a second, once)
+    keeps name order chronological."""
+    stamps = [int(p.name.split(".")[3]) for p in tb.glob("events.out.tfevents.*")]
+    while stamps and int(time.time()) <= max(stamps):
+        time.sleep(0.05)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = "null" if value is None else value
+    return out
 
 
 def _fmt(value: Any) -> str:

@@ -12,7 +12,6 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -22,9 +21,10 @@ from aiayn.data import BatchLoader, sample_sentences
 from aiayn.dist.engine import LocalEngine
 from aiayn.dist.env import DistEnv, setup
 from aiayn.errors import CheckpointError, TrainingError
-from aiayn.evaluate import validation_metrics
+from aiayn.evaluate import Validation
+from aiayn.flops import device_peak_flops, training_flops
 from aiayn.loss import batch_loss
-from aiayn.metrics import Metrics, setup_logging
+from aiayn.metrics import Metrics, ProgressBar, memory_bytes, setup_logging
 from aiayn.model import build_model, count_parameters
 from aiayn.seeding import load_rng_state, rng_state, seed_everything
 from aiayn.tokenizer import Tokenizer, train_tokenizer
@@ -61,12 +61,15 @@ class Progress:
 
 @dataclass
 class Window:
-    """Training statistics accumulated on the device between two log lines (no host sync)."""
+    """Statistics between two log lines. Loss and accuracy stay on the device (no host sync
+    per step); timings and FLOPs are host-side arithmetic."""
 
     loss: torch.Tensor | float = 0.0
     correct: torch.Tensor | float = 0.0
     tokens: int = 0
     steps: int = 0
+    flops: int = 0
+    data_seconds: float = 0.0
     started: float = field(default_factory=time.perf_counter)
 
     def add(self, loss: torch.Tensor, correct: torch.Tensor, tokens: int) -> None:
@@ -75,8 +78,31 @@ class Window:
         self.tokens += tokens
 
 
+@dataclass
+class Run:
+    """The assembled pieces of one training run."""
+
+    cfg: Config
+    env: DistEnv
+    tok: Tokenizer
+    engine: LocalEngine
+    loader: BatchLoader
+    ckpts: CheckpointManager
+    metrics: Metrics
+    progress: Progress
+    peak_flops: float
+
+
 def train(cfg: Config) -> dict[str, float]:
     """Train until train.max_steps (or train.max_epochs); return the last validation metrics."""
+    run = _assemble(cfg)
+    try:
+        return _loop(run)
+    finally:
+        run.metrics.close()
+
+
+def _assemble(cfg: Config) -> Run:
     env = setup(cfg.train.device)
     run_dir = Path(cfg.run_dir)
     setup_logging(run_dir, env.rank)
@@ -105,22 +131,27 @@ def train(cfg: Config) -> dict[str, float]:
     if resume_from is not None:
         progress = _restore(resume_from, cfg, tok, engine, loader)
     cfg.save(run_dir / "config.yaml")
-    metrics = Metrics(run_dir, env.is_main, cfg.logging.tensorboard)
+    # Events an interrupted run logged after its last checkpoint are dropped from the curves.
+    purge = progress.step + 1 if progress.step else None
+    metrics = Metrics(run_dir, env.is_main, cfg.logging.tensorboard, purge_step=purge)
+    peak = device_peak_flops(env.device, cfg.train.precision, cfg.logging.peak_tflops)
     log.info(
-        "model %s: %s parameters | vocab %d | %d tokens x %d micro-batches per step | "
-        "device %s | %s",
+        "%s model, %s parameters, vocab %d | %d tokens x %d micro-batches x %d ranks per step | "
+        "backend %s, ZeRO stage %d, %s on %s | peak %.1f TFLOP/s | %s",
         cfg.model.kind,
         f"{count_parameters(model):,}",
         tok.vocab_size,
         cfg.train.max_tokens,
         cfg.train.grad_accum,
+        env.world_size,
+        cfg.distributed.backend,
+        cfg.distributed.zero_stage,
+        cfg.train.precision,
         env.device,
-        f"resumed from step {progress.step}" if progress.step else "new run",
+        peak / 1e12,
+        f"resumed from {resume_from} (step {progress.step})" if resume_from else "new run",
     )
-    try:
-        return _loop(cfg, env, tok, engine, loader, ckpts, metrics, progress)
-    finally:
-        metrics.close()
+    return Run(cfg, env, tok, engine, loader, ckpts, metrics, progress, peak)
 
 
 def _resume_point(cfg: Config, ckpts: CheckpointManager) -> Path | None:
@@ -149,24 +180,29 @@ def _restore(ckpt: Path, cfg: Config, tok: Tokenizer, engine, loader) -> Progres
     return Progress(**trainer_state["progress"])
 
 
-def _save(cfg, ckpts, step, tok, engine, loader, progress) -> None:
+def _save(run: Run, step: int) -> None:
     state = {
-        "engine": engine.state_dict(),
-        "data": loader.state_dict(),
+        "engine": run.engine.state_dict(),
+        "data": run.loader.state_dict(),
         "rng": rng_state(),
-        "progress": vars(progress).copy(),
+        "progress": vars(run.progress).copy(),
     }
-    meta = {"config": cfg.to_dict(), "tokenizer": tok.contract()}
-    ckpts.save(step, engine.module, state, meta)
+    meta = {"config": run.cfg.to_dict(), "tokenizer": run.tok.contract()}
+    run.ckpts.save(step, run.engine.module, state, meta)
+    run.metrics.flush()  # the curves up to a checkpoint survive a crash with it
 
 
-def _loop(cfg, env: DistEnv, tok, engine, loader, ckpts, metrics, progress) -> dict[str, float]:
-    kind, smoothing, pad = cfg.model.kind, cfg.train.label_smoothing, tok.pad_id
-    valid = _validation_batches(cfg, tok, env) if cfg.data.valid else None
+def _loop(run: Run) -> dict[str, float]:
+    cfg, engine, loader, progress = run.cfg, run.engine, run.loader, run.progress
+    kind, smoothing, pad = cfg.model.kind, cfg.train.label_smoothing, run.tok.pad_id
+    validation = Validation(cfg, run.tok, run.env) if cfg.data.valid else None
+    bar = ProgressBar(cfg.train.max_steps, progress.step, run.env.is_main)
     batches, window, last_eval = iter(loader), Window(), {}
     saved_step, epoch = progress.step, loader.epoch
     while progress.step < cfg.train.max_steps:
+        waited = time.perf_counter()
         micro = [next(batches) for _ in range(cfg.train.grad_accum)]
+        window.data_seconds += time.perf_counter() - waited
         if loader.epoch != epoch:
             _log_data(loader, f"epoch {epoch} done")
             epoch = loader.epoch
@@ -175,7 +211,8 @@ def _loop(cfg, env: DistEnv, tok, engine, loader, ckpts, metrics, progress) -> d
         n_tokens = sum(b.n_tokens for b in micro)
         engine.train()
         for batch in micro:
-            batch = batch.to(env.device)
+            window.flops += training_flops(cfg.model, run.tok.vocab_size, batch)
+            batch = batch.to(run.env.device)
             with engine.autocast():
                 loss, correct = batch_loss(engine.model, batch, kind, smoothing, pad)
             # Dividing by the step's tokens, not the micro-batch's, makes accumulation exact.
@@ -184,21 +221,29 @@ def _loop(cfg, env: DistEnv, tok, engine, loader, ckpts, metrics, progress) -> d
         grad_norm = engine.step()
         progress.step += 1
         progress.tokens += n_tokens
+        window.steps += 1
         step, last = progress.step, progress.step == cfg.train.max_steps
+        shown = None
         if step % cfg.logging.every_steps == 0 or last:
-            window = _log_window(metrics, step, window, grad_norm, engine.lr, progress)
-        if valid and ((cfg.train.eval_every and step % cfg.train.eval_every == 0) or last):
-            last_eval = _validate(cfg, engine, valid, metrics, step, pad)
-        if ckpts.due(step) or last:
-            _check_finite(window, step, ckpts)
-            _save(cfg, ckpts, step, tok, engine, loader, progress)
+            shown = _log_window(run, window, grad_norm, bar.bar is None)
+            window = Window()
+        bar.update(shown)
+        if validation and ((cfg.train.eval_every and step % cfg.train.eval_every == 0) or last):
+            last_eval = validation.run(engine, run.metrics, step)
+        if run.ckpts.due(step) or last:
+            _check_finite(window, step, run.ckpts)
+            _save(run, step)
             saved_step = step
         if window.tokens == 0:  # tokens/s measures training, not validation or saving
             window.started = time.perf_counter()
     if progress.step != saved_step:  # stopped early by max_epochs
-        _check_finite(window, progress.step, ckpts)
-        _save(cfg, ckpts, progress.step, tok, engine, loader, progress)
+        _check_finite(window, progress.step, run.ckpts)
+        _save(run, progress.step)
+    bar.close()
     _log_data(loader, f"training done at step {progress.step}, epoch {loader.epoch}")
+    run.metrics.hparams(
+        cfg.to_dict(), {f"valid_{k}": v for k, v in last_eval.items()}, progress.step
+    )
     return last_eval
 
 
@@ -215,8 +260,9 @@ def _log_data(loader: BatchLoader, when: str) -> None:
         )
 
 
-def _log_window(metrics, step, window: Window, grad_norm, lr, progress) -> Window:
-    """One host sync per log line: the whole window's sums come off the device together."""
+def _log_window(run: Run, window: Window, grad_norm, console: bool) -> dict[str, float]:
+    """One host sync per log line: the window's sums come off the device together."""
+    step, progress = run.progress.step, run.progress
     loss_sum = float(window.loss)
     if not math.isfinite(loss_sum):
         raise TrainingError(
@@ -224,24 +270,25 @@ def _log_window(metrics, step, window: Window, grad_norm, lr, progress) -> Windo
             "weights. Lower the learning rate (schedule.factor), set train.clip_norm (e.g. 1.0), "
             "or use train.precision=fp32, then re-run: it resumes from the last good checkpoint."
         )
-    elapsed = time.perf_counter() - window.started
+    elapsed = max(time.perf_counter() - window.started, 1e-9)
     progress.wall_seconds += elapsed
     tokens = max(window.tokens, 1)
     loss = loss_sum / tokens
-    metrics.log(
-        "train",
-        step,
-        {
-            "loss": loss,
-            "ppl": math.exp(min(loss, 50.0)),
-            "accuracy": float(window.correct) / tokens,
-            "lr": lr,
-            "grad_norm": float(grad_norm),
-            "tokens_per_s": window.tokens / max(elapsed, 1e-9),
-            "tokens": progress.tokens,
-        },
-    )
-    return Window()
+    scalars = {
+        "loss": loss,
+        "ppl": math.exp(min(loss, 50.0)),
+        "accuracy": float(window.correct) / tokens,
+        "lr": run.engine.lr,
+        "grad_norm": float(grad_norm),
+        "tokens_per_s": window.tokens / elapsed,
+        "step_time_s": elapsed / max(window.steps, 1),
+        "data_wait_fraction": window.data_seconds / elapsed,
+        "mfu": window.flops / elapsed / run.peak_flops,
+        "memory_gib": memory_bytes(run.env.device) / 2**30,
+        "tokens": progress.tokens,
+    }
+    run.metrics.log("train", step, scalars, console=console)
+    return {k: scalars[k] for k in ("loss", "lr", "tokens_per_s")}
 
 
 def _check_finite(window: Window, step: int, ckpts: CheckpointManager) -> None:
@@ -252,32 +299,3 @@ def _check_finite(window: Window, step: int, ckpts: CheckpointManager) -> None:
             f"non-finite training loss before step {step}; not saving. The last good checkpoint "
             f"is {latest or 'none'}. Lower schedule.factor or set train.clip_norm, then re-run."
         )
-
-
-def _validation_batches(cfg: Config, tok: Tokenizer, env: DistEnv) -> list[Any]:
-    loader = BatchLoader(
-        cfg.data,
-        cfg.data.valid,
-        tok,
-        kind=cfg.model.kind,
-        max_tokens=cfg.train.max_tokens,
-        seed=cfg.train.seed,
-        train=False,
-        rank=env.rank,
-        world_size=env.world_size,
-    )
-    batches = []
-    for batch in loader:
-        if cfg.train.eval_batches is not None and len(batches) >= cfg.train.eval_batches:
-            break
-        batches.append(batch)
-    return batches
-
-
-def _validate(cfg, engine, batches, metrics, step, pad_id) -> dict[str, float]:
-    with engine.autocast():
-        result = validation_metrics(
-            engine.model, batches, cfg.model.kind, pad_id, device=engine.device
-        )
-    metrics.log("valid", step, result)
-    return result

@@ -47,6 +47,8 @@ def numbers_config(run_dir, corpus, *overrides):
             "logging.every_steps=5",
             "checkpoint.every_steps=10",
             "decode.beam=2",
+            "train.eval_bleu=20",
+            "decode.max_len_b=10",
             *overrides,
         ],
     )

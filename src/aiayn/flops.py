@@ -1,0 +1,88 @@
+"""Floating-point work: what a training step costs, and what the device can do, for MFU."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from aiayn.config import ModelConfig
+from aiayn.data.batch import Batch
+
+log = logging.getLogger("aiayn")
+
+# Dense bf16 tensor-core peaks from the vendors' data sheets (FLOP/s), by device-name fragment.
+GPU_BF16_PEAK = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 70e12,
+    "L4": 121e12,
+}
+
+
+def training_flops(cfg: ModelConfig, vocab_size: int, batch: Batch) -> int:
+    """Matrix-multiply FLOPs of forward + backward (3x forward) for one micro-batch.
+
+    Counted on the padded shapes the kernels really process; attention counts the full T x S
+    score matrix even where a causal kernel skips half of it. Embedding lookups, norms and
+    softmax are left out, as in the usual 6 * params * tokens estimate.
+    """
+    d, ff, enc_layers = cfg.d_model, cfg.d_ff, cfg.N
+    dec_layers = cfg.decoder_layers or cfg.N
+    macs = 0
+    if batch.src is not None:
+        B, S = batch.src.shape
+        per_token = 4 * d * d + 2 * d * ff + 2 * S * d  # QKV + W^O, FFN, QK^T and AV
+        macs += enc_layers * B * S * per_token
+    if batch.tgt_in is not None:
+        B, T = batch.tgt_in.shape
+        per_token = 4 * d * d + 2 * d * ff + 2 * T * d
+        if cfg.kind == "seq2seq":
+            S = batch.src.shape[1]
+            per_token += 2 * d * d + 2 * S * d  # cross-attention: W^Q, W^O, QK^T, AV
+            macs += dec_layers * B * S * 2 * d * d  # cross-attention K, V of the memory
+        macs += dec_layers * B * T * per_token + B * T * d * vocab_size  # + output projection
+    if batch.labels is not None:
+        macs += batch.size * (d * d + d * cfg.num_classes)
+    return 3 * 2 * macs
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None) -> float:
+    """Best FLOP/s of an n x n x n matrix multiply on `device`: the practical ceiling."""
+    n = n or (8192 if device.type == "cuda" else 1024)
+    # Its own generator: drawing from the global one would change dropout after a resume.
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    best = float("inf")
+    for _ in range(4):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def device_peak_flops(device: torch.device, precision: str, configured: float | None) -> float:
+    """FLOP/s that MFU is measured against: the configured figure, a GPU's data sheet, or (on
+    CPU, or an unknown GPU) a matrix multiply measured now."""
+    if configured:
+        return configured * 1e12
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    if device.type == "cuda" and precision == "bf16":
+        name = torch.cuda.get_device_name(device)
+        for fragment, peak in GPU_BF16_PEAK.items():
+            if fragment in name:
+                return peak
+        log.warning(
+            "no data-sheet peak for %s: MFU uses a measured matmul peak; set "
+            "logging.peak_tflops to the data sheet's figure",
+            name,
+        )
+    return measure_matmul_peak(device, dtype)
