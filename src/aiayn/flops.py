@@ -52,7 +52,7 @@ def training_flops(cfg: ModelConfig, vocab_size: int, batch: Batch) -> int:
 
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None) -> float:
     """Best FLOP/s of an n x n x n matrix multiply on `device`: the practical ceiling."""
-    n = n or (8192 if device.type == "cuda" else 1024)
+    n = n or (8192 if device.type == "cuda" else 2048)
     # Its own generator: drawing from the global one would change dropout after a resume.
     gen = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
