@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from torch import nn
 
 from aiayn.checkpoint import load_checkpoint, read_manifest, resolve_checkpoint
 from aiayn.config import Config, DecodeConfig, apply_override, config_from_dict
-from aiayn.data import BatchLoader, open_split
+from aiayn.data import make_loader, open_split
 from aiayn.data.batch import Batch
 from aiayn.decode import beam_search, greedy_search
 from aiayn.loss import batch_loss
@@ -25,9 +26,17 @@ log = logging.getLogger("aiayn")
 
 
 def validation_metrics(
-    model: nn.Module, batches: list[Batch], kind: str, pad_id: int, device: torch.device
+    model: nn.Module,
+    batches: list[Batch],
+    kind: str,
+    pad_id: int,
+    device: torch.device,
+    reduce: Callable[[list[float]], list[float]] = lambda sums: sums,
 ) -> dict[str, float]:
-    """Loss without label smoothing (so perplexity is the model's own), and accuracy."""
+    """Loss without label smoothing (so perplexity is the model's own), and accuracy.
+
+    `reduce` sums the counts over data-parallel ranks, each of which holds a shard of batches.
+    """
     was_training = model.training
     model.eval()
     loss_sum, correct, n = 0.0, 0.0, 0
@@ -39,6 +48,7 @@ def validation_metrics(
             correct += float(right)
             n += batch.n_tokens
     model.train(was_training)
+    loss_sum, correct, n = reduce([loss_sum, correct, n])
     loss = loss_sum / max(n, 1)
     result = {"loss": loss, "accuracy": correct / max(n, 1)}
     if kind != "classifier":
@@ -107,16 +117,8 @@ class Validation:
 
     def __init__(self, cfg: Config, tok: Tokenizer, env):
         self.cfg, self.tok = cfg, tok
-        loader = BatchLoader(
-            cfg.data,
-            cfg.data.valid,
-            tok,
-            kind=cfg.model.kind,
-            max_tokens=cfg.train.max_tokens,
-            seed=cfg.train.seed,
-            train=False,
-            rank=env.rank,
-            world_size=env.world_size,
+        loader = make_loader(
+            cfg, cfg.data.valid, tok, train=False, rank=env.rank, world_size=env.world_size
         )
         limit = cfg.train.eval_batches  # None: all
         self.batches = list(itertools.islice(loader, limit))
@@ -125,13 +127,16 @@ class Validation:
             source = open_split(cfg.data, cfg.data.valid, "seq2seq")
             self.pairs = list(itertools.islice(source, cfg.train.eval_bleu))
 
-    def run(self, engine, metrics, step: int) -> dict[str, float]:
-        cfg, model, device = self.cfg, engine.model, engine.device
+    def run(self, engine, metrics, step: int, env) -> dict[str, float]:
+        """Validate; every rank must call it (the counts are summed over ranks). Translation
+        runs on rank 0 only."""
+        cfg, device = self.cfg, engine.device
         with engine.autocast():
+            # The bare module: a DDP forward outside the training step would wait for its peers.
             result = validation_metrics(
-                model, self.batches, cfg.model.kind, self.tok.pad_id, device
+                engine.module, self.batches, cfg.model.kind, self.tok.pad_id, device, env.sum
             )
-            if self.pairs:
+            if self.pairs and env.is_main:
                 srcs, refs = [p["src"] for p in self.pairs], [p["tgt"] for p in self.pairs]
                 hyps = translate(engine.module, self.tok, srcs, cfg.decode, device)
                 scores = bleu_scores(hyps, refs, cfg.decode.bleu_tokenize)
@@ -185,15 +190,7 @@ def evaluate(checkpoint: str | Path, split: str = "test", overrides: list[str] =
         out.write_text("".join(h + "\n" for h in hyps))
         result["hypotheses_file"] = str(out)
     else:
-        loader = BatchLoader(
-            cfg.data,
-            spec,
-            tok,
-            kind=kind,
-            max_tokens=cfg.train.max_tokens,
-            seed=cfg.train.seed,
-            train=False,
-        )
+        loader = make_loader(cfg, spec, tok, train=False)
         result = validation_metrics(model, list(loader), kind, tok.pad_id, device)
     result["checkpoint"] = str(ckpt)
     result["split"] = split

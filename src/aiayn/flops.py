@@ -74,7 +74,9 @@ def device_peak_flops(device: torch.device, precision: str, configured: float | 
     CPU, or an unknown GPU) a matrix multiply measured now."""
     if configured:
         return configured * 1e12
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    # On a CPU bf16 matmul is emulated and many times slower than fp32: fp32 is its ceiling.
+    bf16 = precision == "bf16" and device.type == "cuda"
+    dtype = torch.bfloat16 if bf16 else torch.float32
     if device.type == "cuda" and precision == "bf16":
         name = torch.cuda.get_device_name(device)
         for fragment, peak in GPU_BF16_PEAK.items():

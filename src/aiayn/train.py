@@ -17,9 +17,9 @@ import torch
 
 from aiayn.checkpoint import CheckpointManager, load_checkpoint
 from aiayn.config import Config
-from aiayn.data import BatchLoader, sample_sentences
-from aiayn.dist.engine import LocalEngine
-from aiayn.dist.env import DistEnv, setup
+from aiayn.data import BatchLoader, make_loader, sample_sentences
+from aiayn.dist.engine import LocalEngine, build_engine
+from aiayn.dist.env import DistEnv, setup, teardown
 from aiayn.errors import CheckpointError, TrainingError
 from aiayn.evaluate import Validation
 from aiayn.flops import device_peak_flops, training_flops
@@ -95,11 +95,14 @@ class Run:
 
 def train(cfg: Config) -> dict[str, float]:
     """Train until train.max_steps (or train.max_epochs); return the last validation metrics."""
-    run = _assemble(cfg)
     try:
-        return _loop(run)
+        run = _assemble(cfg)
+        try:
+            return _loop(run)
+        finally:
+            run.metrics.close()
     finally:
-        run.metrics.close()
+        teardown()
 
 
 def _assemble(cfg: Config) -> Run:
@@ -112,32 +115,30 @@ def _assemble(cfg: Config) -> Run:
         run_dir, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last, env.is_main
     )
     resume_from = _resume_point(cfg, ckpts)
-    tok = prepare_tokenizer(cfg)
-    seed_everything(cfg.train.seed)
+    if env.is_main:  # one writer: the others wait, then load what it trained
+        tok = prepare_tokenizer(cfg)
+    env.barrier()
+    if not env.is_main:
+        tok = Tokenizer(cfg.tokenizer_path)
+    seed_everything(cfg.train.seed)  # the same initial parameters on every rank
     model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
-    engine = LocalEngine(model, cfg, env.device)
-    loader = BatchLoader(
-        cfg.data,
-        cfg.data.train,
-        tok,
-        kind=cfg.model.kind,
-        max_tokens=cfg.train.max_tokens,
-        seed=cfg.train.seed,
-        train=True,
-        rank=env.rank,
-        world_size=env.world_size,
+    engine = build_engine(model, cfg, env)
+    seed_everything(cfg.train.seed + 1_000_003 * env.rank)  # different dropout on each rank
+    loader = make_loader(
+        cfg, cfg.data.train, tok, train=True, rank=env.rank, world_size=env.world_size
     )
     progress = Progress()
     if resume_from is not None:
-        progress = _restore(resume_from, cfg, tok, engine, loader)
-    cfg.save(run_dir / "config.yaml")
+        progress = _restore(resume_from, cfg, tok, engine, loader, env)
+    if env.is_main:  # after the checks a resume makes: a refused config never replaces it
+        cfg.save(run_dir / "config.yaml")
     # Events an interrupted run logged after its last checkpoint are dropped from the curves.
     purge = progress.step + 1 if progress.step else None
     metrics = Metrics(run_dir, env.is_main, cfg.logging.tensorboard, purge_step=purge)
     peak = device_peak_flops(env.device, cfg.train.precision, cfg.logging.peak_tflops)
     log.info(
         "%s model, %s parameters, vocab %d | %d tokens x %d micro-batches x %d ranks per step | "
-        "backend %s, ZeRO stage %d, %s on %s | peak %.1f TFLOP/s | %s",
+        "backend %s, ZeRO stage %d, %s on %s | peak %.3g TFLOP/s | %s",
         cfg.model.kind,
         f"{count_parameters(model):,}",
         tok.vocab_size,
@@ -171,20 +172,34 @@ def _resume_point(cfg: Config, ckpts: CheckpointManager) -> Path | None:
     return latest
 
 
-def _restore(ckpt: Path, cfg: Config, tok: Tokenizer, engine, loader) -> Progress:
+def _restore(ckpt: Path, cfg: Config, tok: Tokenizer, engine, loader, env: DistEnv) -> Progress:
     trainer_state, _ = load_checkpoint(ckpt, engine.module, expect_model=cfg.model, tokenizer=tok)
     engine.load_state_dict(trainer_state["engine"])
-    loader.load_state_dict(trainer_state["data"])
-    load_rng_state(trainer_state["rng"])
+    loader.load_state_dict(trainer_state["data"])  # the position of all ranks together
+    rngs = trainer_state["rng"]
+    if len(rngs) == env.world_size:
+        load_rng_state(rngs[env.rank])
+    else:  # another world size: fresh, distinct streams, derived from the step
+        log.warning(
+            "checkpoint has RNG states of %d ranks, this run has %d: dropout reseeded",
+            len(rngs),
+            env.world_size,
+        )
+        seed_everything(cfg.train.seed + 1_000_003 * env.rank + trainer_state["progress"]["step"])
     log.info("resuming from %s", ckpt)
     return Progress(**trainer_state["progress"])
 
 
 def _save(run: Run, step: int) -> None:
+    if run.engine.replicas_differ(run.env):
+        raise TrainingError(
+            f"parameters differ between data-parallel ranks at step {step}: not saving. This is "
+            "a bug (a rank stepped without the others); please report it with train.log."
+        )
     state = {
         "engine": run.engine.state_dict(),
-        "data": run.loader.state_dict(),
-        "rng": rng_state(),
+        "data": run.loader.state_dict(),  # the same on every rank: the group's position
+        "rng": run.env.gather(rng_state()),  # every rank's dropout stream, in rank order
         "progress": vars(run.progress).copy(),
     }
     meta = {"config": run.cfg.to_dict(), "tokenizer": run.tok.contract()}
@@ -206,17 +221,21 @@ def _loop(run: Run) -> dict[str, float]:
         if loader.epoch != epoch:
             _log_data(loader, f"epoch {epoch} done")
             epoch = loader.epoch
-        if cfg.train.max_epochs is not None and epoch >= cfg.train.max_epochs:
-            break
-        n_tokens = sum(b.n_tokens for b in micro)
+        if cfg.train.max_epochs is not None:
+            # Ranks cross an epoch boundary at different batches: stop together, when any has.
+            if run.env.sum([float(epoch >= cfg.train.max_epochs)])[0] > 0:
+                break
+        # Dividing by the step's tokens on all ranks, not the micro-batch's, makes accumulation
+        # and data parallelism compute the same update as one big batch.
+        n_tokens = int(run.env.sum([sum(b.n_tokens for b in micro)])[0])
         engine.train()
-        for batch in micro:
+        for i, batch in enumerate(micro):
             window.flops += training_flops(cfg.model, run.tok.vocab_size, batch)
             batch = batch.to(run.env.device)
-            with engine.autocast():
-                loss, correct = batch_loss(engine.model, batch, kind, smoothing, pad)
-            # Dividing by the step's tokens, not the micro-batch's, makes accumulation exact.
-            engine.backward(loss / max(n_tokens, 1))
+            with engine.accumulating(last=i == len(micro) - 1):
+                with engine.autocast():
+                    loss, correct = batch_loss(engine.model, batch, kind, smoothing, pad)
+                engine.backward(loss / max(n_tokens, 1))
             window.add(loss, correct, batch.n_tokens)
         grad_norm = engine.step()
         progress.step += 1
@@ -229,15 +248,15 @@ def _loop(run: Run) -> dict[str, float]:
             window = Window()
         bar.update(shown)
         if validation and ((cfg.train.eval_every and step % cfg.train.eval_every == 0) or last):
-            last_eval = validation.run(engine, run.metrics, step)
+            last_eval = validation.run(engine, run.metrics, step, run.env)
         if run.ckpts.due(step) or last:
-            _check_finite(window, step, run.ckpts)
+            _check_finite(window, step, run.ckpts, run.env)
             _save(run, step)
             saved_step = step
         if window.tokens == 0:  # tokens/s measures training, not validation or saving
             window.started = time.perf_counter()
     if progress.step != saved_step:  # stopped early by max_epochs
-        _check_finite(window, progress.step, run.ckpts)
+        _check_finite(window, progress.step, run.ckpts, run.env)
         _save(run, progress.step)
     bar.close()
     _log_data(loader, f"training done at step {progress.step}, epoch {loader.epoch}")
@@ -263,7 +282,9 @@ def _log_data(loader: BatchLoader, when: str) -> None:
 def _log_window(run: Run, window: Window, grad_norm, console: bool) -> dict[str, float]:
     """One host sync per log line: the window's sums come off the device together."""
     step, progress = run.progress.step, run.progress
-    loss_sum = float(window.loss)
+    loss_sum, correct, tokens, flops = run.env.sum(
+        [float(window.loss), float(window.correct), window.tokens, window.flops]
+    )
     if not math.isfinite(loss_sum):
         raise TrainingError(
             f"the training loss became {loss_sum} before step {step}. No checkpoint holds these "
@@ -272,18 +293,17 @@ def _log_window(run: Run, window: Window, grad_norm, console: bool) -> dict[str,
         )
     elapsed = max(time.perf_counter() - window.started, 1e-9)
     progress.wall_seconds += elapsed
-    tokens = max(window.tokens, 1)
-    loss = loss_sum / tokens
+    loss = loss_sum / max(tokens, 1)
     scalars = {
         "loss": loss,
         "ppl": math.exp(min(loss, 50.0)),
-        "accuracy": float(window.correct) / tokens,
+        "accuracy": correct / max(tokens, 1),
         "lr": run.engine.lr,
         "grad_norm": float(grad_norm),
-        "tokens_per_s": window.tokens / elapsed,
+        "tokens_per_s": tokens / elapsed,  # all ranks
         "step_time_s": elapsed / max(window.steps, 1),
-        "data_wait_fraction": window.data_seconds / elapsed,
-        "mfu": window.flops / elapsed / run.peak_flops,
+        "data_wait_fraction": window.data_seconds / elapsed,  # rank 0's
+        "mfu": flops / elapsed / (run.peak_flops * run.env.world_size),
         "memory_gib": memory_bytes(run.env.device) / 2**30,
         "tokens": progress.tokens,
     }
@@ -291,9 +311,9 @@ def _log_window(run: Run, window: Window, grad_norm, console: bool) -> dict[str,
     return {k: scalars[k] for k in ("loss", "lr", "tokens_per_s")}
 
 
-def _check_finite(window: Window, step: int, ckpts: CheckpointManager) -> None:
-    """Never write a checkpoint from weights a non-finite loss has touched."""
-    if not math.isfinite(float(window.loss)):
+def _check_finite(window: Window, step: int, ckpts: CheckpointManager, env: DistEnv) -> None:
+    """Never write a checkpoint from weights a non-finite loss has touched (on any rank)."""
+    if not math.isfinite(env.sum([float(window.loss)])[0]):
         latest = ckpts.latest()
         raise TrainingError(
             f"non-finite training loss before step {step}; not saving. The last good checkpoint "

@@ -133,15 +133,16 @@ def randomise(module):
     torch.manual_seed(1)
     with torch.no_grad():
         for p in module.parameters():
-            p.normal_(0, 0.3)  # non-zero biases too, so they are checked
+            p.normal_(0, 0.3)
     return module
 
 
 def test_self_attention_equals_naive_reference_with_and_without_mask():
     attn = randomise(SelfAttention(16, 4)).eval()
     x = torch.randn(2, 5, 16)
-    w = list(attn.qkv.weight.chunk(3)) + list(attn.qkv.bias.chunk(3))
-    args = (w[0], w[3], w[1], w[4], w[2], w[5], attn.out.weight, attn.out.bias, 4)
+    w_q, w_k, w_v = attn.qkv.weight.chunk(3)
+    no_bias = torch.zeros(16)  # the paper's projections have none (§3.2.2)
+    args = (w_q, no_bias, w_k, no_bias, w_v, no_bias, attn.out.weight, no_bias, 4)
     torch.testing.assert_close(attn(x), naive_attention(x, x, *args))
     keep = torch.tensor([[True] * 5, [True, True, True, False, False]])[:, None, None, :]
     torch.testing.assert_close(attn(x, mask=keep), naive_attention(x, x, *args, mask=keep[:, 0]))
@@ -153,8 +154,8 @@ def test_cross_attention_takes_keys_and_values_from_memory():
     attn = randomise(CrossAttention(16, 4)).eval()
     x, memory = torch.randn(2, 3, 16), torch.randn(2, 6, 16)
     w_k, w_v = attn.kv.weight.chunk(2)
-    b_k, b_v = attn.kv.bias.chunk(2)
-    args = (attn.q.weight, attn.q.bias, w_k, b_k, w_v, b_v, attn.out.weight, attn.out.bias, 4)
+    no_bias = torch.zeros(16)
+    args = (attn.q.weight, no_bias, w_k, no_bias, w_v, no_bias, attn.out.weight, no_bias, 4)
     keep = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])[:, None, None, :]
     out = attn(x, memory, mask=keep)
     assert out.shape == (2, 3, 16)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from aiayn.config import DataConfig
+from aiayn.config import Config, DataConfig
 from aiayn.data.batch import Batch
 from aiayn.data.sources import KINDS, open_split
 from aiayn.errors import DataError
@@ -303,6 +303,29 @@ class BatchLoader:
         tgt_out = chunk.tgt.padded(rows, pad, eos=eos)
         n = int(chunk.tgt.length[rows].sum()) + len(rows)
         return Batch(ids=ids, n_tokens=n, src=src, tgt_in=tgt_in, tgt_out=tgt_out)
+
+
+def make_loader(
+    cfg: Config,
+    split: str,
+    tokenizer: Tokenizer,
+    *,
+    train: bool,
+    rank: int = 0,
+    world_size: int = 1,
+) -> BatchLoader:
+    """The loader of one split as a run config describes it."""
+    return BatchLoader(
+        cfg.data,
+        split,
+        tokenizer,
+        kind=cfg.model.kind,
+        max_tokens=cfg.train.max_tokens,
+        seed=cfg.train.seed,
+        train=train,
+        rank=rank,
+        world_size=world_size,
+    )
 
 
 _END = object()

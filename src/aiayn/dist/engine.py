@@ -10,9 +10,13 @@ import contextlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aiayn.config import Config
+from aiayn.dist.env import DistEnv
+from aiayn.errors import ConfigError
 from aiayn.schedule import learning_rate
 
 
@@ -59,6 +63,21 @@ class LocalEngine:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
+    def accumulating(self, last: bool):
+        """Context for one micro-batch's forward and backward; `last` ends the step."""
+        return contextlib.nullcontext()
+
+    def replicas_differ(self, env: DistEnv) -> bool:
+        """True if parameters differ between data-parallel ranks (a sanity check, nanotron's
+        named-point style): one all-reduce of per-tensor sums, compared as min and max."""
+        if not env.distributed:
+            return False
+        sums = torch.stack([p.detach().double().sum() for p in self.module.parameters()])
+        low, high = sums.clone(), sums.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        return not torch.equal(low, high)
+
     def step(self) -> torch.Tensor:
         """Clip, step the optimizer and the schedule, clear gradients; return the grad norm.
 
@@ -80,3 +99,34 @@ class LocalEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+class DDPEngine(LocalEngine):
+    """PyTorch DistributedDataParallel: gradients all-reduced (averaged) in the backward pass."""
+
+    def __init__(self, model: nn.Module, cfg: Config, env: DistEnv):
+        super().__init__(model, cfg, env.device)
+        ids = [env.device.index] if env.device.type == "cuda" else None
+        self.model = DDP(self.module, device_ids=ids)  # broadcasts rank 0's parameters
+        self.world_size = env.world_size
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # The loop divides by the tokens of all ranks; DDP then averages over ranks, which
+        # would divide a second time by the world size.
+        (loss * self.world_size).backward()
+
+    def accumulating(self, last: bool):
+        # Gradients are all-reduced once per optimizer step, on its last micro-batch.
+        return contextlib.nullcontext() if last else self.model.no_sync()
+
+
+def build_engine(model: nn.Module, cfg: Config, env: DistEnv) -> LocalEngine:
+    """DDP across processes, or the plain engine on one."""
+    if cfg.distributed.backend == "deepspeed":
+        raise ConfigError(
+            "distributed.backend=deepspeed is not available in this version yet; use "
+            "distributed.backend=ddp (the default)"
+        )
+    if env.distributed:
+        return DDPEngine(model, cfg, env)
+    return LocalEngine(model, cfg, env.device)

@@ -1,11 +1,17 @@
-"""The process environment: rank, world size, device. One owner for all of it."""
+"""The process environment: rank, world size, device, process group. One owner for all of it.
+
+torchrun, `accelerate launch` and srun-started torchrun all set RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT; one process without them is world size 1 and needs no group.
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from aiayn.errors import ConfigError
 
@@ -21,6 +27,30 @@ class DistEnv:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over ranks (a no-op on one process). One collective for the list."""
+        if not self.distributed:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
 
 def pick_device(choice: str, local_rank: int = 0) -> torch.device:
     """auto: CUDA when present (one device per local rank), else CPU."""
@@ -32,13 +62,24 @@ def pick_device(choice: str, local_rank: int = 0) -> torch.device:
 
 
 def setup(device_choice: str) -> DistEnv:
-    """Read the launcher's environment (torchrun, accelerate and srun all set these variables)."""
+    """Join the process group the launcher describes: NCCL on GPUs, gloo on CPUs."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if world_size > 1:
-        raise ConfigError(
-            f"WORLD_SIZE={world_size}: this build trains on one process; multi-process "
-            "training (DDP, DeepSpeed) is not available yet. Run without torchrun."
-        )
-    return DistEnv(rank, world_size, local_rank, pick_device(device_choice, local_rank))
+    device = pick_device(device_choice, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:
+            raise ConfigError(
+                f"WORLD_SIZE={world_size} but MASTER_ADDR is not set: start the processes with "
+                "torchrun or accelerate launch (see launch/)"
+            )
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(minutes=30))
+    return DistEnv(rank, world_size, local_rank, device)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -42,7 +42,10 @@ class _Attention(nn.Module):
         super().__init__()
         self.h = h
         self.attention_dropout = attention_dropout
-        self.out = nn.Linear(d_model, d_model)  # W^O
+        # No biases on W^Q, W^K, W^V, W^O, as in §3.2.2. A key bias would be worse than
+        # useless: softmax ignores it, so its gradient is rounding noise that Adam (eps 1e-9)
+        # rescales into full-size steps.
+        self.out = nn.Linear(d_model, d_model, bias=False)  # W^O
 
     def attend(self, q, k, v, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
         # softmax(QK^T / sqrt(d_k)) V (§3.2.1); SDPA picks a fused kernel where it can.
@@ -69,7 +72,7 @@ class SelfAttention(_Attention):
 
     def __init__(self, d_model: int, h: int, attention_dropout: float = 0.0):
         super().__init__(d_model, h, attention_dropout)
-        self.qkv = nn.Linear(d_model, 3 * d_model)  # W^Q, W^K, W^V of every head, stacked
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)  # W^Q, W^K, W^V, stacked
 
     def reset_fused(self) -> None:
         self._xavier_per_matrix(self.qkv, 3)
@@ -96,8 +99,8 @@ class CrossAttention(_Attention):
 
     def __init__(self, d_model: int, h: int, attention_dropout: float = 0.0):
         super().__init__(d_model, h, attention_dropout)
-        self.q = nn.Linear(d_model, d_model)  # W^Q
-        self.kv = nn.Linear(d_model, 2 * d_model)  # W^K, W^V, applied to the memory
+        self.q = nn.Linear(d_model, d_model, bias=False)  # W^Q
+        self.kv = nn.Linear(d_model, 2 * d_model, bias=False)  # W^K, W^V of the memory
 
     def reset_fused(self) -> None:
         self._xavier_per_matrix(self.kv, 2)

@@ -1,0 +1,133 @@
+"""Data parallelism with real processes on CPU (gloo): torchrun, two 'nodes', accelerate."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from aiayn import demo_data
+from aiayn.config import TokenizerConfig
+from aiayn.data import sample_sentences
+from aiayn.config import load_config
+from aiayn.tokenizer import train_tokenizer
+
+pytestmark = pytest.mark.dist
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A corpus, a tokenizer trained once (so no run races to write it) and a config file."""
+    root = tmp_path_factory.mktemp("ddp")
+    corpus = demo_data.write_numbers(root / "numbers", n_train=3000, n_valid=100, n_test=50)
+    config = root / "run.yaml"
+    config.write_text(
+        f"""
+model: {{N: 1, d_model: 64, d_ff: 128, h: 4, max_len: 64, dropout: 0.0}}
+tokenizer: {{path: {root}/spm.model, vocab_size: 120}}
+data: {{train: {corpus}/train, valid: {corpus}/valid, src_lang: en, tgt_lang: de, max_len: 40,
+        shuffle_buffer: 1000}}
+train: {{max_steps: {STEPS}, max_tokens: 600, eval_every: 10, eval_bleu: 0, clip_norm: 1.0}}
+schedule: {{warmup: 100, factor: 1.0}}  # gentle: float rounding is not amplified
+logging: {{every_steps: 5}}
+checkpoint: {{every_steps: 10}}
+"""
+    )
+    cfg = load_config(config)
+    train_tokenizer(cfg.tokenizer, sample_sentences(cfg.data, "seq2seq", 5000, 1), cfg.tokenizer_path)
+    return root, config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# torchrun gives each of several local processes one thread; a matmul split over another
+# number of threads sums in another order. Every run here gets one, so runs compare exactly.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def run(cmd: list[str], timeout: int = 300) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def aiayn(config: Path, run_dir: Path, *overrides: str) -> list[str]:
+    return ["-m", "aiayn", "train", "--config", str(config), f"run_dir={run_dir}", *overrides]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "checkpoints" / f"step_{STEPS:08d}" / "model.safetensors")
+
+
+def assert_close(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= atol, f"largest parameter difference {worst:.3g} > {atol}"
+
+
+@pytest.fixture(scope="module")
+def ddp_run(setup):
+    root, config = setup
+    run_dir = root / "ddp2"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+    run(torchrun + aiayn(config, run_dir))
+    return run_dir
+
+
+def test_two_ddp_ranks_equal_one_process_accumulating_two_micro_batches(setup, ddp_run):
+    root, config = setup
+    single = root / "accum2"
+    run([sys.executable] + aiayn(config, single, "train.grad_accum=2"))
+    assert_close(final_weights(ddp_run), final_weights(single), atol=1e-5)
+    # ... and both differ from one process taking one micro-batch per step:
+    other = root / "accum1"
+    run([sys.executable] + aiayn(config, other))
+    with pytest.raises(AssertionError):
+        assert_close(final_weights(ddp_run), final_weights(other), atol=1e-5)
+
+
+def test_parameters_are_checked_identical_across_ranks_at_every_save(ddp_run):
+    log = (ddp_run / "train.log").read_text()
+    assert "x 2 ranks per step" in log
+    assert log.count("saved ") == 2  # steps 10 and 20, each after the replica check passed
+    assert "differ between data-parallel ranks" not in log
+
+
+def test_two_nodes_on_localhost_with_c10d_rendezvous(setup, ddp_run):
+    root, config = setup
+    run_dir = root / "nodes2"
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+             f"--node_rank={rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+             "--rdzv-id=aiayn-test", *aiayn(config, run_dir)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+        )
+        for rank in (0, 1)
+    ]
+    for node in nodes:
+        out, _ = node.communicate(timeout=300)
+        assert node.returncode == 0, out[-3000:]
+    assert_close(final_weights(run_dir), final_weights(ddp_run), atol=1e-6)
+
+
+def test_accelerate_launch_multi_process(setup, ddp_run):
+    root, config = setup
+    exe = Path(sys.executable).parent / "accelerate"
+    if not exe.exists() and shutil.which("accelerate") is None:
+        pytest.skip("accelerate is not installed")
+    run_dir = root / "accelerate"
+    run([str(exe), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+         "--main_process_port", str(free_port()), *aiayn(config, run_dir)])
+    assert_close(final_weights(run_dir), final_weights(ddp_run), atol=1e-6)
