@@ -305,6 +305,8 @@ def _log_window(run: Run, window: Window, grad_norm, console: bool) -> dict[str,
         "data_wait_fraction": window.data_seconds / elapsed,  # rank 0's
         "mfu": flops / elapsed / (run.peak_flops * run.env.world_size),
         "memory_gib": memory_bytes(run.env.device) / 2**30,
+        "loss_scale": run.engine.loss_scale,
+        "skipped_steps": run.engine.skipped_steps,
         "tokens": progress.tokens,
     }
     run.metrics.log("train", step, scalars, console=console)

@@ -28,6 +28,8 @@ TRAIN_TAGS = {
     "mfu",
     "memory_gib",
     "tokens",
+    "loss_scale",
+    "skipped_steps",
 }
 VALID_TAGS = {"loss", "ppl", "accuracy", "bleu", "bleu_lc"}
 

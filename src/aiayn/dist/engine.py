@@ -55,6 +55,11 @@ class LocalEngine:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
+    # fp32 and bf16 need no loss scaling: the scale is 1 and no step is skipped. An fp16
+    # engine reports its scaler's values here.
+    loss_scale: float = 1.0
+    skipped_steps: int = 0
+
     def autocast(self):
         if self.precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
