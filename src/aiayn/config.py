@@ -300,6 +300,9 @@ class LoggingConfig:
     """Write TensorBoard events into <run_dir>/tb."""
     samples: int = 3
     """Source / reference / hypothesis triples shown at each validation (seq2seq)."""
+    record_ids: bool = False
+    """Append the example ids of every batch each rank trains on to
+    <run_dir>/consumed/rank_<r>.jsonl (to audit what a run has seen, e.g. across a resume)."""
     peak_tflops: float | None = None
     """The device's peak TFLOP/s for MFU. None: a GPU's data sheet, or a matmul measured at start
     on CPU (and on GPUs without a known figure)."""

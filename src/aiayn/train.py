@@ -7,6 +7,7 @@ text -> tokenizer -> BatchLoader -> model -> loss -> engine (backward, clip, opt
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -216,7 +217,8 @@ def _loop(run: Run) -> dict[str, float]:
     saved_step, epoch = progress.step, loader.epoch
     while progress.step < cfg.train.max_steps:
         waited = time.perf_counter()
-        micro = [next(batches) for _ in range(cfg.train.grad_accum)]
+        fetched = [(next(batches), loader.epoch) for _ in range(cfg.train.grad_accum)]
+        micro = [batch for batch, _ in fetched]
         window.data_seconds += time.perf_counter() - waited
         if loader.epoch != epoch:
             _log_data(loader, f"epoch {epoch} done")
@@ -228,6 +230,8 @@ def _loop(run: Run) -> dict[str, float]:
         # Dividing by the step's tokens on all ranks, not the micro-batch's, makes accumulation
         # and data parallelism compute the same update as one big batch.
         n_tokens = int(run.env.sum([sum(b.n_tokens for b in micro)])[0])
+        if cfg.logging.record_ids:
+            _record_ids(run, fetched)
         engine.train()
         for i, batch in enumerate(micro):
             window.flops += training_flops(cfg.model, run.tok.vocab_size, batch)
@@ -264,6 +268,15 @@ def _loop(run: Run) -> dict[str, float]:
         cfg.to_dict(), {f"valid_{k}": v for k, v in last_eval.items()}, progress.step
     )
     return last_eval
+
+
+def _record_ids(run: Run, fetched: list) -> None:
+    path = Path(run.cfg.run_dir) / "consumed" / f"rank_{run.env.rank}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        for batch, epoch in fetched:
+            row = {"step": run.progress.step + 1, "epoch": epoch, "ids": batch.ids.tolist()}
+            fh.write(json.dumps(row) + "\n")
 
 
 def _log_data(loader: BatchLoader, when: str) -> None:

@@ -1,5 +1,6 @@
 """Data parallelism with real processes on CPU (gloo): torchrun, two 'nodes', accelerate."""
 
+import json
 import os
 import shutil
 import socket
@@ -13,9 +14,9 @@ from safetensors.torch import load_file
 
 from aiayn import demo_data
 from aiayn.config import TokenizerConfig
-from aiayn.data import sample_sentences
+from aiayn.data import make_loader, sample_sentences
 from aiayn.config import load_config
-from aiayn.tokenizer import train_tokenizer
+from aiayn.tokenizer import Tokenizer, train_tokenizer
 
 pytestmark = pytest.mark.dist
 STEPS = 20
@@ -131,3 +132,29 @@ def test_accelerate_launch_multi_process(setup, ddp_run):
     run([str(exe), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
          "--main_process_port", str(free_port()), *aiayn(config, run_dir)])
     assert_close(final_weights(run_dir), final_weights(ddp_run), atol=1e-6)
+
+
+def test_uneven_shards_finish_and_every_example_is_seen_once_per_epoch(setup):
+    """An odd number of batches per epoch on 2 ranks: one rank starts epoch 1 while the other
+    ends epoch 0. Nothing hangs, and epoch 0's examples are each trained on exactly once."""
+    root, config = setup
+    cfg = load_config(config)
+    tok = Tokenizer(cfg.tokenizer_path)
+    for max_tokens in range(600, 800, 10):
+        cfg.train.max_tokens = max_tokens
+        n_batches = sum(1 for _ in make_loader(cfg, cfg.data.train, tok, train=False))
+        if n_batches % 2:
+            break
+    assert n_batches % 2, "no max_tokens gives an odd number of batches"
+    run_dir = root / "uneven"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+    steps = n_batches // 2 + 3  # into epoch 1 on both ranks
+    run(torchrun + aiayn(config, run_dir, f"train.max_tokens={max_tokens}",
+                         f"train.max_steps={steps}", "logging.record_ids=true"))
+    seen: list[int] = []
+    for rank in (0, 1):
+        rows = [json.loads(line) for line in open(run_dir / "consumed" / f"rank_{rank}.jsonl")]
+        assert len(rows) == steps  # one batch per step on each rank: they stayed in step
+        seen += [i for row in rows if row["epoch"] == 0 for i in row["ids"]]
+    assert sorted(seen) == list(range(3000))  # every example once, none twice
