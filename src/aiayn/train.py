@@ -210,7 +210,6 @@ def _save(run: Run, step: int) -> None:
 
 def _loop(run: Run) -> dict[str, float]:
     cfg, engine, loader, progress = run.cfg, run.engine, run.loader, run.progress
-    kind, smoothing, pad = cfg.model.kind, cfg.train.label_smoothing, run.tok.pad_id
     validation = Validation(cfg, run.tok, run.env) if cfg.data.valid else None
     bar = ProgressBar(cfg.train.max_steps, progress.step, run.env.is_main)
     batches, window, last_eval = iter(loader), Window(), {}
@@ -227,24 +226,9 @@ def _loop(run: Run) -> dict[str, float]:
             # Ranks cross an epoch boundary at different batches: stop together, when any has.
             if run.env.sum([float(epoch >= cfg.train.max_epochs)])[0] > 0:
                 break
-        # Dividing by the step's tokens on all ranks, not the micro-batch's, makes accumulation
-        # and data parallelism compute the same update as one big batch.
-        n_tokens = int(run.env.sum([sum(b.n_tokens for b in micro)])[0])
         if cfg.logging.record_ids:
             _record_ids(run, fetched)
-        engine.train()
-        for i, batch in enumerate(micro):
-            window.flops += training_flops(cfg.model, run.tok.vocab_size, batch)
-            batch = batch.to(run.env.device)
-            with engine.accumulating(last=i == len(micro) - 1):
-                with engine.autocast():
-                    loss, correct = batch_loss(engine.model, batch, kind, smoothing, pad)
-                engine.backward(loss / max(n_tokens, 1))
-            window.add(loss, correct, batch.n_tokens)
-        grad_norm = engine.step()
-        progress.step += 1
-        progress.tokens += n_tokens
-        window.steps += 1
+        grad_norm = _train_step(run, micro, window)
         step, last = progress.step, progress.step == cfg.train.max_steps
         shown = None
         if step % cfg.logging.every_steps == 0 or last:
@@ -268,6 +252,30 @@ def _loop(run: Run) -> dict[str, float]:
         cfg.to_dict(), {f"valid_{k}": v for k, v in last_eval.items()}, progress.step
     )
     return last_eval
+
+
+def _train_step(run: Run, micro: list, window: Window) -> torch.Tensor:
+    """One optimizer step over the micro-batches of this rank; returns the gradient norm."""
+    cfg, engine = run.cfg, run.engine
+    # Dividing by the step's tokens on all ranks, not the micro-batch's, makes accumulation
+    # and data parallelism compute the same update as one big batch.
+    n_tokens = int(run.env.sum([sum(b.n_tokens for b in micro)])[0])
+    engine.train()
+    for i, batch in enumerate(micro):
+        window.flops += training_flops(cfg.model, run.tok.vocab_size, batch)
+        batch = batch.to(run.env.device)
+        with engine.accumulating(last=i == len(micro) - 1):
+            with engine.autocast():
+                loss, correct = batch_loss(
+                    engine.model, batch, cfg.model.kind, cfg.train.label_smoothing, run.tok.pad_id
+                )
+            engine.backward(loss / max(n_tokens, 1))
+        window.add(loss, correct, batch.n_tokens)
+    grad_norm = engine.step()
+    run.progress.step += 1
+    run.progress.tokens += n_tokens
+    window.steps += 1
+    return grad_norm
 
 
 def _record_ids(run: Run, fetched: list) -> None:

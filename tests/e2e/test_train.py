@@ -206,6 +206,22 @@ def test_the_language_model_learns_to_count(tmp_path):
     train(cfg)
     valid = scalars(tmp_path / "run", "valid/ppl")
     assert valid[-1][1] < 0.5 * valid[0][1], valid
+    proc = run_cli(
+        "generate",
+        "--checkpoint",
+        str(tmp_path / "run"),
+        "--prompt",
+        "forty-one",
+        "--prompt",
+        "seven",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0",
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("forty-one ") and lines[1].startswith("seven ")
 
 
 def test_the_classifier_learns_parity_and_reports_accuracy(tmp_path):
