@@ -81,9 +81,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_train(args) -> int:
     from aiayn.config import load_config
+    from aiayn.preemption import REQUEUE_EXIT_CODE, Preempted
     from aiayn.train import train
 
-    train(load_config(args.config, args.overrides))
+    try:
+        train(load_config(args.config, args.overrides))
+    except Preempted as exc:
+        print(f"aiayn train: {exc}; exit code {REQUEUE_EXIT_CODE}: requeue me", file=sys.stderr)
+        return REQUEUE_EXIT_CODE
     return 0
 
 

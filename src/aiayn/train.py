@@ -27,6 +27,7 @@ from aiayn.flops import device_peak_flops, training_flops
 from aiayn.loss import batch_loss
 from aiayn.metrics import Metrics, ProgressBar, memory_bytes, setup_logging
 from aiayn.model import build_model, count_parameters
+from aiayn.preemption import REQUEUE_EXIT_CODE, Preempted, StopFlag
 from aiayn.seeding import load_rng_state, rng_state, seed_everything
 from aiayn.tokenizer import Tokenizer, train_tokenizer
 
@@ -92,21 +93,23 @@ class Run:
     metrics: Metrics
     progress: Progress
     peak_flops: float
+    stop: StopFlag
 
 
 def train(cfg: Config) -> dict[str, float]:
     """Train until train.max_steps (or train.max_epochs); return the last validation metrics."""
     try:
-        run = _assemble(cfg)
-        try:
-            return _loop(run)
-        finally:
-            run.metrics.close()
+        with StopFlag() as stop:
+            run = _assemble(cfg, stop)
+            try:
+                return _loop(run)
+            finally:
+                run.metrics.close()
     finally:
         teardown()
 
 
-def _assemble(cfg: Config) -> Run:
+def _assemble(cfg: Config, stop: StopFlag) -> Run:
     env = setup(cfg.train.device)
     run_dir = Path(cfg.run_dir)
     setup_logging(run_dir, env.rank)
@@ -153,7 +156,7 @@ def _assemble(cfg: Config) -> Run:
         peak / 1e12,
         f"resumed from {resume_from} (step {progress.step})" if resume_from else "new run",
     )
-    return Run(cfg, env, tok, engine, loader, ckpts, metrics, progress, peak)
+    return Run(cfg, env, tok, engine, loader, ckpts, metrics, progress, peak, stop)
 
 
 def _resume_point(cfg: Config, ckpts: CheckpointManager) -> Path | None:
@@ -228,13 +231,15 @@ def _loop(run: Run) -> dict[str, float]:
                 break
         if cfg.logging.record_ids:
             _record_ids(run, fetched)
-        grad_norm = _train_step(run, micro, window)
+        grad_norm, stop_now = _train_step(run, micro, window)
         step, last = progress.step, progress.step == cfg.train.max_steps
         shown = None
         if step % cfg.logging.every_steps == 0 or last:
             shown = _log_window(run, window, grad_norm, bar.bar is None)
             window = Window()
         bar.update(shown)
+        if stop_now:
+            _stop(run, window, step)
         if validation and ((cfg.train.eval_every and step % cfg.train.eval_every == 0) or last):
             last_eval = validation.run(engine, run.metrics, step, run.env)
         if run.ckpts.due(step) or last:
@@ -254,12 +259,14 @@ def _loop(run: Run) -> dict[str, float]:
     return last_eval
 
 
-def _train_step(run: Run, micro: list, window: Window) -> torch.Tensor:
-    """One optimizer step over the micro-batches of this rank; returns the gradient norm."""
+def _train_step(run: Run, micro: list, window: Window) -> tuple[torch.Tensor, bool]:
+    """One optimizer step over this rank's micro-batches; returns the gradient norm and
+    whether any rank was asked to stop (reduced together with the token count)."""
     cfg, engine = run.cfg, run.engine
     # Dividing by the step's tokens on all ranks, not the micro-batch's, makes accumulation
     # and data parallelism compute the same update as one big batch.
-    n_tokens = int(run.env.sum([sum(b.n_tokens for b in micro)])[0])
+    tokens, stops = run.env.sum([sum(b.n_tokens for b in micro), float(run.stop.requested)])
+    n_tokens = int(tokens)
     engine.train()
     for i, batch in enumerate(micro):
         window.flops += training_flops(cfg.model, run.tok.vocab_size, batch)
@@ -275,7 +282,22 @@ def _train_step(run: Run, micro: list, window: Window) -> torch.Tensor:
     run.progress.step += 1
     run.progress.tokens += n_tokens
     window.steps += 1
-    return grad_norm
+    return grad_norm, stops > 0
+
+
+def _stop(run: Run, window: Window, step: int) -> None:
+    """Preemption: every rank saves this step, then raises Preempted (exit code 75)."""
+    _check_finite(window, step, run.ckpts, run.env)
+    _save(run, step)
+    waited = time.monotonic() - run.stop.received_at if run.stop.requested else 0.0
+    source = f"{waited:.2f}s after the signal" if run.stop.requested else "signal on another rank"
+    log.warning(
+        "stop requested: saved step %d (%s); exiting with %d: checkpointed, requeue me",
+        step,
+        source,
+        REQUEUE_EXIT_CODE,
+    )
+    raise Preempted(step, waited)
 
 
 def _record_ids(run: Run, fetched: list) -> None:

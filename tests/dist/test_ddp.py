@@ -3,9 +3,11 @@
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -158,3 +160,39 @@ def test_uneven_shards_finish_and_every_example_is_seen_once_per_epoch(setup):
         assert len(rows) == steps  # one batch per step on each rank: they stayed in step
         seen += [i for row in rows if row["epoch"] == 0 for i in row["ids"]]
     assert sorted(seen) == list(range(3000))  # every example once, none twice
+
+
+def test_a_signal_to_one_rank_stops_all_ranks_after_the_same_step(setup):
+    """SIGUSR1 to rank 1 only: the flag is reduced with the step's token count, so both ranks
+    stop after the same step, the checkpoint is written, and the run resumes on 2 ranks."""
+    psutil = pytest.importorskip("psutil")
+    root, config = setup
+    run_dir = root / "preempted"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+    cmd = torchrun + aiayn(config, run_dir, "train.max_steps=100000", "logging.every_steps=1",
+                           "train.eval_every=0", "checkpoint.every_steps=100000")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=ENV)
+    log = run_dir / "train.log"
+    try:
+        deadline = time.time() + 120
+        while not (log.is_file() and "train step 4 |" in log.read_text()):
+            assert proc.poll() is None and time.time() < deadline, "training did not get going"
+            time.sleep(0.05)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "aiayn" in " ".join(p.cmdline())]
+        rank1 = [p for p in workers if p.environ().get("RANK") == "1"]
+        assert len(rank1) == 1, workers
+        rank1[0].send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    saved = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert len(saved) == 1, out[-3000:]
+    step = int(saved[0].name.split("_")[1])
+    assert f"stop requested: saved step {step} (signal on another rank)" in log.read_text()
+    assert f"aiayn train: preempted: checkpoint of step {step} saved" in out  # rank 1 said so
+    run(torchrun[:-1] + [f"--master_port={free_port()}"]
+        + aiayn(config, run_dir, f"train.max_steps={step + 3}", "train.eval_every=0"))
+    assert (run_dir / "checkpoints" / f"step_{step + 3:08d}").is_dir()
