@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from aiayn import demo_data
 from aiayn.config import load_config
 from aiayn.train import train
 
@@ -32,11 +31,6 @@ TRAIN_TAGS = {
     "skipped_steps",
 }
 VALID_TAGS = {"loss", "ppl", "accuracy", "bleu", "bleu_lc"}
-
-
-@pytest.fixture(scope="module")
-def numbers(tmp_path_factory):
-    return demo_data.write_numbers(tmp_path_factory.mktemp("numbers"), 2000, 100, 50)
 
 
 def overrides(run_dir, corpus, *extra):

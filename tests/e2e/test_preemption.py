@@ -9,15 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from aiayn import demo_data
 from aiayn.config import load_config
 from aiayn.preemption import REQUEUE_EXIT_CODE
 from aiayn.train import train
-
-
-@pytest.fixture(scope="module")
-def numbers(tmp_path_factory):
-    return demo_data.write_numbers(tmp_path_factory.mktemp("numbers"), 2000, 100, 50)
 
 
 def overrides(run_dir, corpus, *extra):

@@ -16,7 +16,7 @@ from aiayn.train import train
 
 
 @pytest.fixture(scope="module")
-def numbers(tmp_path_factory):
+def numbers(tmp_path_factory):  # larger than conftest's: these runs must learn visibly
     return demo_data.write_numbers(
         tmp_path_factory.mktemp("numbers"), n_train=3000, n_valid=200, n_test=100
     )
