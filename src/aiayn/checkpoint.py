@@ -178,9 +178,10 @@ class CheckpointManager:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or the latest valid one of a run directory."""
+    """A checkpoint directory, or the latest valid one of a run directory; verified."""
     path = Path(path)
     if (path / MANIFEST_FILE).is_file():
+        read_manifest(path)  # a corrupt checkpoint named explicitly is an error, not a fallback
         return path
     for run_dir in (path, path.parent):  # a run_dir, or its checkpoints/ folder
         found = CheckpointManager(run_dir, 1, 1, is_writer=False).latest()
@@ -193,14 +194,21 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_checkpoint(
-    ckpt: Path, model: nn.Module, *, expect_model: Any = None, tokenizer: Any = None
+    ckpt: Path,
+    model: nn.Module,
+    *,
+    expect_model: Any = None,
+    tokenizer: Any = None,
+    verify: bool = True,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Load weights into `model`; return (trainer_state, manifest). Never unpickles code.
 
     `expect_model` (a ModelConfig) and `tokenizer` are checked against what the checkpoint
     recorded before any tensor is read, so a mismatch names its fields instead of a shape.
+    `verify=False` skips the checksums for a checkpoint that `CheckpointManager.latest` or
+    `resolve_checkpoint` has just verified: hashing the weights twice doubles the load time.
     """
-    manifest = read_manifest(ckpt)
+    manifest = read_manifest(ckpt, verify=verify)
     if expect_model is not None:
         check_architecture(manifest["config"]["model"], dataclasses.asdict(expect_model), str(ckpt))
     if tokenizer is not None:

@@ -157,14 +157,14 @@ def load_for_inference(
     """Rebuild a model from a checkpoint's own config (plus overrides) and load its weights."""
     from aiayn.dist.env import pick_device
 
-    ckpt = resolve_checkpoint(checkpoint)
+    ckpt = resolve_checkpoint(checkpoint)  # verified here, so not again below
     raw = read_manifest(ckpt, verify=False)["config"]
     for item in overrides:
         apply_override(raw, item)
     cfg = config_from_dict(raw, source=f"{ckpt}/manifest.json")
     tok = Tokenizer(cfg.tokenizer_path)
     model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
-    load_checkpoint(ckpt, model, expect_model=cfg.model, tokenizer=tok)
+    load_checkpoint(ckpt, model, expect_model=cfg.model, tokenizer=tok, verify=False)
     model.to(pick_device(device)).eval()
     return cfg, model, tok, ckpt
 

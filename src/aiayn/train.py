@@ -177,7 +177,13 @@ def _resume_point(cfg: Config, ckpts: CheckpointManager) -> Path | None:
 
 
 def _restore(ckpt: Path, cfg: Config, tok: Tokenizer, engine, loader, env: DistEnv) -> Progress:
-    trainer_state, _ = load_checkpoint(ckpt, engine.module, expect_model=cfg.model, tokenizer=tok)
+    trainer_state, _ = load_checkpoint(
+        ckpt,
+        engine.module,
+        expect_model=cfg.model,
+        tokenizer=tok,
+        verify=False,  # _resume_point found it through latest(), which verified it
+    )
     engine.load_state_dict(trainer_state["engine"])
     loader.load_state_dict(trainer_state["data"])  # the position of all ranks together
     rngs = trainer_state["rng"]
