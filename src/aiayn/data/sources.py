@@ -160,30 +160,29 @@ def _parallel_examples(pairs: list[list[str]], strict: bool) -> Iterator[dict]:
         with _open_bytes(src_path) as fs, _open_bytes(tgt_path) as ft:
             # Line counts were compared when the source was opened.
             for lineno, (bs, bt) in enumerate(zip(fs, ft, strict=False), start=1):
-                try:
-                    src = bs.decode("utf-8")
-                except UnicodeDecodeError:
-                    if strict:
-                        raise _utf8_error(src_path, lineno) from None
-                    continue
-                try:
-                    tgt = bt.decode("utf-8")
-                except UnicodeDecodeError:
-                    if strict:
-                        raise _utf8_error(tgt_path, lineno) from None
-                    continue
-                yield {"src": src.strip(), "tgt": tgt.strip()}
+                src = _decode(bs, src_path, lineno, strict)
+                tgt = _decode(bt, tgt_path, lineno, strict) if src is not None else None
+                if tgt is not None:
+                    yield {"src": src, "tgt": tgt}
 
 
 def _text_examples(files: list[str], strict: bool) -> Iterator[dict]:
     for path in files:
         with _open_bytes(path) as fh:
             for lineno, line in enumerate(fh, start=1):
-                try:
-                    yield {"text": line.decode("utf-8").strip()}
-                except UnicodeDecodeError:
-                    if strict:
-                        raise _utf8_error(path, lineno) from None
+                text = _decode(line, path, lineno, strict)
+                if text is not None:
+                    yield {"text": text}
+
+
+def _decode(line: bytes, path: str, lineno: int, strict: bool) -> str | None:
+    """The line as text, or None when it is not UTF-8 and such lines are skipped."""
+    try:
+        return line.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        if strict:
+            raise _utf8_error(path, lineno) from None
+        return None
 
 
 def _parallel_files(prefix: str, src_lang: str, tgt_lang: str) -> list[tuple[str, str]]:
