@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import tiny  # tests/e2e/tiny.py, beside this file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from aiayn.config import load_config
@@ -34,29 +35,17 @@ VALID_TAGS = {"loss", "ppl", "accuracy", "bleu", "bleu_lc"}
 
 
 def overrides(run_dir, corpus, *extra):
-    return [
-        f"run_dir={run_dir}",
-        f"data.train={corpus}/train",
+    return tiny.overrides(
+        run_dir,
+        corpus,
         f"data.valid={corpus}/valid",
         f"data.test={corpus}/test",
-        "data.src_lang=en",
-        "data.tgt_lang=de",
-        "data.max_len=40",
-        "data.shuffle_buffer=500",
-        "model.N=1",
-        "model.d_model=32",
-        "model.d_ff=64",
-        "model.h=2",
-        "model.max_len=64",
-        "tokenizer.vocab_size=100",
-        "train.max_tokens=800",
         "train.eval_bleu=8",
         "decode.beam=1",
         "decode.max_len_b=5",
-        "schedule.warmup=10",
         "logging.peak_tflops=0.1",
         *extra,
-    ]
+    )
 
 
 def events(run_dir: Path) -> EventAccumulator:

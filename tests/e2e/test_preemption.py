@@ -6,6 +6,7 @@ import sys
 import time
 
 import pytest
+import tiny  # tests/e2e/tiny.py, beside this file
 import torch
 from safetensors.torch import load_file
 
@@ -15,26 +16,14 @@ from aiayn.train import train
 
 
 def overrides(run_dir, corpus, *extra):
-    return [
-        f"run_dir={run_dir}",
-        f"data.train={corpus}/train",
-        "data.src_lang=en",
-        "data.tgt_lang=de",
-        "data.max_len=40",
-        "data.shuffle_buffer=500",
-        "model.N=1",
-        "model.d_model=32",
-        "model.d_ff=64",
-        "model.h=2",
-        "model.max_len=64",
+    return tiny.overrides(
+        run_dir,
+        corpus,
         "model.dropout=0.1",
-        "tokenizer.vocab_size=100",
-        "train.max_tokens=800",
-        "schedule.warmup=10",
         "logging.every_steps=1",
         "checkpoint.every_steps=1000",
         *extra,
-    ]
+    )
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["TERM", "USR1"])
