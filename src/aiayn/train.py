@@ -262,6 +262,9 @@ def _loop(run: Run) -> dict[str, float]:
     run.metrics.hparams(
         cfg.to_dict(), {f"valid_{k}": v for k, v in last_eval.items()}, progress.step
     )
+    # Ranks leave together: one that tears its process group down while a peer is still
+    # saving can abort in gloo ("terminate called without an active exception").
+    run.env.barrier()
     return last_eval
 
 
@@ -303,6 +306,7 @@ def _stop(run: Run, window: Window, step: int) -> None:
         source,
         REQUEUE_EXIT_CODE,
     )
+    run.env.barrier()  # leave together, as at the end of training
     raise Preempted(step, waited)
 
 
