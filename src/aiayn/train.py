@@ -7,6 +7,7 @@ text -> tokenizer -> BatchLoader -> model -> loss -> engine (backward, clip, opt
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -218,10 +219,16 @@ def _save(run: Run, step: int) -> None:
 
 
 def _loop(run: Run) -> dict[str, float]:
+    # Closing the batch iterator stops the loader's read-ahead thread before the process ends.
+    with contextlib.closing(iter(run.loader)) as batches:
+        return _train_until_done(run, batches)
+
+
+def _train_until_done(run: Run, batches) -> dict[str, float]:
     cfg, engine, loader, progress = run.cfg, run.engine, run.loader, run.progress
     validation = Validation(cfg, run.tok, run.env) if cfg.data.valid else None
     bar = ProgressBar(cfg.train.max_steps, progress.step, run.env.is_main)
-    batches, window, last_eval = iter(loader), Window(), {}
+    window, last_eval = Window(), {}
     saved_step, epoch = progress.step, loader.epoch
     while progress.step < cfg.train.max_steps:
         waited = time.perf_counter()
@@ -262,9 +269,6 @@ def _loop(run: Run) -> dict[str, float]:
     run.metrics.hparams(
         cfg.to_dict(), {f"valid_{k}": v for k, v in last_eval.items()}, progress.step
     )
-    # Ranks leave together: one that tears its process group down while a peer is still
-    # saving can abort in gloo ("terminate called without an active exception").
-    run.env.barrier()
     return last_eval
 
 
@@ -306,7 +310,6 @@ def _stop(run: Run, window: Window, step: int) -> None:
         source,
         REQUEUE_EXIT_CODE,
     )
-    run.env.barrier()  # leave together, as at the end of training
     raise Preempted(step, waited)
 
 

@@ -336,7 +336,7 @@ def _prefetch(items: Iterator, depth: int = 1) -> Iterator:
     while the current one's batches train: SentencePiece releases the GIL while it encodes.
 
     Order and content are those of `items`; only the timing changes. Leaving the loop early
-    stops the thread at its next hand-over.
+    stops the thread at its next hand-over, and waits for it.
     """
     hand = queue.Queue(maxsize=depth)
     stop = threading.Event()
@@ -359,7 +359,8 @@ def _prefetch(items: Iterator, depth: int = 1) -> Iterator:
         except BaseException as exc:  # handed to the consumer, raised there
             put(exc)
 
-    threading.Thread(target=produce, name="aiayn-data", daemon=True).start()
+    reader = threading.Thread(target=produce, name="aiayn-data", daemon=True)
+    reader.start()
     try:
         while (item := hand.get()) is not _END:
             if isinstance(item, BaseException):
@@ -367,6 +368,10 @@ def _prefetch(items: Iterator, depth: int = 1) -> Iterator:
             yield item
     finally:
         stop.set()
+        # Wait for it: a daemon thread still inside SentencePiece or torch when the interpreter
+        # exits is unwound through C++ and aborts the process ("terminate called without an
+        # active exception"). It stops at its next hand-over, after at most one chunk.
+        reader.join()
 
 
 def _budget_batches(order: np.ndarray, width: np.ndarray, max_tokens: int) -> list[np.ndarray]:
