@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file
 from torch import nn
 
 from aiayn.errors import CheckpointError
@@ -80,6 +80,26 @@ def _write_atomic(path: Path, text: str) -> None:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def save_weights(module: nn.Module, path: Path) -> None:
+    """Write `module`'s weights as safetensors, each tensor once.
+
+    Tied names (the same tensor under several names) keep the first in sorted order, with the
+    others recorded in the metadata, as `safetensors.torch.save_model` does, so `load_model`
+    restores the tie. Unlike save_model this also works when a sharded optimizer keeps the
+    parameters as views of one flat buffer (ZeRO 1/2): each tensor is copied out of it.
+    """
+    state = module.state_dict()
+    groups: dict[tuple, list[str]] = {}
+    for name, t in state.items():
+        groups.setdefault((t.data_ptr(), t.dtype, tuple(t.shape)), []).append(name)
+    tensors, metadata = {}, {}
+    for names in groups.values():
+        keep, *tied = sorted(names)
+        tensors[keep] = state[keep].detach().to("cpu", copy=True).contiguous()
+        metadata.update({name: keep for name in tied})
+    save_file(tensors, str(path), metadata=metadata or None)
 
 
 def read_manifest(ckpt: Path, verify: bool = True) -> dict[str, Any]:
@@ -141,24 +161,44 @@ class CheckpointManager:
         return None
 
     def save(
-        self, step: int, model: nn.Module, trainer_state: dict[str, Any], meta: dict[str, Any]
+        self,
+        step: int,
+        engine,
+        trainer_state: dict[str, Any],
+        meta: dict[str, Any],
+        env=None,
     ) -> Path | None:
-        """Write checkpoint `step` atomically; return its path (None on non-writers)."""
+        """Write checkpoint `step` atomically; return its path (None on non-writers).
+
+        Every rank must call it: a sharded engine (DeepSpeed ZeRO) writes each rank's
+        partition into the same temporary directory before the writer adds the consolidated
+        weights, the trainer state and the manifest that covers every file.
+        """
+        started = time.perf_counter()
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f".tmp-{final.name}"
+        if self.is_writer:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        barrier = env.barrier if env is not None else lambda: None
+        barrier()
+        engine.save_shards(tmp)
+        with engine.full_module() as module:  # a collective under ZeRO-3
+            if self.is_writer:
+                save_weights(module, tmp / MODEL_FILE)
+        barrier()  # every rank's shards are on disk
         if not self.is_writer:
             return None
-        started = time.perf_counter()
-        self.root.mkdir(parents=True, exist_ok=True)
-        final = self.root / step_dir_name(step)
-        tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        save_model(model, str(tmp / MODEL_FILE))
         torch.save(trainer_state, tmp / TRAINER_FILE)
         files = {}
-        for name in (MODEL_FILE, TRAINER_FILE):
-            with open(tmp / name, "rb+") as fh:
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            with open(path, "rb+") as fh:
                 os.fsync(fh.fileno())
-            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+            name = path.relative_to(tmp).as_posix()
+            files[name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        for folder in sorted({p.parent for p in tmp.rglob("*")}, reverse=True):
+            _fsync_dir(folder)
         manifest = {"format": FORMAT_VERSION, "step": step, "files": files, **meta}
         _write_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1))
         if final.exists():  # a re-save of the same step (e.g. after a resume at the end)
@@ -195,13 +235,15 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def load_checkpoint(
     ckpt: Path,
-    model: nn.Module,
+    model: nn.Module | None,
     *,
     expect_model: Any = None,
     tokenizer: Any = None,
     verify: bool = True,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Load weights into `model`; return (trainer_state, manifest). Never unpickles code.
+
+    `model=None` loads no weights: a sharded engine restores them from its own shards.
 
     `expect_model` (a ModelConfig) and `tokenizer` are checked against what the checkpoint
     recorded before any tensor is read, so a mismatch names its fields instead of a shape.
@@ -213,8 +255,10 @@ def load_checkpoint(
         check_architecture(manifest["config"]["model"], dataclasses.asdict(expect_model), str(ckpt))
     if tokenizer is not None:
         check_contract(manifest["tokenizer"], tokenizer, where=str(ckpt))
+    missing, unexpected = [], []
     try:
-        missing, unexpected = load_model(model, str(ckpt / MODEL_FILE), strict=False)
+        if model is not None:
+            missing, unexpected = load_model(model, str(ckpt / MODEL_FILE), strict=False)
     except RuntimeError as exc:  # shape mismatches
         raise CheckpointError(f"{ckpt} does not fit this model: {exc}") from None
     if missing or unexpected:

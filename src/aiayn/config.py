@@ -226,8 +226,10 @@ class TrainConfig:
     """Validation sentences translated for sacreBLEU at each validation (seq2seq); 0: none."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto picks CUDA when present."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """bf16 runs the forward pass under autocast; weights and optimizer stay fp32."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """bf16 and fp16 run the forward pass under autocast; weights and optimizer stay fp32.
+    fp16 adds dynamic loss scaling (a step whose gradients overflow is skipped); it is meant
+    for GPUs without bf16."""
     threads: int | None = None
     """torch intra-op threads on CPU (None: torch's default)."""
 
@@ -254,22 +256,39 @@ class DistributedConfig:
     backend: Literal["ddp", "deepspeed"] = "ddp"
     """ddp: PyTorch DistributedDataParallel (also the single-process path); deepspeed: ZeRO."""
     zero_stage: int = 0
-    """DeepSpeed ZeRO stage 0-3."""
+    """DeepSpeed ZeRO stage: 0 none, 1 optimizer states, 2 also gradients, 3 also parameters
+    are partitioned across data-parallel ranks."""
     offload_optimizer: bool = False
-    """ZeRO-Offload: optimizer state and step on the CPU."""
+    """ZeRO-Offload (stage >= 1): optimizer state and step on the CPU (DeepSpeedCPUAdam)."""
     offload_params: bool = False
     """ZeRO-3 parameter offload to the CPU."""
     activation_checkpointing: bool = False
-    """Recompute each layer's activations in the backward pass."""
+    """Recompute each layer's activations in the backward pass instead of storing them."""
+    deepspeed_config: str | None = None
+    """A JSON file of extra DeepSpeed keys (e.g. configs/deepspeed/*.json) merged into the
+    config generated from this one; a key that contradicts the generated value is an error."""
 
     def validate(self) -> list[str]:
         errs = []
         if not 0 <= self.zero_stage <= 3:
             errs.append(f"distributed.zero_stage must be 0..3, got {self.zero_stage}")
-        if self.backend == "ddp" and (self.zero_stage or self.offload_optimizer):
-            errs.append(
-                "distributed.zero_stage/offload_optimizer need distributed.backend=deepspeed"
-            )
+        if self.backend == "ddp":
+            used = [
+                f"distributed.{name}"
+                for name in (
+                    "zero_stage",
+                    "offload_optimizer",
+                    "offload_params",
+                    "deepspeed_config",
+                )
+                if getattr(self, name)
+            ]
+            if used:
+                errs.append(f"{', '.join(used)} need distributed.backend=deepspeed")
+        elif self.offload_optimizer and self.zero_stage < 1:
+            errs.append("distributed.offload_optimizer needs distributed.zero_stage >= 1")
+        if self.offload_params and self.zero_stage != 3:
+            errs.append("distributed.offload_params needs distributed.zero_stage=3")
         return errs
 
 

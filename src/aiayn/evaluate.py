@@ -131,14 +131,15 @@ class Validation:
         """Validate; every rank must call it (the counts are summed over ranks). Translation
         runs on rank 0 only."""
         cfg, device = self.cfg, engine.device
-        with engine.autocast():
-            # The bare module: a DDP forward outside the training step would wait for its peers.
+        # The bare module: a DDP forward outside the training step would wait for its peers.
+        # Under ZeRO-3 it is a gathered copy, whose forward needs no collective either.
+        with engine.full_module() as module, engine.autocast():
             result = validation_metrics(
-                engine.module, self.batches, cfg.model.kind, self.tok.pad_id, device, env.sum
+                module, self.batches, cfg.model.kind, self.tok.pad_id, device, env.sum
             )
             if self.pairs and env.is_main:
                 srcs, refs = [p["src"] for p in self.pairs], [p["tgt"] for p in self.pairs]
-                hyps = translate(engine.module, self.tok, srcs, cfg.decode, device)
+                hyps = translate(module, self.tok, srcs, cfg.decode, device)
                 scores = bleu_scores(hyps, refs, cfg.decode.bleu_tokenize)
                 result.update(bleu=scores["bleu"], bleu_lc=scores["bleu_lc"])
                 samples = zip(srcs[: cfg.logging.samples], refs, hyps, strict=False)

@@ -127,7 +127,9 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
         tok = Tokenizer(cfg.tokenizer_path)
     seed_everything(cfg.train.seed)  # the same initial parameters on every rank
     model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
-    engine = build_engine(model, cfg, env)
+    engine = build_engine(
+        model, cfg, env, rebuild=lambda: build_model(cfg.model, tok.vocab_size, tok.pad_id)
+    )
     seed_everything(cfg.train.seed + 1_000_003 * env.rank)  # different dropout on each rank
     loader = make_loader(
         cfg, cfg.data.train, tok, train=True, rank=env.rank, world_size=env.world_size
@@ -180,12 +182,12 @@ def _resume_point(cfg: Config, ckpts: CheckpointManager) -> Path | None:
 def _restore(ckpt: Path, cfg: Config, tok: Tokenizer, engine, loader, env: DistEnv) -> Progress:
     trainer_state, _ = load_checkpoint(
         ckpt,
-        engine.module,
+        engine.module if engine.loads_weights else None,
         expect_model=cfg.model,
         tokenizer=tok,
         verify=False,  # _resume_point found it through latest(), which verified it
     )
-    engine.load_state_dict(trainer_state["engine"])
+    engine.load_state_dict(trainer_state["engine"], ckpt)
     loader.load_state_dict(trainer_state["data"])  # the position of all ranks together
     rngs = trainer_state["rng"]
     if len(rngs) == env.world_size:
@@ -214,7 +216,7 @@ def _save(run: Run, step: int) -> None:
         "progress": vars(run.progress).copy(),
     }
     meta = {"config": run.cfg.to_dict(), "tokenizer": run.tok.contract()}
-    run.ckpts.save(step, run.engine.module, state, meta)
+    run.ckpts.save(step, run.engine, state, meta, run.env)
     run.metrics.flush()  # the curves up to a checkpoint survive a crash with it
 
 

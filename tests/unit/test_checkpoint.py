@@ -1,3 +1,4 @@
+import contextlib
 import json
 import logging
 from types import SimpleNamespace
@@ -33,11 +34,25 @@ def fake_tokenizer(**changes):
     return SimpleNamespace(path="tok.model", contract=lambda: contract)
 
 
+class Unsharded:
+    """The part of the engine interface the manager uses, for a bare model."""
+
+    def __init__(self, model):
+        self.module = model
+
+    def save_shards(self, directory):
+        pass
+
+    @contextlib.contextmanager
+    def full_module(self):
+        yield self.module
+
+
 def save(manager, step, model=None, cfg=None):
     model = model or Tied()
     meta = {"config": {"model": vars(cfg or ModelConfig())}, "tokenizer": CONTRACT}
     state = {"progress": {"step": step}, "rng": torch.get_rng_state()}
-    return manager.save(step, model, state, meta)
+    return manager.save(step, Unsharded(model), state, meta)
 
 
 def test_save_then_load_round_trips_weights_and_state(tmp_path):

@@ -7,17 +7,38 @@ DeepSpeed engine can take this one's place without the loop changing.
 from __future__ import annotations
 
 import contextlib
+import logging
+import socket
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.lr_scheduler import LambdaLR
 
 from aiayn.config import Config
 from aiayn.dist.env import DistEnv
-from aiayn.errors import ConfigError
+from aiayn.errors import CheckpointError, ConfigError
 from aiayn.schedule import learning_rate
+
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _paper_schedule(optimizer: torch.optim.Optimizer, cfg: Config) -> LambdaLR:
+    """The warmup schedule of §5.3 as a factor on lr=1.0, stepped once per optimizer step."""
+    sched, d_model = cfg.schedule, cfg.model.d_model
+    # LambdaLR's counter starts at 0 and the paper counts steps from 1.
+    return LambdaLR(optimizer, lambda k: learning_rate(k + 1, sched, d_model))
+
+
+def _checkpoint_layers(model: nn.Module, cfg: Config) -> None:
+    """Turn on per-layer activation checkpointing in the model's layer stacks."""
+    for m in model.modules():
+        if hasattr(m, "checkpoint_layers"):
+            m.checkpoint_layers = cfg.distributed.activation_checkpointing
 
 
 def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
@@ -45,28 +66,27 @@ class LocalEngine:
         self.clip_norm = cfg.train.clip_norm
         self.precision = cfg.train.precision
         self.optimizer = build_optimizer(self.module, cfg, device)
-        sched, d_model = cfg.schedule, cfg.model.d_model
-        # LambdaLR's counter starts at 0 and the paper counts steps from 1.
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda k: learning_rate(k + 1, sched, d_model)
-        )
+        self.scheduler = _paper_schedule(self.optimizer, cfg)
+        # fp16 needs loss scaling; fp32 and bf16 do not, and a disabled scaler is a no-op.
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
+        self.skipped_steps = 0
+        _checkpoint_layers(self.module, cfg)
 
     @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
-    # fp32 and bf16 need no loss scaling: the scale is 1 and no step is skipped. An fp16
-    # engine reports its scaler's values here.
-    loss_scale: float = 1.0
-    skipped_steps: int = 0
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
 
     def autocast(self):
-        if self.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        if self.precision in AUTOCAST:
+            return torch.autocast(self.device.type, dtype=AUTOCAST[self.precision])
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        self.scaler.scale(loss).backward()
 
     def accumulating(self, last: bool):
         """Context for one micro-batch's forward and backward; `last` ends the step."""
@@ -89,21 +109,56 @@ class LocalEngine:
         The norm stays a tensor so the caller decides when to pay for a host sync.
         """
         max_norm = self.clip_norm if self.clip_norm > 0 else float("inf")
+        self.scaler.unscale_(self.optimizer)
         grad_norm = nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
-        self.optimizer.step()
-        self.scheduler.step()
+        if self.scaler.is_enabled():
+            # An overflowing fp16 step is skipped, schedule included, as DeepSpeed does: the
+            # schedule counts applied updates. The scale's drop is the only public sign of it.
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            if self.scaler.get_scale() < scale:
+                self.skipped_steps += 1
+            else:
+                self.scheduler.step()
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm.detach()
 
     def train(self, mode: bool = True) -> None:
         self.module.train(mode)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+    @contextlib.contextmanager
+    def full_module(self):
+        """The whole model with all its weights, on every rank (a collective where parameters
+        are partitioned): for validation, decoding and writing model.safetensors."""
+        yield self.module
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def save_shards(self, directory: Path) -> None:
+        """Write this rank's share of the state into `directory` (nothing: rank 0's
+        trainer state holds all of it)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], checkpoint: Path) -> None:
+        """Restore from `state` (rank 0's trainer state) and, in sharded engines, this rank's
+        shards in `checkpoint`. The weights are already loaded (`loads_weights`)."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = state.get("skipped_steps", 0)
+
+    # The checkpoint's model.safetensors is loaded into `module` before load_state_dict.
+    loads_weights = True
 
 
 class DDPEngine(LocalEngine):
@@ -125,13 +180,143 @@ class DDPEngine(LocalEngine):
         return contextlib.nullcontext() if last else self.model.no_sync()
 
 
-def build_engine(model: nn.Module, cfg: Config, env: DistEnv) -> LocalEngine:
-    """DDP across processes, or the plain engine on one."""
-    if cfg.distributed.backend == "deepspeed":
-        raise ConfigError(
-            "distributed.backend=deepspeed is not available in this version yet; use "
-            "distributed.backend=ddp (the default)"
+class DeepSpeedEngine:
+    """DeepSpeed ZeRO stages 0-3 with optional CPU offload, behind the same interface.
+
+    The DeepSpeed config comes from `deepspeed_config.build`, so the run config stays the one
+    source of truth. DeepSpeed owns clipping, the optimizer and stepping the schedule (we hand
+    it the paper's schedule as a callable); the loop keeps owning the accumulation boundary.
+    """
+
+    loads_weights = False  # the ZeRO shards hold the weights (partitioned in stage 3)
+
+    def __init__(self, model: nn.Module, cfg: Config, env: DistEnv, rebuild):
+        if cfg.train.precision == "fp16" and env.device.type != "cuda":
+            raise ConfigError(
+                "train.precision=fp16 with DeepSpeed needs a CUDA device; use bf16 or fp32 on CPU"
+            )
+        _join_single_process_group(env)
+        import deepspeed  # here, so a DDP run never pays for (or depends on) importing it
+
+        from aiayn.dist import deepspeed_config
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        self.ds_config = deepspeed_config.build(cfg, env.world_size, env.device.type)
+        _checkpoint_layers(model, cfg)
+        params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+        self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model,
+            model_parameters=params,
+            config=self.ds_config,
+            lr_scheduler=lambda optimizer: _paper_schedule(optimizer, cfg),
+            dist_init_required=False,
         )
+        self.module = self.model.module
+        self.device = env.device
+        self.precision = cfg.train.precision
+        self.world_size = env.world_size
+        self.zero_stage = cfg.distributed.zero_stage
+        self.rebuild = rebuild  # a plain model of the same architecture, for ZeRO-3 gathers
+        self._gathered = deepspeed.zero.GatheredParameters
+
+    @property
+    def lr(self) -> float:
+        return self.model.get_lr()[0]
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.model._get_optimizer_loss_scale() or 1.0) if "fp16" in self.ds_config else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.model.skipped_steps
+
+    # DeepSpeed's forward applies torch_autocast itself; validation calls the bare module.
+    autocast = LocalEngine.autocast
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # As for DDP: the loop already divided by the step's tokens on all ranks, and
+        # DeepSpeed averages over ranks; its own division by the accumulation steps is off.
+        self.model.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def accumulating(self, last: bool):
+        return contextlib.nullcontext()  # managed_gradient_accumulation=false: step() reduces
+
+    def replicas_differ(self, env: DistEnv) -> bool:
+        if self.zero_stage == 3:
+            return False  # each rank holds its own partition: nothing is replicated
+        return LocalEngine.replicas_differ(self, env)
+
+    def step(self) -> torch.Tensor:
+        self.model.step()
+        norm = self.model.get_global_grad_norm()
+        return torch.as_tensor(float("nan") if norm is None else norm).detach()
+
+    def train(self, mode: bool = True) -> None:
+        self.module.train(mode)
+
+    @contextlib.contextmanager
+    def full_module(self):
+        if self.zero_stage < 3:
+            yield self.module  # stages 0-2 keep whole parameters on every rank
+            return
+        # Gathered one tensor at a time into a plain copy, so the peak is one extra model, and
+        # the copy's forward needs no collectives (rank 0 decodes alone during validation).
+        with torch.random.fork_rng(devices=[]):  # building it must not move the dropout RNG
+            plain = self.rebuild().to(self.device)
+        with torch.no_grad():
+            for p, q in zip(self.module.parameters(), plain.parameters(), strict=True):
+                with self._gathered([p]):
+                    q.copy_(p.data)
+        plain.train(self.module.training)
+        yield plain
+
+    def save_shards(self, directory: Path) -> None:
+        # Every rank writes its ZeRO partition; this is a collective.
+        self.model.save_checkpoint(str(directory), tag=DEEPSPEED_DIR, save_latest=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # optimizer, schedule and loss scale are in the DeepSpeed shards
+
+    def load_state_dict(self, state: dict[str, Any], checkpoint: Path) -> None:
+        if not (checkpoint / DEEPSPEED_DIR).is_dir():
+            raise CheckpointError(
+                f"{checkpoint} was not written by a DeepSpeed run (no {DEEPSPEED_DIR}/ shards): "
+                "resume it with the backend it was trained with, or start a new run_dir"
+            )
+        # The manifest's checksums of these files were verified before we got here.
+        path, _ = self.model.load_checkpoint(
+            str(checkpoint),
+            tag=DEEPSPEED_DIR,
+            load_module_strict=True,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+        )
+        if path is None:
+            raise CheckpointError(f"DeepSpeed could not load the shards in {checkpoint}")
+
+
+DEEPSPEED_DIR = "deepspeed"
+
+
+def _join_single_process_group(env: DistEnv) -> None:
+    """DeepSpeed needs a process group even for one process; torchrun's would be there."""
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if env.device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def build_engine(model: nn.Module, cfg: Config, env: DistEnv, rebuild=None):
+    """DeepSpeed when configured; else DDP across processes, or the plain engine on one.
+
+    `rebuild` makes a fresh model of the same architecture (ZeRO-3 gathers weights into it).
+    """
+    if cfg.distributed.backend == "deepspeed":
+        return DeepSpeedEngine(model, cfg, env, rebuild)
     if env.distributed:
         return DDPEngine(model, cfg, env)
     return LocalEngine(model, cfg, env.device)

@@ -1,0 +1,106 @@
+"""The DeepSpeed config, generated from the run config so the two can never disagree.
+
+Everything DeepSpeed needs to know about the step is derived here: accumulation, clipping,
+precision, ZeRO stage and offload, the optimizer. The paper's schedule is not a DeepSpeed
+scheduler; the engine hands DeepSpeed our own (`schedule.learning_rate`) as a callable, and
+DeepSpeed steps it once per optimizer step. A user may add keys from a JSON file
+(`distributed.deepspeed_config`, e.g. `configs/deepspeed/*.json`): new keys are merged in, a
+key that contradicts a generated value is an error naming both values.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from aiayn.config import Config
+from aiayn.errors import ConfigError
+
+
+def generate(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
+    """The DeepSpeed config this run implies, before any user file is merged."""
+    dist, train, optim = cfg.distributed, cfg.train, cfg.optim
+    zero: dict[str, Any] = {"stage": dist.zero_stage}
+    if dist.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if dist.offload_params:
+        zero["offload_param"] = {"device": "cpu"}
+    ds: dict[str, Any] = {
+        # Batches are measured in tokens, not sequences: DeepSpeed's "micro-batch" is one of
+        # our token-budget batches, so its batch-size arithmetic holds and means "batches".
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": train.grad_accum,
+        "train_batch_size": train.grad_accum * world_size,
+        # The loop owns the accumulation boundary: it calls step() once per optimizer step,
+        # after all micro-batches, as it does for DDP.
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": train.clip_norm,
+        "optimizer": {
+            "type": "AdamW" if optim.name == "adamw" else "Adam",
+            "params": {
+                "lr": 1.0,  # the scheduler's factor is the learning rate, as in LocalEngine
+                "betas": list(optim.betas),
+                "eps": optim.eps,
+                "weight_decay": optim.weight_decay,
+                # DeepSpeed's "Adam" decouples weight decay unless told otherwise.
+                "adam_w_mode": optim.name == "adamw",
+                # FusedAdam needs CUDA; the CPU-offload optimizer is DeepSpeedCPUAdam anyway.
+                "torch_adam": device_type != "cuda" and not dist.offload_optimizer,
+            },
+        },
+        "zero_optimization": zero,
+        "steps_per_print": 2**31 - 1,  # our own logging reports every step's numbers
+        "wall_clock_breakdown": False,
+    }
+    if train.precision == "bf16":
+        # Autocast with fp32 weights, as the DDP engine does: the same numerics either way.
+        ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    elif train.precision == "fp16":
+        # fp16 weights with fp32 master copies and dynamic loss scaling (loss_scale 0).
+        ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    return ds
+
+
+def merge(generated: dict[str, Any], extra: dict[str, Any], source: str) -> dict[str, Any]:
+    """`generated` with the keys of `extra` added; contradictions are collected and raised."""
+    conflicts: list[str] = []
+    merged = _merge(generated, extra, "", conflicts)
+    if conflicts:
+        raise ConfigError(
+            f"{source} contradicts the DeepSpeed config generated from the run config:\n  "
+            + "\n  ".join(conflicts)
+            + "\nSet these through the run config (train.*, optim.*, distributed.*) and remove "
+            "them from the JSON file."
+        )
+    return merged
+
+
+def _merge(base: dict, extra: dict, prefix: str, conflicts: list[str]) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        where = f"{prefix}{key}"
+        if key not in base:
+            out[key] = value
+        elif isinstance(base[key], dict) and isinstance(value, dict):
+            out[key] = _merge(base[key], value, f"{where}.", conflicts)
+        elif base[key] != value:
+            conflicts.append(f"{where}: file says {value!r}, the run config gives {base[key]!r}")
+    return out
+
+
+def build(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
+    """The generated config with the user's file (if any) merged in."""
+    ds = generate(cfg, world_size, device_type)
+    path = cfg.distributed.deepspeed_config
+    if path is None:
+        return ds
+    if not Path(path).is_file():
+        raise ConfigError(f"distributed.deepspeed_config: file not found: {path}")
+    try:
+        extra = json.loads(Path(path).read_text())
+    except ValueError as exc:
+        raise ConfigError(f"distributed.deepspeed_config {path} is not valid JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise ConfigError(f"distributed.deepspeed_config {path} must hold a JSON object")
+    return merge(ds, extra, path)
