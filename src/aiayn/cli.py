@@ -80,12 +80,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_train(args) -> int:
+    import os
+
     from aiayn.config import load_config
+    from aiayn.dist.launcher import accelerate_overrides
     from aiayn.preemption import REQUEUE_EXIT_CODE, Preempted
     from aiayn.train import train
 
+    launcher = accelerate_overrides(os.environ)
+    if launcher and os.environ.get("RANK", "0") == "0":
+        print(f"aiayn train: from accelerate launch: {' '.join(launcher)}", file=sys.stderr)
     try:
-        train(load_config(args.config, args.overrides))
+        train(load_config(args.config, launcher + args.overrides))
     except Preempted as exc:
         print(f"aiayn train: {exc}; exit code {REQUEUE_EXIT_CODE}: requeue me", file=sys.stderr)
         return REQUEUE_EXIT_CODE

@@ -1,90 +1,21 @@
 """Data parallelism with real processes on CPU (gloo): torchrun, two 'nodes', accelerate."""
 
 import json
-import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from aiayn import demo_data
-from aiayn.config import TokenizerConfig
-from aiayn.data import make_loader, sample_sentences
 from aiayn.config import load_config
-from aiayn.tokenizer import Tokenizer, train_tokenizer
+from aiayn.data import make_loader
+from aiayn.tokenizer import Tokenizer
+from procs import ENV, aiayn, assert_close, final_weights, free_port, run, torchrun
 
 pytestmark = pytest.mark.dist
-STEPS = 20
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """A corpus, a tokenizer trained once (so no run races to write it) and a config file."""
-    root = tmp_path_factory.mktemp("ddp")
-    corpus = demo_data.write_numbers(root / "numbers", n_train=3000, n_valid=100, n_test=50)
-    config = root / "run.yaml"
-    config.write_text(
-        f"""
-model: {{N: 1, d_model: 64, d_ff: 128, h: 4, max_len: 64, dropout: 0.0}}
-tokenizer: {{path: {root}/spm.model, vocab_size: 120}}
-data: {{train: {corpus}/train, valid: {corpus}/valid, src_lang: en, tgt_lang: de, max_len: 40,
-        shuffle_buffer: 1000}}
-train: {{max_steps: {STEPS}, max_tokens: 600, eval_every: 10, eval_bleu: 0, clip_norm: 1.0}}
-schedule: {{warmup: 100, factor: 1.0}}  # gentle: float rounding is not amplified
-logging: {{every_steps: 5}}
-checkpoint: {{every_steps: 10}}
-"""
-    )
-    cfg = load_config(config)
-    train_tokenizer(cfg.tokenizer, sample_sentences(cfg.data, "seq2seq", 5000, 1), cfg.tokenizer_path)
-    return root, config
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# torchrun gives each of several local processes one thread; a matmul split over another
-# number of threads sums in another order. Every run here gets one, so runs compare exactly.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def run(cmd: list[str], timeout: int = 300) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
-def aiayn(config: Path, run_dir: Path, *overrides: str) -> list[str]:
-    return ["-m", "aiayn", "train", "--config", str(config), f"run_dir={run_dir}", *overrides]
-
-
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "checkpoints" / f"step_{STEPS:08d}" / "model.safetensors")
-
-
-def assert_close(a: dict, b: dict, atol: float) -> None:
-    assert a.keys() == b.keys()
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert worst <= atol, f"largest parameter difference {worst:.3g} > {atol}"
-
-
-@pytest.fixture(scope="module")
-def ddp_run(setup):
-    root, config = setup
-    run_dir = root / "ddp2"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-    run(torchrun + aiayn(config, run_dir))
-    return run_dir
 
 
 def test_two_ddp_ranks_equal_one_process_accumulating_two_micro_batches(setup, ddp_run):
@@ -149,10 +80,8 @@ def test_uneven_shards_finish_and_every_example_is_seen_once_per_epoch(setup):
             break
     assert n_batches % 2, "no max_tokens gives an odd number of batches"
     run_dir = root / "uneven"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
     steps = n_batches // 2 + 3  # into epoch 1 on both ranks
-    run(torchrun + aiayn(config, run_dir, f"train.max_tokens={max_tokens}",
+    run(torchrun() + aiayn(config, run_dir, f"train.max_tokens={max_tokens}",
                          f"train.max_steps={steps}", "logging.record_ids=true"))
     seen: list[int] = []
     for rank in (0, 1):
@@ -168,9 +97,7 @@ def test_a_signal_to_one_rank_stops_all_ranks_after_the_same_step(setup):
     psutil = pytest.importorskip("psutil")
     root, config = setup
     run_dir = root / "preempted"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-    cmd = torchrun + aiayn(config, run_dir, "train.max_steps=100000", "logging.every_steps=1",
+    cmd = torchrun() + aiayn(config, run_dir, "train.max_steps=100000", "logging.every_steps=1",
                            "train.eval_every=0", "checkpoint.every_steps=100000")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=ENV)
@@ -193,6 +120,6 @@ def test_a_signal_to_one_rank_stops_all_ranks_after_the_same_step(setup):
     step = int(saved[0].name.split("_")[1])
     assert f"stop requested: saved step {step} (signal on another rank)" in log.read_text()
     assert f"aiayn train: preempted: checkpoint of step {step} saved" in out  # rank 1 said so
-    run(torchrun[:-1] + [f"--master_port={free_port()}"]
+    run(torchrun()
         + aiayn(config, run_dir, f"train.max_steps={step + 3}", "train.eval_every=0"))
     assert (run_dir / "checkpoints" / f"step_{step + 3:08d}").is_dir()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -303,6 +304,8 @@ def _join_single_process_group(env: DistEnv) -> None:
     """DeepSpeed needs a process group even for one process; torchrun's would be there."""
     if dist.is_initialized():
         return
+    for name, value in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
+        os.environ.setdefault(name, str(value))  # DeepSpeed's sanity check reads them
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

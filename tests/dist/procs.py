@@ -1,0 +1,73 @@
+"""Real processes for the distributed tests: a shared corpus and config, launchers, weights."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from aiayn import demo_data
+from aiayn.config import load_config
+from aiayn.data import sample_sentences
+from aiayn.tokenizer import train_tokenizer
+
+STEPS = 20
+
+# torchrun gives each of several local processes one thread; a matmul split over another
+# number of threads sums in another order. Every run here gets one, so runs compare exactly.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def make_setup(root: Path) -> tuple[Path, Path]:
+    """A corpus, a tokenizer trained once (so no run races to write it) and a config file."""
+    corpus = demo_data.write_numbers(root / "numbers", n_train=3000, n_valid=100, n_test=50)
+    config = root / "run.yaml"
+    config.write_text(
+        f"""
+model: {{N: 1, d_model: 64, d_ff: 128, h: 4, max_len: 64, dropout: 0.0}}
+tokenizer: {{path: {root}/spm.model, vocab_size: 120}}
+data: {{train: {corpus}/train, valid: {corpus}/valid, src_lang: en, tgt_lang: de, max_len: 40,
+        shuffle_buffer: 1000}}
+train: {{max_steps: {STEPS}, max_tokens: 600, eval_every: 10, eval_bleu: 0, clip_norm: 1.0}}
+schedule: {{warmup: 100, factor: 1.0}}  # gentle: float rounding is not amplified
+logging: {{every_steps: 1}}
+checkpoint: {{every_steps: 10}}
+"""
+    )
+    cfg = load_config(config)
+    train_tokenizer(cfg.tokenizer, sample_sentences(cfg.data, "seq2seq", 5000, 1), cfg.tokenizer_path)
+    return root, config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+
+
+def run(cmd: list[str], timeout: int = 600) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def aiayn(config: Path, run_dir: Path, *overrides: str) -> list[str]:
+    return ["-m", "aiayn", "train", "--config", str(config), f"run_dir={run_dir}", *overrides]
+
+
+def final_weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "checkpoints" / f"step_{step:08d}" / "model.safetensors")
+
+
+def assert_close(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= atol, f"largest parameter difference {worst:.3g} > {atol}"
