@@ -214,37 +214,39 @@ PartitionName=test Nodes={",".join(self.NODES)} Default=YES MaxTime=INFINITE Sta
     # ---- stop ----
 
     def processes(self) -> list[int]:
-        """PIDs of every process carrying this cluster's SLURM_CONF: the daemons, the
-        slurmstepds they start and the jobs' processes (sbatch exports the environment)."""
-        mark = f"SLURM_CONF={self.conf}".encode()
-        pids = []
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit() or int(d.name) == os.getpid():
-                continue
-            try:
-                if mark in (d / "environ").read_bytes().split(b"\0"):
-                    pids.append(int(d.name))
-            except OSError:  # gone, or not ours to read
-                pass
-        return pids + [p for p in self._pidfile_pids() if p not in pids]
+        """PIDs of every process carrying this cluster's SLURM_CONF: the daemons (started with
+        it), the slurmstepds they start and the jobs' processes (sbatch passes it on)."""
+        return [
+            int(d.name)
+            for d in Path("/proc").iterdir()
+            if d.name.isdigit() and int(d.name) != os.getpid() and self._ours(int(d.name))
+        ]
 
-    def _pidfile_pids(self) -> list[int]:
+    def _ours(self, pid: int) -> bool:
+        # A pid file may outlive its daemon and its PID be reused: only a process that carries
+        # our SLURM_CONF is ever signalled.
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:  # gone, or a zombie
+            return False
+        return f"SLURM_CONF={self.conf}".encode() in environ.split(b"\0")
+
+    def _daemon_pids(self, name: str) -> list[int]:
         pids = []
-        for f in self.root.glob("*.pid"):
+        for f in self.root.glob(f"{name}.pid"):
             try:
-                pid = int(f.read_text().split()[0])
-                os.kill(pid, 0)
-                pids.append(pid)
+                pids.append(int(f.read_text().split()[0]))
             except (OSError, ValueError, IndexError):
                 pass
-        return pids
+        return [p for p in pids if self._ours(p)]
 
     def stop(self) -> None:
-        """Cancel jobs (their processes are detached from slurmd), then end the daemons by the
-        PIDs in their pid files, then anything else still carrying our SLURM_CONF."""
-        if self.conf.is_file():
+        """Cancel the jobs (their processes are detached from slurmd), end the daemons by the
+        PIDs in their pid files, then whatever else still carries our SLURM_CONF. Safe to call
+        again, and after a partial start."""
+        if self.conf.is_file() and self._daemon_pids("slurmctld"):
             try:
-                cancel = self.run(["scancel", "--quiet", "--user", "root"], check=False, timeout=15)
+                cancel = self.run(["scancel", "--quiet", "--user", "root"], check=False, timeout=10)
                 deadline = time.monotonic() + 20
                 while cancel.returncode == 0 and time.monotonic() < deadline:
                     q = self.run(["squeue", "--noheader", "--format=%i"], check=False, timeout=10)
@@ -252,21 +254,13 @@ PartitionName=test Nodes={",".join(self.NODES)} Default=YES MaxTime=INFINITE Sta
                         break
                     time.sleep(0.5)
             except (subprocess.TimeoutExpired, OSError):
-                pass  # a dead controller: the processes below end all the same
+                pass  # a hung controller: the processes below end all the same
         for name in ("slurmd.*", "slurmctld", "munged"):
-            for f in self.root.glob(f"{name}.pid"):
-                _end([p for p in _pids_in(f)])
-        _end(self.processes())
+            _end(self._daemon_pids(name))
+        _end(self.processes(), grace=3)  # stepds and job processes that outlived a cancel
         left = self.processes()
         if left:
             raise RuntimeError(f"processes of the Slurm test cluster survived: {left}")
-
-
-def _pids_in(pidfile: Path) -> list[int]:
-    try:
-        return [int(pidfile.read_text().split()[0])]
-    except (OSError, ValueError, IndexError):
-        return []
 
 
 def _end(pids: list[int], grace: float = 10.0) -> None:
@@ -286,6 +280,10 @@ def _end(pids: list[int], grace: float = 10.0) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    deadline = time.monotonic() + 5  # SIGKILL is not instant either
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        time.sleep(0.05)
 
 
 def _alive(pid: int) -> bool:
