@@ -2,6 +2,7 @@
 
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,20 +50,25 @@ def demo_overrides(corpus, run_dir: Path) -> list[str]:
     ]
 
 
-def submit(slurm, corpus, run_dir: Path, *sbatch_args: str) -> tuple[int, Path]:
-    out = run_dir.parent / f"{run_dir.name}.slurm.out"
-    # The job runs this interpreter and this checkout (sbatch passes the environment on).
-    env = {
+def job_env() -> dict[str, str]:
+    """The job runs this interpreter and this checkout (sbatch passes the environment on)."""
+    return {
         **os.environ,
         "PYTHON": sys.executable,
         "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
     }
-    job = slurm.sbatch(
-        ["-N2", "--cpus-per-task=1", f"--chdir={ROOT}", f"--output={out}", *sbatch_args,
-         str(SBATCH), str(DEMO), *demo_overrides(corpus, run_dir)],
-        env=env,
-    )  # fmt: skip
-    return job, out
+
+
+def sbatch_args(corpus, run_dir: Path, out: Path) -> list[str]:
+    """2 nodes x 1 process, one CPU each: OMP_NUM_THREADS=1 in every run, so runs compare
+    bitwise (a matmul over another number of threads sums in another order)."""
+    return ["-N2", "--cpus-per-task=1", f"--chdir={ROOT}", f"--output={out}",
+            str(SBATCH), str(DEMO), *demo_overrides(corpus, run_dir)]  # fmt: skip
+
+
+def submit(slurm, corpus, run_dir: Path) -> tuple[int, Path]:
+    out = run_dir.parent / f"{run_dir.name}.slurm.out"
+    return slurm.sbatch(sbatch_args(corpus, run_dir, out), env=job_env()), out
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -81,6 +87,28 @@ def describe(job: dict, out: Path, run_dir: Path) -> str:
         f"job: {job}\n--- {out}:\n{out.read_text()[-4000:] if out.is_file() else '(none)'}\n"
         f"--- train.log:\n{log.read_text()[-3000:] if log.is_file() else '(none)'}"
     )
+
+
+def signal_at_step_20(slurm, job_id: int, out: Path, run_dir: Path) -> None:
+    """What Slurm sends before the time limit with --signal=B:USR1@N, sent at step 20."""
+    log = run_dir / "train.log"
+    deadline = time.monotonic() + 180
+    while not (log.is_file() and "train step 20 |" in log.read_text()):
+        assert time.monotonic() < deadline, describe(slurm.job(job_id), out, run_dir)
+        time.sleep(0.2)
+    slurm.run(["scancel", "--batch", "--signal=USR1", str(job_id)])
+
+
+def stopped_at(run_dir: Path) -> list[int]:
+    text = (run_dir / "train.log").read_text()
+    return [int(s) for s in re.findall(r"stop requested: saved step (\d+)", text)]
+
+
+def assert_same_weights(run_dir: Path, reference: Path) -> None:
+    a, b = weights(run_dir), weights(reference)
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"{len(differ)} of {len(a)} tensors differ from the uninterrupted run"
 
 
 @pytest.fixture(scope="module")
@@ -115,12 +143,7 @@ def test_a_preempted_job_saves_requeues_resumes_and_ends_with_the_same_weights(
     run_dir = tmp_path / "run"
     job_id, out = submit(slurm, corpus, run_dir)
     log = run_dir / "train.log"
-    deadline = time.monotonic() + 180
-    while not (log.is_file() and "train step 20 |" in log.read_text()):
-        assert time.monotonic() < deadline, describe(slurm.job(job_id), out, run_dir)
-        time.sleep(0.2)
-    # What Slurm sends before the time limit with --signal=B:USR1@N, sent now.
-    slurm.run(["scancel", "--batch", "--signal=USR1", str(job_id)])
+    signal_at_step_20(slurm, job_id, out, run_dir)
     job = slurm.wait(job_id, timeout=300)
     info = describe(job, out, run_dir)
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", info
@@ -128,11 +151,34 @@ def test_a_preempted_job_saves_requeues_resumes_and_ends_with_the_same_weights(
     text = out.read_text()  # --open-mode=append: both runs of the job in one file
     assert "restart 0 (SLURM_RESTART_COUNT)" in text and "restart 1 (SLURM_RESTART_COUNT)" in text
     assert f"requeued job {job_id}" in text, info
-    stopped = [int(s) for s in re.findall(r"stop requested: saved step (\d+)", log.read_text())]
+    stopped = stopped_at(run_dir)
     assert len(stopped) == 1 and 20 <= stopped[0] < STEPS, info
     assert f"(step {stopped[0]})" in log.read_text()  # the requeued run resumed from there
     assert (run_dir / "checkpoints" / f"step_{stopped[0]:08d}").is_dir()
-    a, b = weights(run_dir), weights(straight[0])
-    assert a.keys() == b.keys()
-    differ = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not differ, f"{len(differ)} of {len(a)} tensors differ from the uninterrupted run"
+    assert_same_weights(run_dir, straight[0])
+
+
+def test_chained_jobs_continue_where_the_previous_one_stopped(slurm, corpus, straight, tmp_path):
+    """slurm/chain.sh 2: the first job gets the time-limit warning, saves and ends without
+    requeueing (--no-requeue); the second starts after it and finishes the run."""
+    run_dir = tmp_path / "run"
+    out = tmp_path / "chain.slurm.out"
+    env = job_env()
+    proc = subprocess.run(
+        [str(ROOT / "slurm" / "chain.sh"), "2", *sbatch_args(corpus, run_dir, out)],
+        env={**env, "SLURM_CONF": str(slurm.conf)},
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    first, second = (int(j) for j in proc.stdout.split())
+    assert "--dependency=afterany:" + str(first) in proc.stderr
+    signal_at_step_20(slurm, first, out, run_dir)
+    job1 = slurm.wait(first, timeout=300)
+    job2 = slurm.wait(second, timeout=300)
+    info = describe(job2, out, run_dir)
+    assert job1["Restarts"] == "0" and job1["ExitCode"] == "75:0", describe(job1, out, run_dir)
+    assert job2["JobState"] == "COMPLETED" and job2["ExitCode"] == "0:0", info
+    assert "not requeued (--no-requeue)" in out.read_text(), info
+    stopped = stopped_at(run_dir)
+    assert len(stopped) == 1 and 20 <= stopped[0] < STEPS, info
+    assert f"(step {stopped[0]})" in (run_dir / "train.log").read_text()
+    assert_same_weights(run_dir, straight[0])
