@@ -16,7 +16,7 @@ from aiayn.config import load_config
 from aiayn.data import sample_sentences
 from aiayn.tokenizer import train_tokenizer
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "slurm" / "train.sbatch"
 DEMO = ROOT / "configs" / "demo.yaml"
