@@ -41,7 +41,7 @@ test: install
 	$(BIN)/pytest -q
 
 test-fast: install
-	$(BIN)/pytest -q -m "not slow and not dist"
+	$(BIN)/pytest -q -m "not slow and not dist and not slurm"
 
 lint: install
 	$(BIN)/ruff format --check src tests

@@ -1,0 +1,94 @@
+"""launch/*.sh: each prints the command it runs, then runs it to the end (tiny run, CPU)."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aiayn import demo_data
+
+pytestmark = pytest.mark.dist
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return demo_data.write_numbers(tmp_path_factory.mktemp("numbers"), 500, 20, 10)
+
+
+# (script, its leading arguments, environment, processes it starts, what its command line says)
+WRAPPERS = {
+    "single": ("single.sh", [], {}, 1, "python -m aiayn train"),
+    "torchrun": ("torchrun.sh", [], {"NPROC": "2"}, 2, "torchrun --standalone --nproc_per_node=2"),
+    "multinode": (
+        "multinode.sh",
+        [],
+        {"NNODES": "1", "NODE_RANK": "0", "MASTER": "127.0.0.1:{port}"},
+        1,
+        "--rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:",
+    ),
+    "accelerate": (
+        "accelerate.sh",
+        ["{tmp}/accelerate.yaml"],  # configs/accelerate/ddp_2proc.yaml on a free port
+        {},
+        2,
+        "accelerate launch --config_file",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(WRAPPERS))
+def test_a_launch_wrapper_prints_its_command_and_trains(tmp_path, corpus, name):
+    script, lead, extra_env, ranks, says = WRAPPERS[name]
+    bin_dir = Path(sys.executable).parent
+    if name == "accelerate" and not (bin_dir / "accelerate").exists():
+        pytest.skip("accelerate is not installed")
+    port = free_port()
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",  # this venv's python, torchrun
+        "OMP_NUM_THREADS": "1",
+        **{k: v.format(port=port) for k, v in extra_env.items()},
+    }
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"run_dir={run_dir}",
+        f"data.train={corpus}/train",
+        "data.src_lang=en",
+        "data.tgt_lang=de",
+        "model.N=1",
+        "model.d_model=32",
+        "model.d_ff=64",
+        "model.h=2",
+        "tokenizer.vocab_size=100",
+        "train.max_tokens=400",
+        "train.max_steps=2",
+    ]
+    if name == "accelerate":  # it ignores MASTER_PORT: the port goes in its config file
+        acc = (ROOT / "configs" / "accelerate" / "ddp_2proc.yaml").read_text()
+        (tmp_path / "accelerate.yaml").write_text(acc + f"main_process_port: {port}\n")
+    lead = [a.format(tmp=tmp_path) for a in lead]
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    proc = subprocess.run(
+        [str(ROOT / "launch" / script), *lead, str(empty), *overrides],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    printed = proc.stderr.splitlines()[0]
+    assert printed.startswith("+ ") and says in printed, printed
+    assert f"--config {empty}" in printed and "train.max_steps=2" in printed
+    assert f"x {ranks} ranks per step" in (run_dir / "train.log").read_text()
+    assert (run_dir / "checkpoints" / "step_00000002").is_dir()
