@@ -188,8 +188,17 @@ class CheckpointManager:
             if self.is_writer:
                 save_weights(module, tmp / MODEL_FILE)
         barrier()  # every rank's shards are on disk
-        if not self.is_writer:
-            return None
+        final = self._finish(step, tmp, trainer_state, meta, started) if self.is_writer else None
+        # Nobody leaves before the checkpoint is complete: a rank that exits after a
+        # preemption save must not let a scheduler end the job while rank 0 still writes.
+        barrier()
+        return final
+
+    def _finish(
+        self, step: int, tmp: Path, trainer_state: dict[str, Any], meta: dict[str, Any], started
+    ) -> Path:
+        """The writer's part: trainer state, fsync, manifest over every file, rename, pointer."""
+        final = self.root / step_dir_name(step)
         torch.save(trainer_state, tmp / TRAINER_FILE)
         files = {}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):

@@ -1,0 +1,192 @@
+"""The engine's pieces that need no second process: the DeepSpeed config, accelerate's
+variables, fp16 loss scaling on CPU, activation checkpointing."""
+
+import json
+
+import pytest
+import torch
+
+from aiayn.config import load_config
+from aiayn.data.batch import Batch
+from aiayn.dist import deepspeed_config
+from aiayn.dist.engine import LocalEngine
+from aiayn.dist.launcher import accelerate_overrides
+from aiayn.errors import ConfigError
+from aiayn.loss import batch_loss
+from aiayn.model import build_model
+
+BASE = ["data.train=corpus/train", "data.max_len=30"]
+TINY = [*BASE, "model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2", "model.max_len=32"]
+
+
+def cfg_with(*overrides):
+    return load_config(None, [*BASE, "distributed.backend=deepspeed", *overrides])
+
+
+def test_generated_deepspeed_config_follows_the_run_config():
+    cfg = cfg_with(
+        "distributed.zero_stage=2",
+        "distributed.offload_optimizer=true",
+        "train.grad_accum=4",
+        "train.clip_norm=1.5",
+        "train.precision=bf16",
+        "optim.weight_decay=0.01",
+    )
+    ds = deepspeed_config.generate(cfg, world_size=8, device_type="cpu")
+    assert ds["gradient_accumulation_steps"] == 4
+    assert ds["train_batch_size"] == 4 * 8 * ds["train_micro_batch_size_per_gpu"]
+    assert ds["managed_gradient_accumulation"] is False
+    assert ds["gradient_clipping"] == 1.5
+    assert ds["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    params = ds["optimizer"]["params"]
+    assert ds["optimizer"]["type"] == "Adam" and params["adam_w_mode"] is False
+    assert params["betas"] == [0.9, 0.98] and params["eps"] == 1e-9
+    assert params["weight_decay"] == 0.01
+    assert params["torch_adam"] is False  # offload runs DeepSpeedCPUAdam
+    assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
+    assert "fp16" not in ds and "bf16" not in ds
+
+    fp16 = deepspeed_config.generate(
+        cfg_with("train.precision=fp16", "optim.name=adamw"), 1, "cuda"
+    )
+    assert fp16["fp16"]["enabled"] and fp16["fp16"]["loss_scale"] == 0  # dynamic
+    assert fp16["optimizer"]["type"] == "AdamW" and fp16["optimizer"]["params"]["adam_w_mode"]
+    assert fp16["zero_optimization"] == {"stage": 0}
+
+
+def test_extra_keys_merge_and_contradictions_are_errors(tmp_path):
+    extra = tmp_path / "extra.json"
+    extra.write_text(json.dumps({"zero_optimization": {"overlap_comm": True}, "comms_logger": {}}))
+    cfg = cfg_with("distributed.zero_stage=3", f"distributed.deepspeed_config={extra}")
+    ds = deepspeed_config.build(cfg, 2, "cpu")
+    assert ds["zero_optimization"] == {"stage": 3, "overlap_comm": True}
+    assert ds["comms_logger"] == {}
+
+    extra.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_clipping": 5.0}))
+    with pytest.raises(ConfigError) as err:
+        deepspeed_config.build(cfg, 2, "cpu")
+    message = str(err.value)
+    assert "zero_optimization.stage: file says 2, the run config gives 3" in message
+    assert "gradient_clipping: file says 5.0, the run config gives 0.0" in message
+
+    extra.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        deepspeed_config.build(cfg, 2, "cpu")
+    cfg.distributed.deepspeed_config = str(tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match="file not found"):
+        deepspeed_config.build(cfg, 2, "cpu")
+
+
+def test_shipped_deepspeed_files_agree_with_the_shipped_configs(project_root):
+    from pathlib import Path
+
+    files = sorted(Path(project_root, "configs", "deepspeed").glob("*.json"))
+    assert files
+    for path in files:
+        for stage in (1, 2, 3):
+            cfg = cfg_with(
+                f"distributed.zero_stage={stage}", f"distributed.deepspeed_config={path}"
+            )
+            deepspeed_config.build(cfg, 2, "cpu")  # no contradiction
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["distributed.zero_stage=2"], "need distributed.backend=deepspeed"),
+        (
+            ["distributed.backend=deepspeed", "distributed.offload_optimizer=true"],
+            "offload_optimizer needs distributed.zero_stage >= 1",
+        ),
+        (
+            [
+                "distributed.backend=deepspeed",
+                "distributed.zero_stage=2",
+                "distributed.offload_params=true",
+            ],
+            "offload_params needs distributed.zero_stage=3",
+        ),
+    ],
+)
+def test_inconsistent_distributed_settings_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*BASE, *overrides])
+
+
+def test_accelerate_variables_become_overrides():
+    env = {
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+        "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
+        "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none",
+        "ACCELERATE_MIXED_PRECISION": "bf16",
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2",
+    }
+    assert accelerate_overrides(env) == [
+        "distributed.backend=deepspeed",
+        "distributed.zero_stage=3",
+        "distributed.offload_optimizer=true",
+        "train.grad_accum=2",
+        "train.precision=bf16",
+    ]
+    # --multi_gpu with accelerate's default precision changes nothing; no accelerate, nothing.
+    assert accelerate_overrides({"ACCELERATE_MIXED_PRECISION": "no"}) == []
+    assert accelerate_overrides({}) == []
+    with pytest.raises(ConfigError, match="only cpu offload"):
+        accelerate_overrides({**env, "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "nvme"})
+
+
+def tiny_batch(vocab: int = 50) -> Batch:
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(4, vocab, (4, 9), generator=g)
+    tgt = torch.randint(4, vocab, (4, 8), generator=g)
+    return Batch(
+        ids=torch.arange(4), n_tokens=4 * 7, src=src, tgt_in=tgt[:, :-1], tgt_out=tgt[:, 1:]
+    )
+
+
+def engine_for(*overrides) -> LocalEngine:
+    cfg = load_config(None, [*TINY, *overrides])
+    torch.manual_seed(0)
+    return LocalEngine(build_model(cfg.model, 50, 0), cfg, torch.device("cpu"))
+
+
+def test_fp16_overflow_skips_the_step_and_the_schedule_then_training_goes_on():
+    engine = engine_for("train.precision=fp16")
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    scale, lr = engine.loss_scale, engine.lr
+    engine.backward(
+        torch.tensor(float("inf"), requires_grad=True)
+        * sum(p.sum() for p in engine.module.parameters())
+    )
+    engine.step()
+    assert engine.skipped_steps == 1 and engine.loss_scale == scale / 2
+    assert engine.lr == lr  # the schedule counts applied updates only
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True))
+
+    batch = tiny_batch()
+    with engine.autocast():
+        loss, _ = batch_loss(engine.model, batch, "seq2seq", 0.1, 0)
+    engine.backward(loss / batch.n_tokens)
+    engine.step()
+    assert engine.skipped_steps == 1 and engine.lr > lr
+    assert not all(
+        torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True)
+    )
+    state = engine.state_dict()
+    restored = engine_for("train.precision=fp16")
+    restored.load_state_dict(state, checkpoint=None)
+    assert restored.loss_scale == engine.loss_scale and restored.skipped_steps == 1
+
+
+def test_activation_checkpointing_recomputes_the_same_gradients_with_dropout():
+    grads = []
+    for flag in ("false", "true"):
+        engine = engine_for("model.dropout=0.3", f"distributed.activation_checkpointing={flag}")
+        assert engine.module.encoder.checkpoint_layers is (flag == "true")
+        torch.manual_seed(1)
+        batch = tiny_batch()
+        loss, _ = batch_loss(engine.model, batch, "seq2seq", 0.1, 0)
+        engine.backward(loss)
+        grads.append([p.grad.clone() for p in engine.module.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
