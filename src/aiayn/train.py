@@ -231,6 +231,8 @@ def _train_until_done(run: Run, batches) -> dict[str, float]:
     window, last_eval = Window(), {}
     saved_step, epoch = progress.step, loader.epoch
     while progress.step < cfg.train.max_steps:
+        # Where the step starts: a step the epoch limit refuses gives its batches back to it.
+        before = loader.state_dict() if cfg.train.max_epochs is not None else None
         waited = time.perf_counter()
         fetched = [(next(batches), loader.epoch) for _ in range(cfg.train.grad_accum)]
         micro = [batch for batch, _ in fetched]
@@ -241,6 +243,8 @@ def _train_until_done(run: Run, batches) -> dict[str, float]:
         if cfg.train.max_epochs is not None:
             # Ranks cross an epoch boundary at different batches: stop together, when any has.
             if run.env.sum([float(epoch >= cfg.train.max_epochs)])[0] > 0:
+                # Unconsumed: a resume with a larger max_epochs must train on these batches.
+                loader.load_state_dict(before)
                 break
         if cfg.logging.record_ids:
             _record_ids(run, fetched)
