@@ -116,9 +116,7 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
     setup_logging(run_dir, env.rank)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    ckpts = CheckpointManager(
-        run_dir, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last, env.is_main
-    )
+    ckpts = CheckpointManager.from_config(run_dir, cfg.checkpoint, env.is_main)
     resume_from = _resume_point(cfg, ckpts)
     if env.is_main:  # one writer: the others wait, then load what it trained
         tok = prepare_tokenizer(cfg)
@@ -201,7 +199,7 @@ def _restore(ckpt: Path, cfg: Config, tok: Tokenizer, engine, loader, env: DistE
     return Progress(**trainer_state["progress"])
 
 
-def _save(run: Run, step: int) -> None:
+def _save(run: Run, step: int, valid: dict[str, float] | None = None) -> None:
     if run.engine.replicas_differ(run.env):
         raise TrainingError(
             f"parameters differ between data-parallel ranks at step {step}: not saving. This is "
@@ -214,6 +212,8 @@ def _save(run: Run, step: int) -> None:
         "progress": vars(run.progress).copy(),
     }
     meta = {"config": run.cfg.to_dict(), "tokenizer": run.tok.contract()}
+    if valid:  # in the manifest, so that keeping the best survives restarts
+        meta["metrics"] = {f"valid/{k}": v for k, v in valid.items()}
     run.ckpts.save(step, run.engine.module, state, meta)
     run.metrics.flush()  # the curves up to a checkpoint survive a crash with it
 
@@ -250,7 +250,7 @@ def _train_until_done(run: Run, batches) -> dict[str, float]:
             _record_ids(run, fetched)
         grad_norm, stop_now = _train_step(run, micro, window)
         step, last = progress.step, progress.step == cfg.train.max_steps
-        shown = None
+        shown, valid = None, None
         if step % cfg.logging.every_steps == 0 or last:
             shown = _log_window(run, window, grad_norm, bar.bar is None)
             window = Window()
@@ -258,10 +258,10 @@ def _train_until_done(run: Run, batches) -> dict[str, float]:
         if stop_now:
             _stop(run, window, step)
         if validation and ((cfg.train.eval_every and step % cfg.train.eval_every == 0) or last):
-            last_eval = validation.run(engine, run.metrics, step, run.env)
+            last_eval = valid = validation.run(engine, run.metrics, step, run.env)
         if run.ckpts.due(step) or last:
             _check_finite(window, step, run.ckpts, run.env)
-            _save(run, step)
+            _save(run, step, valid)
             saved_step = step
         if window.tokens == 0:  # tokens/s measures training, not validation or saving
             window.started = time.perf_counter()
