@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MODEL_FILE, TRAINER_FILE, MANIFEST_FILE = "model.safetensors", "trainer.pt", "manifest.json"
+# A copy of the SentencePiece model, in checkpoints made by averaging (self-contained).
+TOKENIZER_FILE = "tokenizer.model"
 # Fields that decide tensor shapes or meaning: a checkpoint differing in any cannot be loaded.
 ARCHITECTURE_FIELDS = (
     "kind",
@@ -263,13 +265,16 @@ def load_checkpoint(
     expect_model: Any = None,
     tokenizer: Any = None,
     verify: bool = True,
-) -> tuple[dict[str, Any], dict[str, Any]]:
+    with_trainer_state: bool = True,
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """Load weights into `model`; return (trainer_state, manifest). Never unpickles code.
 
     `expect_model` (a ModelConfig) and `tokenizer` are checked against what the checkpoint
     recorded before any tensor is read, so a mismatch names its fields instead of a shape.
     `verify=False` skips the checksums for a checkpoint that `CheckpointManager.latest` or
     `resolve_checkpoint` has just verified: hashing the weights twice doubles the load time.
+    `with_trainer_state=False` (inference) reads no optimizer state and returns None for it;
+    averaged checkpoints have none.
     """
     manifest = read_manifest(ckpt, verify=verify)
     if expect_model is not None:
@@ -284,6 +289,13 @@ def load_checkpoint(
         raise CheckpointError(
             f"{ckpt} does not fit this model: missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}"
+        )
+    if not with_trainer_state:
+        return None, manifest
+    if TRAINER_FILE not in manifest["files"]:
+        raise CheckpointError(
+            f"{ckpt} holds weights only (an averaged checkpoint?): it can be translated and "
+            "evaluated, not resumed. Resume from a checkpoint the run saved."
         )
     trainer_state = torch.load(ckpt / TRAINER_FILE, map_location="cpu", weights_only=True)
     return trainer_state, manifest
