@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MODEL_FILE, TRAINER_FILE, MANIFEST_FILE = "model.safetensors", "trainer.pt", "manifest.json"
+# A copy of the SentencePiece model, in checkpoints made by averaging (self-contained).
+TOKENIZER_FILE = "tokenizer.model"
 # Fields that decide tensor shapes or meaning: a checkpoint differing in any cannot be loaded.
 ARCHITECTURE_FIELDS = (
     "kind",
@@ -133,13 +136,45 @@ def check_architecture(saved: dict[str, Any], current: dict[str, Any], where: st
 
 
 class CheckpointManager:
-    """Saves and finds checkpoints of one run. Every rank calls it; only writers write."""
+    """Saves and finds checkpoints of one run. Every rank calls it; only writers write.
 
-    def __init__(self, run_dir: str | Path, every_steps: int, keep_last: int, is_writer: bool):
+    Retention: the newest `keep_last`, every step that is a multiple of `keep_every`, and the
+    `keep_best` with the best `best_metric` as recorded in their manifests (so the choice
+    survives restarts). The checkpoint `latest` names is never deleted.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        every_steps: int,
+        keep_last: int,
+        is_writer: bool,
+        *,
+        keep_every: int = 0,
+        keep_best: int = 0,
+        best_metric: str = "valid/loss",
+        higher_is_better: bool = False,
+    ):
         self.root = Path(run_dir) / "checkpoints"
         self.every_steps = every_steps
         self.keep_last = keep_last
         self.is_writer = is_writer
+        self.keep_every, self.keep_best = keep_every, keep_best
+        self.best_metric, self.higher_is_better = best_metric, higher_is_better
+
+    @classmethod
+    def from_config(cls, run_dir: str | Path, cfg: Any, is_writer: bool) -> CheckpointManager:
+        """The manager a CheckpointConfig describes."""
+        return cls(
+            run_dir,
+            cfg.every_steps,
+            cfg.keep_last,
+            is_writer,
+            keep_every=cfg.keep_every,
+            keep_best=cfg.keep_best,
+            best_metric=cfg.best_metric,
+            higher_is_better=cfg.higher_is_better,
+        )
 
     def due(self, step: int) -> bool:
         return step % self.every_steps == 0
@@ -148,7 +183,7 @@ class CheckpointManager:
         """Complete-looking checkpoint directories, oldest first."""
         if not self.root.is_dir():
             return []
-        return sorted(p for p in self.root.glob("step_*") if p.is_dir())
+        return sorted(p for p in self.root.glob("step_*") if p.name[5:].isdigit() and p.is_dir())
 
     def latest(self) -> Path | None:
         """The newest checkpoint that validates; broken ones are skipped with a warning."""
@@ -219,11 +254,41 @@ class CheckpointManager:
         log.info("saved %s in %.2fs", final, time.perf_counter() - started)
         return final
 
+    def best(self) -> list[Path]:
+        """Checkpoints that recorded `best_metric`, best first (the later one on a tie)."""
+        scored = []
+        for ckpt in self.checkpoints():
+            try:
+                value = json.loads((ckpt / MANIFEST_FILE).read_text())["metrics"][self.best_metric]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # saved without a validation at its step, or incomplete
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                continue
+            scored.append((value if self.higher_is_better else -value, ckpt))
+        return [ckpt for _, ckpt in sorted(scored, reverse=True)]
+
+    def _pointed(self) -> Path | None:
+        try:
+            return self.root / (self.root / "latest").read_text().strip()
+        except OSError:
+            return None
+
     def _prune(self) -> None:
         for stale in self.root.glob(".tmp-*"):  # left by a crash during an earlier save
             shutil.rmtree(stale, ignore_errors=True)
-        for old in self.checkpoints()[: -self.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        ckpts = self.checkpoints()
+        keep = set(ckpts[-self.keep_last :]) | {self._pointed()}
+        if self.keep_every:
+            keep |= {c for c in ckpts if step_of(c) % self.keep_every == 0}
+        if self.keep_best:
+            keep |= set(self.best()[: self.keep_best])
+        for old in ckpts:
+            if old not in keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def step_of(ckpt: Path) -> int:
+    return int(ckpt.name.rsplit("_", 1)[1])
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -249,7 +314,8 @@ def load_checkpoint(
     expect_model: Any = None,
     tokenizer: Any = None,
     verify: bool = True,
-) -> tuple[dict[str, Any], dict[str, Any]]:
+    with_trainer_state: bool = True,
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """Load weights into `model`; return (trainer_state, manifest). Never unpickles code.
 
     `model=None` loads no weights: a sharded engine restores them from its own shards.
@@ -258,6 +324,8 @@ def load_checkpoint(
     recorded before any tensor is read, so a mismatch names its fields instead of a shape.
     `verify=False` skips the checksums for a checkpoint that `CheckpointManager.latest` or
     `resolve_checkpoint` has just verified: hashing the weights twice doubles the load time.
+    `with_trainer_state=False` (inference) reads no optimizer state and returns None for it;
+    averaged checkpoints have none.
     """
     manifest = read_manifest(ckpt, verify=verify)
     if expect_model is not None:
@@ -274,6 +342,13 @@ def load_checkpoint(
         raise CheckpointError(
             f"{ckpt} does not fit this model: missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}"
+        )
+    if not with_trainer_state:
+        return None, manifest
+    if TRAINER_FILE not in manifest["files"]:
+        raise CheckpointError(
+            f"{ckpt} holds weights only (an averaged checkpoint?): it can be translated and "
+            "evaluated, not resumed. Resume from a checkpoint the run saved."
         )
     trainer_state = torch.load(ckpt / TRAINER_FILE, map_location="cpu", weights_only=True)
     return trainer_state, manifest

@@ -20,7 +20,9 @@ def _add_config(p: argparse.ArgumentParser) -> None:
 
 def _add_checkpoint(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--checkpoint", required=True, help="run_dir (its latest checkpoint) or a step dir"
+        "--checkpoint",
+        required=True,
+        help="run_dir (its latest checkpoint), a step or averaged dir, or an exported .safetensors",
     )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument(
@@ -62,6 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("average", help="average checkpoints into a new one (§6.1)")
+    p.add_argument("checkpoints", nargs="+", help="run dirs and/or checkpoint step dirs")
+    p.add_argument("--last", type=int, help="the newest K of them (default: all)")
+    p.add_argument("--output", required=True, help="the new checkpoint directory")
+
+    p = sub.add_parser("export", help="one safetensors file for inference, config beside it")
+    p.add_argument("checkpoint", help="run_dir (its latest valid checkpoint) or a step dir")
+    p.add_argument("--output", required=True, help="FILE.safetensors")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
 
     p = sub.add_parser("demo-data", help="write a generated demo corpus")
     p.add_argument("kind", choices=["numbers", "lm", "classify"])
@@ -198,6 +210,26 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_average(args) -> int:
+    from aiayn.checkpoint_tools import average
+    from aiayn.metrics import setup_logging
+
+    setup_logging(None)
+    out = average(args.checkpoints, args.output, args.last)
+    print(f"averaged checkpoint in {out}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from aiayn.checkpoint_tools import export, export_paths
+    from aiayn.metrics import setup_logging
+
+    setup_logging(None)
+    weights, config, tokenizer = export_paths(export(args.checkpoint, args.output, args.dtype))
+    print(f"exported {weights} ({args.dtype}) with {config.name} and {tokenizer.name}")
+    return 0
+
+
 def cmd_demo_data(args) -> int:
     from aiayn import demo_data
 
@@ -218,5 +250,7 @@ COMMANDS = {
     "translate": cmd_translate,
     "evaluate": cmd_evaluate,
     "generate": cmd_generate,
+    "average": cmd_average,
+    "export": cmd_export,
     "demo-data": cmd_demo_data,
 }

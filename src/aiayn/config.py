@@ -292,15 +292,44 @@ class DistributedConfig:
         return errs
 
 
+# Validation metrics a checkpoint records (TensorBoard tags), and whether higher is better.
+VALID_METRICS = {
+    "valid/loss": False,
+    "valid/ppl": False,
+    "valid/accuracy": True,
+    "valid/bleu": True,
+    "valid/bleu_lc": True,
+}
+
+
 @dataclass
 class CheckpointConfig:
     every_steps: int = 1000
     """Save every this many optimizer steps (and at the end)."""
     keep_last: int = 5
     """Keep this many most recent checkpoints."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this, e.g. for averaging or to go
+    further back than keep_last; 0: off. A multiple of every_steps."""
+    keep_best: int = 0
+    """Also keep this many checkpoints with the best best_metric; 0: off. Only checkpoints saved
+    at a validation step record the metric, so train.eval_every must be a multiple of
+    every_steps."""
+    best_metric: str = "valid/loss"
+    """What keep_best ranks by: valid/loss, valid/ppl, valid/accuracy, valid/bleu or
+    valid/bleu_lc (seq2seq with train.eval_bleu > 0)."""
+    best_mode: Literal["auto", "min", "max"] = "auto"
+    """min: lower is better; max: higher is better; auto: max for accuracy and BLEU, min for
+    loss and perplexity."""
     resume: Literal["auto", "never"] = "auto"
     """auto: continue from the latest valid checkpoint in run_dir; never: refuse a run_dir that
     already holds checkpoints rather than overwrite it."""
+
+    @property
+    def higher_is_better(self) -> bool:
+        if self.best_mode == "auto":
+            return VALID_METRICS.get(self.best_metric, False)
+        return self.best_mode == "max"
 
     def validate(self) -> list[str]:
         errs = []
@@ -308,6 +337,18 @@ class CheckpointConfig:
             errs.append(f"checkpoint.every_steps must be >= 1, got {self.every_steps}")
         if self.keep_last < 1:
             errs.append(f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
+        if self.keep_every < 0 or self.keep_best < 0:
+            errs.append("checkpoint.keep_every and checkpoint.keep_best must be >= 0 (0: off)")
+        elif self.keep_every and self.every_steps >= 1 and self.keep_every % self.every_steps:
+            errs.append(
+                f"checkpoint.keep_every ({self.keep_every}) must be a multiple of "
+                f"checkpoint.every_steps ({self.every_steps}): no other step is saved"
+            )
+        if self.best_metric not in VALID_METRICS:
+            errs.append(
+                f"checkpoint.best_metric {self.best_metric!r} is not recorded; choose from "
+                f"{sorted(VALID_METRICS)}" + _suggest(self.best_metric, VALID_METRICS)
+            )
         return errs
 
 
@@ -387,10 +428,32 @@ class Config:
                 f"data.format parallel is for model.kind seq2seq; a {self.model.kind} model "
                 "reads text, tsv, jsonl, parquet or hub data"
             )
+        errs += self._validate_keep_best()
         if self.data.max_len + 2 > self.model.max_len:
             errs.append(
                 f"data.max_len ({self.data.max_len}) + 2 special tokens exceeds model.max_len "
                 f"({self.model.max_len}); lower data.max_len or raise model.max_len"
+            )
+        return errs
+
+    def _validate_keep_best(self) -> list[str]:
+        ckpt, train = self.checkpoint, self.train
+        if not ckpt.keep_best:
+            return []
+        errs = []
+        if not self.data.valid:
+            errs.append("checkpoint.keep_best ranks by validation: set data.valid")
+        if not train.eval_every or train.eval_every % max(ckpt.every_steps, 1):
+            errs.append(
+                f"checkpoint.keep_best ranks checkpoints by the validation at their step: "
+                f"train.eval_every ({train.eval_every}) must be a multiple of "
+                f"checkpoint.every_steps ({ckpt.every_steps})"
+            )
+        bleu = ckpt.best_metric in ("valid/bleu", "valid/bleu_lc")
+        if bleu and (self.model.kind != "seq2seq" or not train.eval_bleu):
+            errs.append(
+                f"checkpoint.best_metric {ckpt.best_metric} needs model.kind seq2seq and "
+                "train.eval_bleu > 0"
             )
         return errs
 

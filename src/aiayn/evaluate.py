@@ -11,16 +11,19 @@ from typing import Any
 
 import sacrebleu
 import torch
+from safetensors.torch import load_model
 from torch import nn
 
-from aiayn.checkpoint import load_checkpoint, read_manifest, resolve_checkpoint
+from aiayn.checkpoint import TOKENIZER_FILE, load_checkpoint, read_manifest, resolve_checkpoint
+from aiayn.checkpoint_tools import read_export
 from aiayn.config import Config, DecodeConfig, apply_override, config_from_dict
 from aiayn.data import make_loader, open_split
 from aiayn.data.batch import Batch
 from aiayn.decode import beam_search, greedy_search
+from aiayn.errors import CheckpointError
 from aiayn.loss import batch_loss
 from aiayn.model import build_model
-from aiayn.tokenizer import Tokenizer
+from aiayn.tokenizer import Tokenizer, check_contract
 
 log = logging.getLogger("aiayn")
 
@@ -155,17 +158,39 @@ class Validation:
 def load_for_inference(
     checkpoint: str | Path, overrides: list[str] = (), device: str = "auto"
 ) -> tuple[Config, nn.Module, Tokenizer, Path]:
-    """Rebuild a model from a checkpoint's own config (plus overrides) and load its weights."""
+    """Rebuild a model from a checkpoint's own config (plus overrides) and load its weights.
+
+    `checkpoint`: a run_dir (its latest valid checkpoint), a step or averaged checkpoint
+    directory, or a FILE.safetensors written by `aiayn export`.
+    """
     from aiayn.dist.env import pick_device
 
-    ckpt = resolve_checkpoint(checkpoint)  # verified here, so not again below
-    raw = read_manifest(ckpt, verify=False)["config"]
+    path = Path(checkpoint)
+    if path.suffix == ".safetensors" and path.is_file():
+        raw, tok_path, contract = read_export(path)
+        where, ckpt = str(path), path
+    else:
+        ckpt = resolve_checkpoint(path)  # verified here, so not again below
+        manifest = read_manifest(ckpt, verify=False)
+        raw, contract, where = manifest["config"], manifest["tokenizer"], f"{ckpt}/manifest.json"
+        tok_path = ckpt / TOKENIZER_FILE  # averaged checkpoints carry their tokenizer
     for item in overrides:
         apply_override(raw, item)
-    cfg = config_from_dict(raw, source=f"{ckpt}/manifest.json")
-    tok = Tokenizer(cfg.tokenizer_path)
+    cfg = config_from_dict(raw, source=where)
+    if not tok_path.is_file() or any(o.startswith("tokenizer.path=") for o in overrides):
+        tok_path = cfg.tokenizer_path
+    tok = Tokenizer(tok_path)
+    check_contract(contract, tok, where=where)
     model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
-    load_checkpoint(ckpt, model, expect_model=cfg.model, tokenizer=tok, verify=False)
+    if ckpt.is_file():
+        missing, unexpected = load_model(model, str(ckpt), strict=False)
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{ckpt} does not fit the model of its config: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+    else:
+        load_checkpoint(ckpt, model, expect_model=cfg.model, verify=False, with_trainer_state=False)
     model.to(pick_device(device)).eval()
     return cfg, model, tok, ckpt
 

@@ -116,9 +116,7 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
     setup_logging(run_dir, env.rank)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    ckpts = CheckpointManager(
-        run_dir, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last, env.is_main
-    )
+    ckpts = CheckpointManager.from_config(run_dir, cfg.checkpoint, env.is_main)
     resume_from = _resume_point(cfg, ckpts)
     if env.is_main:  # one writer: the others wait, then load what it trained
         tok = prepare_tokenizer(cfg)
@@ -203,7 +201,7 @@ def _restore(ckpt: Path, cfg: Config, tok: Tokenizer, engine, loader, env: DistE
     return Progress(**trainer_state["progress"])
 
 
-def _save(run: Run, step: int) -> None:
+def _save(run: Run, step: int, valid: dict[str, float] | None = None) -> None:
     if run.engine.replicas_differ(run.env):
         raise TrainingError(
             f"parameters differ between data-parallel ranks at step {step}: not saving. This is "
@@ -216,6 +214,8 @@ def _save(run: Run, step: int) -> None:
         "progress": vars(run.progress).copy(),
     }
     meta = {"config": run.cfg.to_dict(), "tokenizer": run.tok.contract()}
+    if valid:  # in the manifest, so that keeping the best survives restarts
+        meta["metrics"] = {f"valid/{k}": v for k, v in valid.items()}
     run.ckpts.save(step, run.engine, state, meta, run.env)
     run.metrics.flush()  # the curves up to a checkpoint survive a crash with it
 
@@ -233,6 +233,8 @@ def _train_until_done(run: Run, batches) -> dict[str, float]:
     window, last_eval = Window(), {}
     saved_step, epoch = progress.step, loader.epoch
     while progress.step < cfg.train.max_steps:
+        # Where the step starts: a step the epoch limit refuses gives its batches back to it.
+        before = loader.state_dict() if cfg.train.max_epochs is not None else None
         waited = time.perf_counter()
         fetched = [(next(batches), loader.epoch) for _ in range(cfg.train.grad_accum)]
         micro = [batch for batch, _ in fetched]
@@ -243,12 +245,14 @@ def _train_until_done(run: Run, batches) -> dict[str, float]:
         if cfg.train.max_epochs is not None:
             # Ranks cross an epoch boundary at different batches: stop together, when any has.
             if run.env.sum([float(epoch >= cfg.train.max_epochs)])[0] > 0:
+                # Unconsumed: a resume with a larger max_epochs must train on these batches.
+                loader.load_state_dict(before)
                 break
         if cfg.logging.record_ids:
             _record_ids(run, fetched)
         grad_norm, stop_now = _train_step(run, micro, window)
         step, last = progress.step, progress.step == cfg.train.max_steps
-        shown = None
+        shown, valid = None, None
         if step % cfg.logging.every_steps == 0 or last:
             shown = _log_window(run, window, grad_norm, bar.bar is None)
             window = Window()
@@ -256,10 +260,10 @@ def _train_until_done(run: Run, batches) -> dict[str, float]:
         if stop_now:
             _stop(run, window, step)
         if validation and ((cfg.train.eval_every and step % cfg.train.eval_every == 0) or last):
-            last_eval = validation.run(engine, run.metrics, step, run.env)
+            last_eval = valid = validation.run(engine, run.metrics, step, run.env)
         if run.ckpts.due(step) or last:
             _check_finite(window, step, run.ckpts, run.env)
-            _save(run, step)
+            _save(run, step, valid)
             saved_step = step
         if window.tokens == 0:  # tokens/s measures training, not validation or saving
             window.started = time.perf_counter()

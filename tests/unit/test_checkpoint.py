@@ -13,8 +13,8 @@ from aiayn.checkpoint import (
     read_manifest,
     resolve_checkpoint,
 )
-from aiayn.config import ModelConfig
-from aiayn.errors import CheckpointError, TokenizerError
+from aiayn.config import ModelConfig, load_config
+from aiayn.errors import CheckpointError, ConfigError, TokenizerError
 
 CONTRACT = {"sha256": "abc", "vocab_size": 50, "pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
 
@@ -48,9 +48,11 @@ class Unsharded:
         yield self.module
 
 
-def save(manager, step, model=None, cfg=None):
+def save(manager, step, model=None, cfg=None, metrics=None):
     model = model or Tied()
     meta = {"config": {"model": vars(cfg or ModelConfig())}, "tokenizer": CONTRACT}
+    if metrics is not None:
+        meta["metrics"] = metrics
     state = {"progress": {"step": step}, "rng": torch.get_rng_state()}
     return manager.save(step, Unsharded(model), state, meta)
 
@@ -148,3 +150,62 @@ def test_non_writers_write_nothing(tmp_path):
     manager = CheckpointManager(tmp_path, every_steps=1, keep_last=5, is_writer=False)
     assert save(manager, 1) is None
     assert not (tmp_path / "checkpoints").exists()
+
+
+def names(manager) -> list[str]:
+    return [p.name.removeprefix("step_").lstrip("0") for p in manager.checkpoints()]
+
+
+def test_every_nth_step_is_kept_beside_the_last_k(tmp_path):
+    manager = CheckpointManager(tmp_path, 1, keep_last=2, is_writer=True, keep_every=4)
+    for step in range(1, 11):
+        save(manager, step)
+    assert names(manager) == ["4", "8", "9", "10"]
+
+
+@pytest.mark.parametrize(
+    ("metric", "higher", "best"),
+    [("valid/loss", False, ["4", "5"]), ("valid/bleu", True, ["1", "6"])],
+)
+def test_the_best_by_the_recorded_metric_are_kept_across_restarts(tmp_path, metric, higher, best):
+    values = {1: 5.0, 2: 3.0, 3: 4.0, 4: 1.0, 5: 2.0, 6: 4.5}
+    for step, value in values.items():
+        # A new manager each time, as after a restart: the choice comes from the manifests.
+        manager = CheckpointManager(
+            tmp_path, 1, 1, True, keep_best=2, best_metric=metric, higher_is_better=higher
+        )
+        save(manager, step, metrics={metric: value, "valid/other": -value})
+    save(manager, 7)  # saved without a validation at its step: not ranked, kept as the newest
+    assert names(manager) == [*best, "7"]
+    assert [p.name[-1] for p in manager.best()] == best
+
+
+def test_the_checkpoint_latest_names_is_never_pruned(tmp_path):
+    """A run resumed from step 2 because step 3 is corrupt saves step 2 again: with keep_last=1
+    the newest directory is the corrupt one, and the fresh save must survive beside it."""
+    manager = CheckpointManager(tmp_path, 1, keep_last=1, is_writer=True)
+    save(manager, 3)
+    (tmp_path / "checkpoints" / "step_00000003" / "trainer.pt").write_bytes(b"")
+    save(manager, 2)
+    assert names(manager) == ["2", "3"]
+    assert manager.latest().name == "step_00000002"
+
+
+def test_retention_settings_are_checked(tmp_path):
+    base = ["data.train=x", "data.valid=y", "checkpoint.every_steps=100"]
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            None,
+            [*base, "checkpoint.keep_every=150", "checkpoint.keep_best=2",
+             "train.eval_every=50", "checkpoint.best_metric=valid/blue"],
+        )  # fmt: skip
+    text = str(err.value)
+    assert "checkpoint.keep_every (150) must be a multiple of checkpoint.every_steps (100)" in text
+    assert "train.eval_every (50) must be a multiple of checkpoint.every_steps (100)" in text
+    assert "did you mean valid/bleu?" in text
+    cfg = load_config(
+        None, [*base, "checkpoint.keep_best=2", "train.eval_every=200", "checkpoint.keep_every=300"]
+    )
+    assert cfg.checkpoint.higher_is_better is False
+    cfg = load_config(None, [*base, "checkpoint.best_metric=valid/bleu"])
+    assert cfg.checkpoint.higher_is_better is True

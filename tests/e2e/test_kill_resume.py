@@ -1,0 +1,186 @@
+"""SIGKILL at random moments, during saves too, then the same command again: the run ends with
+parameters and optimizer state bitwise equal to a run that was never interrupted."""
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import tiny  # tests/e2e/tiny.py, beside this file
+import torch
+from safetensors.torch import load_file
+
+STEPS = 40
+# One thread per process: the same reduction order in every run, and the runs leave the other
+# core to the poller that watches for a save in progress.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def overrides(run_dir: Path, corpus: Path) -> list[str]:
+    return tiny.overrides(
+        run_dir,
+        corpus,
+        "model.dropout=0.1",  # resume must restore every rank's dropout stream
+        "logging.every_steps=1",
+        "checkpoint.every_steps=3",
+        "checkpoint.keep_last=2",
+        f"train.max_steps={STEPS}",
+        "train.threads=1",
+    )
+
+
+def final_state(run_dir: Path) -> tuple[dict, dict]:
+    ckpt = run_dir / "checkpoints" / f"step_{STEPS:08d}"
+    trainer = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=True)
+    return load_file(ckpt / "model.safetensors"), trainer["engine"]
+
+
+def assert_bitwise_equal(a: Path, b: Path) -> None:
+    (weights_a, engine_a), (weights_b, engine_b) = final_state(a), final_state(b)
+    assert weights_a.keys() == weights_b.keys()
+    differ = [k for k in weights_a if not torch.equal(weights_a[k], weights_b[k])]
+    assert not differ, f"parameters differ: {differ[:5]}"
+    moments = [
+        (k, name)
+        for k, slot in engine_a["optimizer"]["state"].items()
+        for name, value in slot.items()
+        if not torch.equal(value, engine_b["optimizer"]["state"][k][name])
+    ]
+    assert not moments, f"optimizer state differs: {moments[:5]}"
+
+
+def steps_logged(run_dir: Path, since: int) -> int:
+    """Training steps this process has logged: lines after byte `since` of train.log."""
+    log = run_dir / "train.log"
+    if not log.is_file():
+        return 0
+    with open(log, "rb") as fh:
+        fh.seek(since)
+        return fh.read().count(b"train step ")
+
+
+def log_size(run_dir: Path) -> int:
+    log = run_dir / "train.log"
+    return log.stat().st_size if log.is_file() else 0
+
+
+def temporary_dirs(run_dir: Path) -> set[str]:
+    root = run_dir / "checkpoints"
+    return {n for n in os.listdir(root) if n.startswith(".tmp-")} if root.is_dir() else set()
+
+
+def kill_after_steps(proc: subprocess.Popen, run_dir: Path, since: int, n: int, delay: float):
+    deadline = time.time() + 180
+    while steps_logged(run_dir, since) < n:
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.time() < deadline, "training did not get going"
+        time.sleep(0.01)
+    time.sleep(delay)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole group: torchrun and every rank at once
+    proc.wait()
+    return f"killed {delay:.3f}s after its {n}th step was logged"
+
+
+def kill_during_save(proc: subprocess.Popen, run_dir: Path, stale: set[str]) -> str:
+    """Kill when a new temporary checkpoint directory appears. Returns "RETRY" when the save
+    finished before the kill landed: only what a kill leaves behind proves it hit a save."""
+    deadline = time.time() + 180
+    while not (new := temporary_dirs(run_dir) - stale):  # busy: a tiny save lasts milliseconds
+        assert proc.poll() is None, "the run ended before a kill landed inside a save"
+        assert time.time() < deadline, "no save was caught in progress"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    if temporary_dirs(run_dir) - stale:
+        return f"killed during a save ({sorted(new)[0]})"
+    return "RETRY"
+
+
+def start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=ENV,
+        start_new_session=True,  # a process group to kill whole
+    )
+
+
+def run_to_end(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def kill_and_resume(make_cmd, run_dir: Path, trials: list[tuple]) -> list[str]:
+    """Run `trials` (each ("steps", n, delay) or ("save",)), then the command to its end."""
+    what = []
+    for trial in trials:
+        while True:
+            since, stale = log_size(run_dir), temporary_dirs(run_dir)
+            proc = start(make_cmd())
+            if trial[0] == "steps":
+                outcome = kill_after_steps(proc, run_dir, since, *trial[1:])
+            else:
+                outcome = kill_during_save(proc, run_dir, stale)
+            if outcome != "RETRY":
+                break
+        what.append(f"{outcome}; checkpoints: {sorted(os.listdir(run_dir / 'checkpoints'))}")
+    run_to_end(make_cmd())
+    return what
+
+
+def random_trials(seed: int, n_steps: int, n_saves: int) -> list[tuple]:
+    rng = random.Random(seed)
+    # A step takes ~10 ms here: at most ~10 steps a trial, 3 to reach a save, fewer than STEPS.
+    assert 10 * n_steps + 3 * n_saves < STEPS
+    trials = [("steps", rng.randint(2, 5), rng.uniform(0.0, 0.05)) for _ in range(n_steps)]
+    trials += [("save",)] * n_saves
+    rng.shuffle(trials)
+    return trials
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cfg") / "empty.yaml"
+    path.write_text("")
+    return path
+
+
+def test_sigkill_at_random_moments_then_rerun_ends_bitwise_equal(tmp_path, numbers, config_file):
+    def cmd(run_dir):
+        train = [sys.executable, "-m", "aiayn", "train", "--config", str(config_file)]
+        return train + overrides(run_dir, numbers)
+
+    run_to_end(cmd(tmp_path / "straight"))
+    killed = tmp_path / "killed"
+    what = kill_and_resume(lambda: cmd(killed), killed, random_trials(seed=4, n_steps=3, n_saves=2))
+    assert sum("during a save" in w for w in what) == 2, what
+    assert_bitwise_equal(killed, tmp_path / "straight")
+    log = (killed / "train.log").read_text()
+    assert log.count("resumed from") >= 1, what  # at least one kill came after a checkpoint
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.dist
+def test_two_ddp_ranks_killed_and_resumed_end_bitwise_equal(tmp_path, numbers, config_file):
+    def cmd(run_dir):
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                    "--master_addr=127.0.0.1", f"--master_port={free_port()}"]  # fmt: skip
+        train = ["-m", "aiayn", "train", "--config", str(config_file)]
+        return torchrun + train + overrides(run_dir, numbers)
+
+    run_to_end(cmd(tmp_path / "straight"))
+    killed = tmp_path / "killed"
+    what = kill_and_resume(lambda: cmd(killed), killed, random_trials(seed=7, n_steps=1, n_saves=1))
+    assert sum("during a save" in w for w in what) == 1, what
+    assert "x 2 ranks per step" in (killed / "train.log").read_text()
+    assert_bitwise_equal(killed, tmp_path / "straight")
