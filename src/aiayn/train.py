@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,6 +158,12 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
         peak / 1e12,
         f"resumed from {resume_from} (step {progress.step})" if resume_from else "new run",
     )
+    if "SLURM_JOB_ID" in os.environ:  # a requeued job starts again under the same id
+        log.info(
+            "Slurm job %s, restart %s",
+            os.environ["SLURM_JOB_ID"],
+            os.environ.get("SLURM_RESTART_COUNT", "0"),
+        )
     return Run(cfg, env, tok, engine, loader, ckpts, metrics, progress, peak, stop)
 
 

@@ -154,6 +154,7 @@ def test_a_preempted_job_saves_requeues_resumes_and_ends_with_the_same_weights(
     stopped = stopped_at(run_dir)
     assert len(stopped) == 1 and 20 <= stopped[0] < STEPS, info
     assert f"(step {stopped[0]})" in log.read_text()  # the requeued run resumed from there
+    assert f"Slurm job {job_id}, restart 1" in log.read_text()
     assert (run_dir / "checkpoints" / f"step_{stopped[0]:08d}").is_dir()
     assert_same_weights(run_dir, straight[0])
 
