@@ -15,6 +15,7 @@ checkpoint loadable, and a directory without a valid manifest is never loaded.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -22,6 +23,7 @@ import logging
 import math
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -85,8 +87,8 @@ def _write_atomic(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
-def save_weights(module: nn.Module, path: Path) -> None:
-    """Write `module`'s weights as safetensors, each tensor once.
+def weights_snapshot(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    """A host copy of `module`'s weights for safetensors, each tensor once, and its metadata.
 
     Tied names (the same tensor under several names) keep the first in sorted order, with the
     others recorded in the metadata, as `safetensors.torch.save_model` does, so `load_model`
@@ -102,7 +104,18 @@ def save_weights(module: nn.Module, path: Path) -> None:
         keep, *tied = sorted(names)
         tensors[keep] = state[keep].detach().to("cpu", copy=True).contiguous()
         metadata.update({name: keep for name in tied})
-    save_file(tensors, str(path), metadata=metadata or None)
+    return tensors, metadata or None
+
+
+def _host_copy(obj: Any) -> Any:
+    """`obj` with every tensor copied to host memory: what the next step will not change."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_host_copy(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def read_manifest(ckpt: Path, verify: bool = True) -> dict[str, Any]:
@@ -154,8 +167,12 @@ class CheckpointManager:
         keep_best: int = 0,
         best_metric: str = "valid/loss",
         higher_is_better: bool = False,
+        async_save: bool = False,
     ):
         self.root = Path(run_dir) / "checkpoints"
+        self.async_save = async_save
+        self._writer: threading.Thread | None = None
+        self._failure: BaseException | None = None
         self.every_steps = every_steps
         self.keep_last = keep_last
         self.is_writer = is_writer
@@ -174,6 +191,7 @@ class CheckpointManager:
             keep_best=cfg.keep_best,
             best_metric=cfg.best_metric,
             higher_is_better=cfg.higher_is_better,
+            async_save=cfg.async_save,
         )
 
     def due(self, step: int) -> bool:
@@ -207,9 +225,12 @@ class CheckpointManager:
 
         Every rank must call it: a sharded engine (DeepSpeed ZeRO) writes each rank's
         partition into the same temporary directory before the writer adds the consolidated
-        weights, the trainer state and the manifest that covers every file.
+        weights, the trainer state and the manifest that covers every file. With
+        `async_save` the writer's part runs in a background thread on a host copy of the
+        state, and the path exists once `wait()` returns.
         """
         started = time.perf_counter()
+        self._join()  # one write in flight at a time
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{final.name}"
         if self.is_writer:
@@ -219,21 +240,61 @@ class CheckpointManager:
         barrier = env.barrier if env is not None else lambda: None
         barrier()
         engine.save_shards(tmp)
+        weights = None
         with engine.full_module() as module:  # a collective under ZeRO-3
             if self.is_writer:
-                save_weights(module, tmp / MODEL_FILE)
+                weights = weights_snapshot(module)
         barrier()  # every rank's shards are on disk
-        final = self._finish(step, tmp, trainer_state, meta, started) if self.is_writer else None
-        # Nobody leaves before the checkpoint is complete: a rank that exits after a
-        # preemption save must not let a scheduler end the job while rank 0 still writes.
-        barrier()
-        return final
+        if self.is_writer and self.async_save:
+            state = _host_copy(trainer_state)  # the next step changes the optimizer in place
+            args = (step, tmp, weights, state, meta, started)
+            self._writer = threading.Thread(target=self._write_in_background, args=args)
+            self._writer.start()  # not a daemon: an exiting process finishes the write
+            log.info("checkpoint %d: training blocked %.2fs", step, time.perf_counter() - started)
+        elif self.is_writer:
+            self._finish(step, tmp, weights, trainer_state, meta, started)
+        if not self.async_save:
+            # Nobody leaves before the checkpoint is complete: a rank that exits after a
+            # preemption save must not let a scheduler end the job while rank 0 still writes.
+            barrier()
+        return final if self.is_writer else None
+
+    def wait(self, env=None) -> None:
+        """Return once every checkpoint this process started is on disk, on every rank."""
+        self._join()
+        if env is not None:
+            env.barrier()
+
+    def _join(self) -> None:
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise CheckpointError(
+                f"the background checkpoint write failed ({failure!r}); the previous "
+                "checkpoint is intact. Check the disk (space, permissions) and re-run."
+            ) from failure
+
+    def _write_in_background(self, *args) -> None:
+        try:
+            self._finish(*args)
+        except BaseException as exc:  # reported by the next save or wait()
+            self._failure = exc
 
     def _finish(
-        self, step: int, tmp: Path, trainer_state: dict[str, Any], meta: dict[str, Any], started
+        self,
+        step: int,
+        tmp: Path,
+        weights: tuple,
+        trainer_state: dict[str, Any],
+        meta: dict[str, Any],
+        started: float,
     ) -> Path:
-        """The writer's part: trainer state, fsync, manifest over every file, rename, pointer."""
+        """The writer's part: weights, trainer state, fsync, manifest, rename, pointer."""
         final = self.root / step_dir_name(step)
+        tensors, metadata = weights
+        save_file(tensors, str(tmp / MODEL_FILE), metadata=metadata)
         torch.save(trainer_state, tmp / TRAINER_FILE)
         files = {}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):

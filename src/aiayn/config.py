@@ -324,6 +324,10 @@ class CheckpointConfig:
     resume: Literal["auto", "never"] = "auto"
     """auto: continue from the latest valid checkpoint in run_dir; never: refuse a run_dir that
     already holds checkpoints rather than overwrite it."""
+    async_save: bool = False
+    """Write checkpoints in a background thread: training waits only while the state is copied
+    into host memory (one extra copy of weights and optimizer state while a write is in
+    flight). ZeRO shards are still written by DeepSpeed before training goes on."""
 
     @property
     def higher_is_better(self) -> bool:

@@ -277,6 +277,7 @@ def _train_until_done(run: Run, batches) -> dict[str, float]:
     if progress.step != saved_step:  # stopped early by max_epochs
         _check_finite(window, progress.step, run.ckpts, run.env)
         _save(run, progress.step)
+    run.ckpts.wait(run.env)  # a background write of the last checkpoint
     bar.close()
     _log_data(loader, f"training done at step {progress.step}, epoch {loader.epoch}")
     run.metrics.hparams(
@@ -315,6 +316,7 @@ def _stop(run: Run, window: Window, step: int) -> None:
     """Preemption: every rank saves this step, then raises Preempted (exit code 75)."""
     _check_finite(window, step, run.ckpts, run.env)
     _save(run, step)
+    run.ckpts.wait(run.env)
     waited = time.monotonic() - run.stop.received_at if run.stop.requested else 0.0
     source = f"{waited:.2f}s after the signal" if run.stop.requested else "signal on another rank"
     log.warning(

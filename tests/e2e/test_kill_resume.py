@@ -150,10 +150,17 @@ def config_file(tmp_path_factory) -> Path:
     return path
 
 
-def test_sigkill_at_random_moments_then_rerun_ends_bitwise_equal(tmp_path, numbers, config_file):
+@pytest.mark.parametrize("save_mode", ["sync", "async"])
+def test_sigkill_at_random_moments_then_rerun_ends_bitwise_equal(
+    tmp_path, numbers, config_file, save_mode
+):
+    """With checkpoint.async_save the kills during a save land in the background write."""
+
     def cmd(run_dir):
         train = [sys.executable, "-m", "aiayn", "train", "--config", str(config_file)]
-        return train + overrides(run_dir, numbers)
+        return (
+            train + overrides(run_dir, numbers) + [f"checkpoint.async_save={save_mode == 'async'}"]
+        )
 
     run_to_end(cmd(tmp_path / "straight"))
     killed = tmp_path / "killed"

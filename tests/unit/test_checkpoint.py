@@ -209,3 +209,40 @@ def test_retention_settings_are_checked(tmp_path):
     assert cfg.checkpoint.higher_is_better is False
     cfg = load_config(None, [*base, "checkpoint.best_metric=valid/bleu"])
     assert cfg.checkpoint.higher_is_better is True
+
+
+def test_async_save_writes_what_the_state_was_when_save_returned(tmp_path):
+    """The background write works on a host copy: changing the model and the optimizer state
+    in place right after save() (as the next step does) does not reach the checkpoint."""
+    manager = CheckpointManager(tmp_path, 1, 5, is_writer=True, async_save=True)
+    model = Tied()
+    moments = torch.arange(1000.0)
+    meta = {"config": {"model": vars(ModelConfig())}, "tokenizer": CONTRACT}
+    expected_weights = model.emb.weight.detach().clone()
+    path = manager.save(3, Unsharded(model), {"engine": {"exp_avg": moments}}, meta)
+    with torch.no_grad():
+        model.emb.weight.add_(1.0)
+    moments.mul_(-1)
+    manager.wait()
+    fresh = Tied()
+    state, _ = load_checkpoint(path, fresh, expect_model=ModelConfig(), tokenizer=fake_tokenizer())
+    assert torch.equal(fresh.emb.weight, expected_weights)
+    assert torch.equal(state["engine"]["exp_avg"], torch.arange(1000.0))
+    assert manager.latest() == path
+
+
+def test_a_failed_background_write_is_reported_and_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch
+):
+    manager = CheckpointManager(tmp_path, 1, 5, is_writer=True, async_save=True)
+    first = save(manager, 1)
+    manager.wait()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("aiayn.checkpoint.save_file", disk_full)
+    save(manager, 2)  # returns at once; the write fails in the background
+    with pytest.raises(CheckpointError, match="background checkpoint write failed.*No space"):
+        manager.wait()
+    assert manager.latest() == first
