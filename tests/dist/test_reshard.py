@@ -1,5 +1,5 @@
-"""Resuming on another topology, with real processes: ZeRO-3 on 2 ranks <-> DDP on 1, ZeRO-2 ->
-ZeRO-3, against an uninterrupted 2-rank ZeRO-3 run.
+"""Resuming on another topology, with real processes: ZeRO-3 on 2 ranks <-> DDP on 1, and
+ZeRO-3 -> ZeRO-2 -> ZeRO-0 -> DDP, each against an uninterrupted run.
 
 One process with train.grad_accum=2 takes the same global batch per step as 2 ranks with 1
 (the loader hands global batches r, r+W, ... to rank r), so the resumed run must consume the
@@ -39,6 +39,11 @@ def zero(stage: int) -> tuple[str, ...]:
 TOPOLOGIES = {  # name -> (launcher, options, how train.log names it)
     "zero3x2": (lambda: torchrun(2), zero(3), "DeepSpeed ZeRO-3 on 2 rank(s)"),
     "zero2x2": (lambda: torchrun(2), zero(2), "DeepSpeed ZeRO-2 on 2 rank(s)"),
+    "zero0x1": (
+        lambda: [sys.executable],
+        (*zero(0), "train.grad_accum=2"),
+        "DeepSpeed ZeRO-0 on 1 rank(s)",
+    ),
     "ddp1": (lambda: [sys.executable], ("train.grad_accum=2",), "DDP on 1 rank(s)"),
 }
 
@@ -100,7 +105,8 @@ def assert_continues(run_dir: Path, reference: Path, weights_atol: float, loss_r
     [
         ["zero3x2", "ddp1"],  # the issue's test
         ["ddp1", "zero3x2"],  # and the reverse
-        ["zero3x2", "zero2x2", "ddp1"],  # a stage change; ZeRO-2's shards read back too
+        # Stage changes; every engine's files are read back and every engine loads.
+        ["zero3x2", "zero2x2", "zero0x1", "ddp1"],
     ],
     ids="_to_".join,
 )

@@ -181,16 +181,16 @@ def _read_deepspeed(folder: Path, names: list[str]) -> Portable:
     if not model_file.is_file():  # ZeRO-3: every rank wrote one; they agree on what we read
         model_file = _rank_files(folder, "model_states.pt")[0]
     model = _load_pickle(model_file)
-    shapes = {n: torch.Size(s) for group in model["param_shapes"] for n, s in group.items()}
-    if list(shapes) != names:
-        raise CheckpointError(
-            f"{folder} holds parameters {list(shapes)[:3]}..., this model {names[:3]}...: it "
-            "was written by another model; use the matching config or a new run_dir"
-        )
     scheduler, skipped = model["lr_scheduler"], int(model.get("skipped_steps", 0))
     if model.get("optimizer") is not None:  # stage 0: DeepSpeed kept the torch optimizer
+        missing = [n for n in names if n not in model["module"]]
+        if missing:
+            raise _other_model(folder, missing)
         weights = {n: model["module"][n].float() for n in names}
         return _from_torch_optimizer(model["optimizer"], weights, names, scheduler, skipped)
+    shapes = {n: torch.Size(s) for group in model["param_shapes"] for n, s in group.items()}
+    if list(shapes) != names:
+        raise _other_model(folder, sorted(set(names) ^ set(shapes)) or names)
     ranks = [_load_pickle(p)["optimizer_state_dict"] for p in _rank_files(folder, "optim_states.pt")]
     if int(ranks[0]["zero_stage"]) == 3:
         flats, step = _zero3_flats(ranks)
@@ -202,6 +202,13 @@ def _read_deepspeed(folder: Path, names: list[str]) -> Portable:
         full = {key: _zero12_merge(flat, groups, paddings) for key, flat in flats.items()}
     moments = {n: {k: full[k][n] for k in MOMENTS} for n in names}
     return Portable(full["fp32"], moments, step, scheduler, skipped)
+
+
+def _other_model(folder: Path, names: list[str]) -> CheckpointError:
+    return CheckpointError(
+        f"{folder} does not hold this model's parameters (differing: {names[:3]}): it was "
+        "written by another model; use the config it was trained with, or a new run_dir"
+    )
 
 
 def _step_of(states: list[dict]) -> int:
@@ -227,17 +234,22 @@ def _zero12_merge(flat_groups, groups: list[dict], paddings) -> dict[str, torch.
     """Cut each group's flat vector into its parameters (`groups`: name -> shape per group)."""
     out = {}
     for g, (flat, shapes) in enumerate(zip(flat_groups, groups, strict=True)):
+        shapes = {n: torch.Size(s) for n, s in shapes.items()}
+        pads = paddings[g] if paddings else [0] * len(shapes)
+        _check_size(flat.numel(), sum(s.numel() for s in shapes.values()) + sum(pads), exact=False)
         offset = 0
-        for i, (name, shape) in enumerate(shapes.items()):
-            shape = torch.Size(shape)
+        for (name, shape), pad in zip(shapes.items(), pads, strict=True):
             out[name] = flat[offset : offset + shape.numel()].view(shape).clone()
-            offset += shape.numel() + (paddings[g][i] if paddings else 0)
-        if offset > flat.numel():
-            raise CheckpointError(
-                f"param group {g}: the ZeRO partitions hold {flat.numel()} elements, the "
-                f"parameters need {offset}: the shards do not belong to this model"
-            )
+            offset += shape.numel() + pad
     return out
+
+
+def _check_size(have: int, need: int, exact: bool) -> None:
+    if need > have or (exact and need != have):
+        raise CheckpointError(
+            f"the ZeRO partitions hold {have} elements where the parameters need {need}: "
+            "the shards do not belong to this model; use its config or a new run_dir"
+        )
 
 
 def _zero3_flats(ranks: list[dict]) -> tuple[dict[str, list[torch.Tensor]], int]:
@@ -250,15 +262,12 @@ def _zero3_flats(ranks: list[dict]) -> tuple[dict[str, list[torch.Tensor]], int]
 
 
 def _zero3_merge(rank_flats, shapes: dict[str, torch.Size], world: int) -> dict[str, torch.Tensor]:
+    pieces = {name: math.ceil(shape.numel() / world) for name, shape in shapes.items()}
+    _check_size(rank_flats[0].numel(), sum(pieces.values()), exact=True)
     out, offset = {}, 0
     for name, shape in shapes.items():
-        piece = math.ceil(shape.numel() / world)
+        piece = pieces[name]
         whole = torch.cat([flat[offset : offset + piece] for flat in rank_flats])
         out[name] = whole[: shape.numel()].view(shape).clone()
         offset += piece
-    if offset != rank_flats[0].numel():
-        raise CheckpointError(
-            f"the ZeRO-3 partitions hold {rank_flats[0].numel()} elements per rank, the "
-            f"parameters need {offset}: the shards do not belong to this model"
-        )
     return out
