@@ -21,8 +21,10 @@ import torch
 from aiayn.checkpoint import CheckpointManager, load_checkpoint
 from aiayn.config import Config
 from aiayn.data import BatchLoader, make_loader, sample_sentences
+from aiayn.dist import reshard
 from aiayn.dist.engine import LocalEngine, build_engine
 from aiayn.dist.env import DistEnv, setup, teardown
+from aiayn.dist.reshard import Topology
 from aiayn.errors import CheckpointError, TrainingError
 from aiayn.evaluate import Validation
 from aiayn.flops import device_peak_flops, training_flops
@@ -185,14 +187,19 @@ def _resume_point(cfg: Config, ckpts: CheckpointManager) -> Path | None:
 
 
 def _restore(ckpt: Path, cfg: Config, tok: Tokenizer, engine, loader, env: DistEnv) -> Progress:
-    trainer_state, _ = load_checkpoint(
-        ckpt,
-        engine.module if engine.loads_weights else None,
-        expect_model=cfg.model,
-        tokenizer=tok,
-        verify=False,  # _resume_point found it through latest(), which verified it
+    # verify=False: _resume_point found it through latest(), which verified it.
+    trainer_state, manifest = load_checkpoint(
+        ckpt, None, expect_model=cfg.model, tokenizer=tok, verify=False
     )
-    engine.load_state_dict(trainer_state["engine"], ckpt)
+    saved, here = Topology.of_checkpoint(manifest, trainer_state), Topology.of(cfg, env.world_size)
+    if saved.same_layout(here):  # the engine reads its own format: a bitwise resume
+        if engine.loads_weights:
+            load_checkpoint(ckpt, engine.module, verify=False, with_trainer_state=False)
+        engine.load_state_dict(trainer_state["engine"], ckpt)
+    else:  # weights and optimizer state resharded by parameter name (dist/reshard.py)
+        log.warning("checkpoint written by %s, resuming on %s: resharding its state", saved, here)
+        names = [name for name, _ in reshard.trainable(engine.module)]
+        engine.load_portable(reshard.read(ckpt, trainer_state, saved, names))
     loader.load_state_dict(trainer_state["data"])  # the position of all ranks together
     rngs = trainer_state["rng"]
     if len(rngs) == env.world_size:

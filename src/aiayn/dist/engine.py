@@ -20,7 +20,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import LambdaLR
 
 from aiayn.config import Config
+from aiayn.dist import reshard
 from aiayn.dist.env import DistEnv
+from aiayn.dist.reshard import DEEPSPEED_DIR, Portable
 from aiayn.errors import CheckpointError, ConfigError
 from aiayn.schedule import learning_rate
 
@@ -158,8 +160,38 @@ class LocalEngine:
             self.scaler.load_state_dict(state["scaler"])
         self.skipped_steps = state.get("skipped_steps", 0)
 
+    def load_portable(self, state: Portable) -> None:
+        """Restore from a checkpoint written on another topology (dist/reshard.py)."""
+        params = reshard.trainable(self.module)
+        with torch.no_grad():
+            for name, p in params:
+                p.copy_(state.weights[name])
+        _load_torch_adam(self.optimizer, params, state)
+        _load_schedule(self.scheduler, state)
+        self.skipped_steps = state.skipped_steps
+
     # The checkpoint's model.safetensors is loaded into `module` before load_state_dict.
     loads_weights = True
+
+
+def _load_torch_adam(optimizer: torch.optim.Optimizer, params, state: Portable) -> None:
+    """A torch Adam's state from `state`, indexed by position as its state_dict is."""
+    saved = optimizer.state_dict()
+    step = torch.tensor(float(state.step))  # torch's Adam keeps the step as a float tensor
+    saved["state"] = {
+        i: {"step": step.clone(), **{k: v.clone() for k, v in state.moments[name].items()}}
+        for i, (name, _) in enumerate(params)
+        if name in state.moments
+    }
+    optimizer.load_state_dict(saved)  # casts to each parameter's device and dtype
+
+
+def _load_schedule(scheduler: LambdaLR, state: Portable) -> None:
+    """The schedule's position, and the learning rate it had set at the checkpoint's step
+    (LambdaLR.load_state_dict restores the counter, not the optimizer's lr)."""
+    scheduler.load_state_dict(state.scheduler)
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
 
 
 class DDPEngine(LocalEngine):
@@ -217,6 +249,7 @@ class DeepSpeedEngine:
         self.precision = cfg.train.precision
         self.world_size = env.world_size
         self.zero_stage = cfg.distributed.zero_stage
+        self.offload = cfg.distributed.offload_optimizer or cfg.distributed.offload_params
         self.rebuild = rebuild  # a plain model of the same architecture, for ZeRO-3 gathers
         self._gathered = deepspeed.zero.GatheredParameters
 
@@ -296,8 +329,61 @@ class DeepSpeedEngine:
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load the shards in {checkpoint}")
 
+    def load_portable(self, state: Portable) -> None:
+        """Restore from a checkpoint written on another topology (dist/reshard.py): every rank
+        holds the whole state and keeps its own partition of it."""
+        if self.offload or "fp16" in self.ds_config:
+            raise CheckpointError(
+                "resuming on another topology is not supported with DeepSpeed's CPU offload or "
+                "fp16 optimizer (their optimizers keep state in other forms): resume without "
+                "distributed.offload_* and with train.precision fp32 or bf16, then change them "
+                "at a later resume on the same topology"
+            )
+        params = reshard.trainable(self.module)
+        self._load_weights(params, state.weights)
+        zero = self.model.optimizer
+        if self.zero_stage == 0:  # DeepSpeed runs the torch optimizer on the module itself
+            _load_torch_adam(zero, params, state)
+        else:
+            from deepspeed.utils import lazy_init_hp_params_optimizer_state
+            from deepspeed.utils import safe_set_full_optimizer_state as set_state
 
-DEEPSPEED_DIR = "deepspeed"
+            # Adam creates its state at the first step; create it here, on this rank's flat
+            # fp32 partitions, then write each parameter's share through DeepSpeed's
+            # tensor-fragment API, which knows every stage's partitioning.
+            flats = zero.fp32_partitioned_groups_flat if self.zero_stage == 3 else (
+                zero.single_partition_of_fp32_groups
+            )
+            for flat in flats:
+                zero.optimizer.state[flat] = {
+                    "step": torch.tensor(float(state.step)),
+                    **{k: torch.zeros_like(flat) for k in reshard.MOMENTS},
+                }
+            if self.zero_stage < 3:  # link each parameter to its slice of the new state
+                for group, flat in zip(zero.bit16_groups, flats, strict=True):
+                    lazy_init_hp_params_optimizer_state(group, flat, zero.optimizer.state)
+                zero._hp_optimizer_states_linked = True
+            for name, p in params:
+                for key, value in state.moments.get(name, {}).items():
+                    set_state(p, value.to(self.device), key)
+        _load_schedule(self.scheduler, state)
+        # DeepSpeed's own counters: steps taken (skipped ones included) and samples seen.
+        self.model.skipped_steps = state.skipped_steps
+        self.model.global_steps = state.scheduler["last_epoch"] + state.skipped_steps
+        self.model.global_samples = self.model.global_steps * self.model.train_batch_size()
+
+    def _load_weights(self, params, weights: dict[str, torch.Tensor]) -> None:
+        """Module weights, then the optimizer's fp32 master copies from them."""
+        with torch.no_grad():
+            for name, p in params:
+                # ZeRO-3 keeps only a partition: gather, write the whole tensor, re-partition.
+                with self._gathered([p], modifier_rank=0) if self.zero_stage == 3 else (
+                    contextlib.nullcontext()
+                ):
+                    p.data.copy_(weights[name].to(p.device, p.dtype).view_as(p.data))
+        if self.zero_stage > 0:
+            self.model.optimizer.refresh_fp32_params()
+
 
 
 def _join_single_process_group(env: DistEnv) -> None:

@@ -1,0 +1,273 @@
+"""Resuming on another topology: the optimizer state in a form that no engine owns.
+
+Each engine saves its optimizer state in its own layout: the torch optimizer's (Local and
+DDP: one full copy, indexed by parameter position, in trainer.pt) or DeepSpeed ZeRO's (flat
+fp32 partitions, one file per rank, cut differently for every stage and world size). When a
+run resumes with the layout it saved, the engine loads its own format and the resume is
+bitwise. Otherwise the checkpoint is read into a `Portable` state, keyed by parameter name and
+independent of how it was cut, and the engine loads that (`engine.load_portable`): weights and
+Adam's moments are resharded, the step count, the schedule's position and the skipped-step
+count carry over. The data position needs no conversion: it is the group's position in one
+global stream of batches (data/loader.py).
+
+Nothing here converts at save time: a checkpoint stays in its writer's format, and the work is
+done once, when the topology changes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from aiayn.checkpoint import MODEL_FILE
+from aiayn.errors import CheckpointError
+
+DEEPSPEED_DIR = "deepspeed"  # where every rank's `save_checkpoint` writes (engine.py)
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What decides the optimizer state's layout on disk."""
+
+    backend: str  # "ddp" (one process or DDP: the same torch layout) or "deepspeed"
+    zero_stage: int
+    world_size: int
+
+    def __str__(self) -> str:
+        if self.backend == "deepspeed":
+            return f"DeepSpeed ZeRO-{self.zero_stage} on {self.world_size} rank(s)"
+        return f"DDP on {self.world_size} rank(s)"
+
+    def same_layout(self, other: Topology) -> bool:
+        """True if an engine of `other` loads this topology's files in its own format."""
+        if self.backend != other.backend:
+            return False
+        # A torch optimizer's state is the same whole copy on any number of ranks.
+        return self.backend == "ddp" or self == other
+
+    @classmethod
+    def of(cls, cfg: Any, world_size: int) -> Topology:
+        dist = cfg.distributed
+        stage = dist.zero_stage if dist.backend == "deepspeed" else 0
+        return cls(dist.backend, stage, world_size)
+
+    @classmethod
+    def of_checkpoint(cls, manifest: dict[str, Any], trainer_state: dict[str, Any]) -> Topology:
+        # Every rank's RNG state is saved, in rank order: their number is the world size.
+        dist = manifest["config"].get("distributed", {})
+        backend = dist.get("backend", "ddp")
+        stage = dist.get("zero_stage", 0) if backend == "deepspeed" else 0
+        return cls(backend, stage, len(trainer_state["rng"]))
+
+
+@dataclass
+class Portable:
+    """Optimizer state by parameter name, fp32, each tensor of its parameter's shape."""
+
+    weights: dict[str, torch.Tensor]  # the fp32 (master) weights
+    moments: dict[str, dict[str, torch.Tensor]]  # name -> {"exp_avg": ..., "exp_avg_sq": ...}
+    step: int  # Adam's step count (bias correction): all parameters step together here
+    scheduler: dict[str, Any]  # the LambdaLR state dict: where the schedule is
+    skipped_steps: int  # fp16 overflow steps, which the schedule did not count
+
+
+def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) in the order every engine hands them to its optimizer; a tied
+    parameter once, under its first name (as named_parameters and DeepSpeed name it)."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def read(ckpt: Path, trainer_state: dict[str, Any], saved: Topology, names: list[str]) -> Portable:
+    """The checkpoint's state as a Portable. `names`: the trainable parameters, in order."""
+    if saved.backend == "deepspeed":
+        return _read_deepspeed(ckpt / DEEPSPEED_DIR, names)
+    engine = trainer_state["engine"]
+    return _from_torch_optimizer(
+        engine["optimizer"],
+        _read_weights(ckpt / MODEL_FILE, names),
+        names,
+        engine["scheduler"],
+        engine.get("skipped_steps", 0),
+    )
+
+
+def _read_weights(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """model.safetensors by parameter name; tied names resolve through its metadata."""
+    with safe_open(str(path), framework="pt") as fh:
+        aliases = fh.metadata() or {}
+        return {n: fh.get_tensor(aliases.get(n, n)).float() for n in names}
+
+
+def _from_torch_optimizer(
+    state: dict[str, Any], weights, names: list[str], scheduler: dict, skipped: int
+) -> Portable:
+    """A torch Adam state dict: `state` is indexed by position in the (single) param group."""
+    (group,) = state["param_groups"]
+    if len(group["params"]) != len(names):
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(group['params'])} parameters, this model "
+            f"{len(names)}: it was written by another model; use a new run_dir"
+        )
+    moments, steps = {}, set()
+    for index, name in zip(group["params"], names, strict=True):
+        entry = state["state"].get(index)
+        if entry is None:  # never stepped (no gradient yet): Adam starts it from zeros
+            continue
+        moments[name] = {k: entry[k].float() for k in MOMENTS}
+        steps.add(int(entry["step"]))
+    if len(steps) > 1:
+        raise CheckpointError(
+            f"parameters have different Adam step counts {sorted(steps)}: a sharded optimizer "
+            "keeps one; resume this checkpoint with the backend it was written by"
+        )
+    return Portable(weights, moments, steps.pop() if steps else 0, scheduler, skipped)
+
+
+# ---- DeepSpeed's files --------------------------------------------------------------------
+#
+# `mp_rank_00_model_states.pt` (ZeRO 0-2; in ZeRO-3 every rank writes its own
+# `zero_pp_rank_R_mp_rank_00_model_states.pt`) holds `param_shapes` (name -> shape, in the
+# order parameters are flattened), `lr_scheduler`, `skipped_steps`, and in stage 0 the torch
+# optimizer's whole state dict (`optimizer`). `zero_pp_rank_R_mp_rank_00_optim_states.pt` holds
+# rank R's partition of the fp32 weights and of each Adam moment:
+#   ZeRO 1/2: each param group is one flat vector (every parameter followed by its alignment
+#     padding), padded at the end and cut into world-size equal contiguous pieces.
+#   ZeRO 3: every parameter is cut on its own into world-size pieces of ceil(numel / W)
+#     elements (the last padded); a rank's flat vector is its piece of each, in order.
+
+
+def _load_pickle(path: Path) -> dict[str, Any]:
+    """A DeepSpeed file. It pickles a few DeepSpeed classes, so we allow exactly those and
+    nothing else (weights_only): the manifest's checksums were verified before, too."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    allowed = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same thing
+        raise CheckpointError(
+            f"cannot read DeepSpeed shard {path} ({str(exc).splitlines()[0]}): it was written "
+            "by another DeepSpeed version or holds other objects; resume it on the topology "
+            "it was written by (same backend, ZeRO stage and world size)"
+        ) from None
+
+
+def _rank_files(folder: Path, suffix: str) -> list[Path]:
+    found = {}
+    for path in folder.glob(f"*{suffix}"):
+        match = re.fullmatch(rf"zero_pp_rank_(\d+)_mp_rank_00_{suffix}", path.name)
+        if match:
+            found[int(match[1])] = path
+    if sorted(found) != list(range(len(found))):
+        raise CheckpointError(f"{folder}: {suffix} files of ranks {sorted(found)}: some missing")
+    return [found[r] for r in range(len(found))]
+
+
+def _read_deepspeed(folder: Path, names: list[str]) -> Portable:
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is missing: the checkpoint has no DeepSpeed shards")
+    model_file = folder / "mp_rank_00_model_states.pt"
+    if not model_file.is_file():  # ZeRO-3: every rank wrote one; they agree on what we read
+        model_file = _rank_files(folder, "model_states.pt")[0]
+    model = _load_pickle(model_file)
+    scheduler, skipped = model["lr_scheduler"], int(model.get("skipped_steps", 0))
+    if model.get("optimizer") is not None:  # stage 0: DeepSpeed kept the torch optimizer
+        missing = [n for n in names if n not in model["module"]]
+        if missing:
+            raise _other_model(folder, missing)
+        weights = {n: model["module"][n].float() for n in names}
+        return _from_torch_optimizer(model["optimizer"], weights, names, scheduler, skipped)
+    shapes = {n: torch.Size(s) for group in model["param_shapes"] for n, s in group.items()}
+    if list(shapes) != names:
+        raise _other_model(folder, sorted(set(names) ^ set(shapes)) or names)
+    ranks = [_load_pickle(p)["optimizer_state_dict"] for p in _rank_files(folder, "optim_states.pt")]
+    if int(ranks[0]["zero_stage"]) == 3:
+        flats, step = _zero3_flats(ranks)
+        full = {key: _zero3_merge(flat, shapes, len(ranks)) for key, flat in flats.items()}
+    else:
+        flats, step = _zero12_flats(ranks)
+        paddings = ranks[0].get("param_alignment_paddings")
+        groups = model["param_shapes"]
+        full = {key: _zero12_merge(flat, groups, paddings) for key, flat in flats.items()}
+    moments = {n: {k: full[k][n] for k in MOMENTS} for n in names}
+    return Portable(full["fp32"], moments, step, scheduler, skipped)
+
+
+def _other_model(folder: Path, names: list[str]) -> CheckpointError:
+    return CheckpointError(
+        f"{folder} does not hold this model's parameters (differing: {names[:3]}): it was "
+        "written by another model; use the config it was trained with, or a new run_dir"
+    )
+
+
+def _step_of(states: list[dict]) -> int:
+    steps = {int(s["step"]) for s in states}
+    if len(steps) != 1:
+        raise CheckpointError(f"the ZeRO partitions disagree on Adam's step count: {steps}")
+    return steps.pop()
+
+
+def _zero12_flats(ranks: list[dict]) -> tuple[dict[str, list[torch.Tensor]], int]:
+    """Per param group, the whole flat vector of the fp32 weights and of each moment."""
+    groups = range(len(ranks[0]["single_partition_of_fp32_groups"]))
+    states = [r["base_optimizer_state"]["state"][g] for r in ranks for g in groups]
+    flats = {
+        "fp32": [torch.cat([r["single_partition_of_fp32_groups"][g] for r in ranks]) for g in groups]
+    }
+    for key in MOMENTS:
+        flats[key] = [torch.cat([r["base_optimizer_state"]["state"][g][key] for r in ranks]) for g in groups]
+    return flats, _step_of(states)
+
+
+def _zero12_merge(flat_groups, groups: list[dict], paddings) -> dict[str, torch.Tensor]:
+    """Cut each group's flat vector into its parameters (`groups`: name -> shape per group)."""
+    out = {}
+    for g, (flat, shapes) in enumerate(zip(flat_groups, groups, strict=True)):
+        shapes = {n: torch.Size(s) for n, s in shapes.items()}
+        pads = paddings[g] if paddings else [0] * len(shapes)
+        _check_size(flat.numel(), sum(s.numel() for s in shapes.values()) + sum(pads), exact=False)
+        offset = 0
+        for (name, shape), pad in zip(shapes.items(), pads, strict=True):
+            out[name] = flat[offset : offset + shape.numel()].view(shape).clone()
+            offset += shape.numel() + pad
+    return out
+
+
+def _check_size(have: int, need: int, exact: bool) -> None:
+    if need > have or (exact and need != have):
+        raise CheckpointError(
+            f"the ZeRO partitions hold {have} elements where the parameters need {need}: "
+            "the shards do not belong to this model; use its config or a new run_dir"
+        )
+
+
+def _zero3_flats(ranks: list[dict]) -> tuple[dict[str, list[torch.Tensor]], int]:
+    """Per rank, its flat vector (sub-groups joined) of the fp32 weights and of each moment."""
+    inner = [r["optimizer_state_dict"]["state"] for r in ranks]
+    flats = {"fp32": [torch.cat(list(r["fp32_flat_groups"])) for r in ranks]}
+    for key in MOMENTS:
+        flats[key] = [torch.cat([s[g][key] for g in sorted(s)]) for s in inner]
+    return flats, _step_of([s[g] for s in inner for g in s])
+
+
+def _zero3_merge(rank_flats, shapes: dict[str, torch.Size], world: int) -> dict[str, torch.Tensor]:
+    pieces = {name: math.ceil(shape.numel() / world) for name, shape in shapes.items()}
+    _check_size(rank_flats[0].numel(), sum(pieces.values()), exact=True)
+    out, offset = {}, 0
+    for name, shape in shapes.items():
+        piece = pieces[name]
+        whole = torch.cat([flat[offset : offset + piece] for flat in rank_flats])
+        out[name] = whole[: shape.numel()].view(shape).clone()
+        offset += piece
+    return out
