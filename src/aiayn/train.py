@@ -128,6 +128,7 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
         tok = Tokenizer(cfg.tokenizer_path)
     seed_everything(cfg.train.seed)  # the same initial parameters on every rank
     model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
+    n_params = count_parameters(model)  # before ZeRO-3 partitions them
     engine = build_engine(
         model, cfg, env, rebuild=lambda: build_model(cfg.model, tok.vocab_size, tok.pad_id)
     )
@@ -148,7 +149,7 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
         "%s model, %s parameters, vocab %d | %d tokens x %d micro-batches x %d ranks per step | "
         "backend %s, ZeRO stage %d, %s on %s | peak %.3g TFLOP/s | %s",
         cfg.model.kind,
-        f"{count_parameters(model):,}",
+        f"{n_params:,}",
         tok.vocab_size,
         cfg.train.max_tokens,
         cfg.train.grad_accum,

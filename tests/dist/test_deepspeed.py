@@ -9,6 +9,7 @@ other operations in DeepSpeed (its own torch_autocast) than in DDP: loss curve w
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -53,7 +54,10 @@ def test_zero_stage_follows_the_ddp_loss_curve(setup, ddp_run, name, options):
     run_dir = root / name
     run(torchrun(2) + aiayn(config, run_dir, *DS, *options), timeout=900)
     stage = options[0].split("=")[1]
-    assert f"backend deepspeed, ZeRO stage {stage}" in (run_dir / "train.log").read_text()
+    log = (run_dir / "train.log").read_text()
+    assert f"backend deepspeed, ZeRO stage {stage}" in log
+    size = re.search(r"seq2seq model, [\d,]+ parameters", log).group()
+    assert size in (ddp_run / "train.log").read_text()  # counted before ZeRO-3 partitions
     assert_same_curve(run_dir, ddp_run, rtol=1e-4)
     assert_close(final_weights(run_dir), final_weights(ddp_run), atol=5e-3)
 
