@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from killing import kill_tree
 from procs import ENV, STEPS, aiayn, assert_close, final_weights, free_port, run, torchrun
 
 pytestmark = pytest.mark.dist
@@ -81,31 +82,53 @@ def test_bf16_autocast_follows_ddp_bf16(setup):
     assert_same_curve(zero, ddp, rtol=1e-2)
 
 
+def start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def saves_in_progress(run_dir: Path) -> set[str]:
+    root = run_dir / "checkpoints"
+    return {p.name for p in root.glob(".tmp-*")} if root.is_dir() else set()
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_killed_zero_run_resumes_bitwise(setup, stage):
-    """SIGKILL to the whole job after a checkpoint, re-run: the final weights equal an
-    uninterrupted run's bit for bit, dropout on (each rank's RNG stream is checkpointed)."""
+    """SIGKILL to the whole job after a checkpoint, and again while every rank writes its
+    shards of the next one; re-run: the final weights equal an uninterrupted run's bit for
+    bit, dropout on (each rank's RNG stream is checkpointed)."""
     root, config = setup
+    steps = 60  # ~50 ms each: time for the kills to land before the run ends
     options = (*DS, f"distributed.zero_stage={stage}", "model.dropout=0.1",
-               "checkpoint.every_steps=5", "train.eval_every=0")
+               "checkpoint.every_steps=5", "train.eval_every=0", f"train.max_steps={steps}")
     straight, killed = root / f"straight{stage}", root / f"killed{stage}"
     run(torchrun(2) + aiayn(config, straight, *options))
-    job = subprocess.Popen(torchrun(2) + aiayn(config, killed, *options), env=ENV,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           start_new_session=True)
     log = killed / "train.log"
+    job = start(torchrun(2) + aiayn(config, killed, *options))
     try:
         deadline = time.time() + 300
         while not (log.is_file() and "train step 12 |" in log.read_text()):
             assert job.poll() is None and time.time() < deadline, "the run did not get going"
-            time.sleep(0.05)
+            time.sleep(0.01)
     finally:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
-    assert not (killed / "checkpoints" / f"step_{STEPS:08d}").exists()
+        kill_tree(job)
+    during_save = None
+    for _ in range(5):  # a save can finish before the kill lands: then try the next one
+        stale = saves_in_progress(killed)
+        job = start(torchrun(2) + aiayn(config, killed, *options))
+        try:
+            deadline = time.time() + 300
+            while not saves_in_progress(killed) - stale:  # busy: a save lasts ~0.1 s
+                assert job.poll() is None and time.time() < deadline, "no save caught"
+        finally:
+            kill_tree(job)
+        if caught := saves_in_progress(killed) - stale:
+            during_save = caught
+            break
+    assert during_save, "no kill landed inside a save in 5 tries"
+    assert not (killed / "checkpoints" / f"step_{steps:08d}").exists()
     run(torchrun(2) + aiayn(config, killed, *options))
-    assert "resuming from" in log.read_text()
-    assert_close(final_weights(killed), final_weights(straight), atol=0.0)
+    assert log.read_text().count("resuming from") >= 2
+    assert_close(final_weights(killed, steps), final_weights(straight, steps), atol=0.0)
 
 
 def test_accelerate_launch_use_deepspeed(setup, ddp_run):

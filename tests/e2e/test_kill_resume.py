@@ -3,7 +3,6 @@ parameters and optimizer state bitwise equal to a run that was never interrupted
 
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import tiny  # tests/e2e/tiny.py, beside this file
 import torch
+from killing import kill_tree  # tests/killing.py
 from safetensors.torch import load_file
 
 STEPS = 40
@@ -81,8 +81,7 @@ def kill_after_steps(proc: subprocess.Popen, run_dir: Path, since: int, n: int, 
         assert time.time() < deadline, "training did not get going"
         time.sleep(0.01)
     time.sleep(delay)
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole group: torchrun and every rank at once
-    proc.wait()
+    kill_tree(proc)  # torchrun and every rank at once
     return f"killed {delay:.3f}s after its {n}th step was logged"
 
 
@@ -93,8 +92,7 @@ def kill_during_save(proc: subprocess.Popen, run_dir: Path, stale: set[str]) -> 
     while not (new := temporary_dirs(run_dir) - stale):  # busy: a tiny save lasts milliseconds
         assert proc.poll() is None, "the run ended before a kill landed inside a save"
         assert time.time() < deadline, "no save was caught in progress"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_tree(proc)
     if temporary_dirs(run_dir) - stale:
         return f"killed during a save ({sorted(new)[0]})"
     return "RETRY"
@@ -106,7 +104,6 @@ def start(cmd: list[str]) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=ENV,
-        start_new_session=True,  # a process group to kill whole
     )
 
 
