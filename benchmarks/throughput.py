@@ -28,7 +28,6 @@ from _common import (
     PAD,
     AiaynTrainer,
     fmt,
-    interleaved,
     machine,
     markdown_table,
     run_config,
@@ -224,8 +223,10 @@ def bench_preset(preset: str, args, peak: list[float]) -> str:
     trainers, skipped = {}, []
     trainers["aiayn"] = AiaynTrainer(cfg, vocab)
     if args.compile:
-        ccfg = run_config(preset, max_tokens=args.max_tokens, seed=1, compile=True)
-        trainers["aiayn compiled"] = AiaynTrainer(ccfg, vocab, name="aiayn compiled")
+        # Not a config option: on this CPU it made training slower (benchmarks/README.md).
+        compiled = AiaynTrainer(cfg, vocab, name="aiayn + torch.compile")
+        compiled.engine.model = torch.compile(compiled.engine.module)
+        trainers[compiled.name] = compiled
     for name, cls in PEERS.items():
         try:
             trainers[name] = cls(m, vocab, cfg.train.label_smoothing)
@@ -234,21 +235,30 @@ def bench_preset(preset: str, args, peak: list[float]) -> str:
     for t in trainers.values():
         time_steps(t.step, warm)
 
-    def measure_peak():
+    # Interleaved step by step, in rotated order: a slow phase of a busy machine then falls on
+    # all trainers alike, and each repeat gives paired timings.
+    names = list(trainers)
+    seconds: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.repeats):
+        spent = dict.fromkeys(names, 0.0)
+        for i, batch in enumerate(timed):
+            k = (r * len(timed) + i) % len(names)
+            for n in names[k:] + names[:k]:
+                spent[n] += time_steps(trainers[n].step, [batch])
+        for n in names:
+            seconds[n].append(spent[n])
         peak.append(measure_matmul_peak(torch.device("cpu"), torch.float32))
-
-    runs = {n: (lambda t=t: time_steps(t.step, timed)) for n, t in trainers.items()}
-    seconds = interleaved(runs, args.repeats, between=measure_peak)
     best_peak = max(peak)
 
-    rate = {n: tokens / statistics_median(s) for n, s in seconds.items()}
-    peers = [rate[n] for n in PEERS if n in rate]
-    fastest_peer = max(peers) if peers else None
+    peers = [n for n in PEERS if n in seconds]
     rows = []
     for name, secs in seconds.items():
         med, lo, hi = summary([tokens / s for s in secs])
-        gflops = flops / statistics_median(secs) / 1e9
-        ratio = f"{rate[name] / fastest_peer:.2f}x" if fastest_peer else "n/a"
+        gflops = flops / summary(secs)[0] / 1e9
+        ratio = "n/a"
+        if peers:  # per repeat against the faster peer of that repeat, then the median
+            vs = [min(seconds[p][r] for p in peers) / s for r, s in enumerate(secs)]
+            ratio = f"{summary(vs)[0]:.2f}x"
         rows.append(
             [
                 name,
@@ -259,8 +269,6 @@ def bench_preset(preset: str, args, peak: list[float]) -> str:
                 ratio,
             ]
         )
-    for name, exc in skipped:
-        rows.append([name, f"skipped: pip install .[bench] ({exc.name or exc})", "", "", "", ""])
     n_params = sum(p.numel() for p in trainers["aiayn"].engine.module.parameters())
     title = (
         f"### {preset}: d_model {m.d_model}, d_ff {m.d_ff}, h {m.h}, N {m.N}+{m.N}, vocab "
@@ -281,10 +289,6 @@ def bench_preset(preset: str, args, peak: list[float]) -> str:
     return title + "\n" + markdown_table(header, rows)
 
 
-def statistics_median(values: list[float]) -> float:
-    return summary(values)[0]
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--presets", nargs="+", default=["small", "transformer_base"])
@@ -296,7 +300,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per trainer")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--compile", action="store_true", help="also time aiayn with train.compile")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time aiayn's model under torch.compile (compiling takes minutes)",
+    )
     p.add_argument("--quick", action="store_true", help="small only, 2 batches x 3 repeats")
     args = p.parse_args(argv)
     if args.quick:
