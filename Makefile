@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: install demo demo-lm demo-classify test test-fast lint format clean-demo
+.PHONY: install demo demo-lm demo-classify test test-fast lint format clean-demo bench
 
 install: $(STAMP)
 
@@ -44,12 +44,28 @@ test-fast: install
 	$(BIN)/pytest -q -m "not slow and not dist and not slurm"
 
 lint: install
-	$(BIN)/ruff format --check src tests
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks
 
 format: install
-	$(BIN)/ruff format src tests
-	$(BIN)/ruff check --fix src tests
+	$(BIN)/ruff format src tests benchmarks
+	$(BIN)/ruff check --fix src tests benchmarks
+
+# The benchmarks' peers (transformers) live in a venv of their own: DeepSpeed and accelerate
+# change behaviour when transformers is importable, so it never enters the training venv.
+BENCH_VENV ?= .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed-$(TORCH_VERSION)
+
+$(BENCH_STAMP): pyproject.toml
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/python -m pip install --quiet torch==$(TORCH_VERSION)
+	$(BENCH_VENV)/bin/python -m pip install --quiet -e ".[bench]"
+	touch $@
+
+bench: $(BENCH_STAMP)
+	$(BENCH_VENV)/bin/python benchmarks/throughput.py
+	$(BENCH_VENV)/bin/python benchmarks/data_pipeline.py
 
 clean-demo:
 	rm -rf runs/demo runs/demo_lm runs/demo_classify data/demo

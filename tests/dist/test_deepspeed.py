@@ -2,7 +2,7 @@
 
 Tolerances, stated: with fp32 every ZeRO stage computes DDP's update up to float rounding.
 The rounding differs (DeepSpeed sums the gradient norm for clipping over flat partitions, and
-runs a for-loop Adam where DDP's engine runs foreach), the first bits differ after a few
+runs a for-loop Adam where the DDP engine runs the fused one), the first bits differ after a few
 steps and 20 steps amplify them: the per-step training loss agrees to 1e-4 (relative;
 measured up to 5e-6) and the final weights to 5e-3 (measured up to 6e-4). bf16 autocasts
 other operations in DeepSpeed (its own torch_autocast) than in DDP: loss curve within 1e-2.

@@ -88,16 +88,24 @@ def test_padding_does_not_change_classifier_logits(pooling):
     torch.testing.assert_close(batch[0], alone[0], atol=1e-5, rtol=1e-5)
 
 
-def test_causal_mask_is_fused_unless_a_real_token_follows_a_pad():
+def test_right_padded_targets_use_the_fused_causal_kernel_and_left_padded_get_a_full_mask():
     right = torch.tensor([[5, 6, 7], [5, PAD, PAD]])
     assert self_attention_mask(right, PAD) == (None, True)  # causality already hides the pads
     left = torch.tensor([[PAD, PAD, 7], [5, 6, 7]])
-    mask, is_causal = self_attention_mask(left, PAD)
+    mask, is_causal = self_attention_mask(left, PAD, right_padded=False)
     assert not is_causal
     assert mask.shape == (2, 1, 3, 3)
     assert mask[0, 0].tolist() == [[True, False, False], [False, True, False], [False, False, True]]
     assert mask[1, 0].equal(causal_mask(3))
-    assert tiny("lm")(left).isfinite().all()  # no query is left with nothing to attend to
+    assert tiny("lm")(left, right_padded=False).isfinite().all()  # no query sees nothing
+
+
+def test_right_padded_and_fully_masked_decoders_agree_on_right_padded_targets():
+    model, src = tiny(), ids(2, 6)
+    tgt = padded(ids(5), ids(3))
+    fused, masked = model(src, tgt), model(src, tgt, right_padded=False)
+    real = tgt != PAD
+    torch.testing.assert_close(fused[real], masked[real], atol=1e-5, rtol=1e-5)
 
 
 def test_causal_mask_with_an_offset_lets_new_queries_see_the_cache():

@@ -9,7 +9,9 @@ import torch
 
 @dataclass
 class Batch:
-    """A padded micro-batch. Padding uses the tokenizer's pad id; masks are built by the model.
+    """A padded micro-batch. Padding uses the tokenizer's pad id and is always trailing (rows
+    are right-padded), which lets the decoder use a fused causal kernel without inspecting the
+    tokens; masks are built by the model.
 
     seq2seq: src (B, S) ends with eos; tgt_in (B, T) = bos + y; tgt_out (B, T) = y + eos.
     lm:      tgt_in (B, T) and tgt_out (B, T) are one packed block shifted by one token.

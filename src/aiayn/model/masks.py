@@ -21,14 +21,15 @@ def causal_mask(T: int, S: int | None = None, device: torch.device | None = None
 
 
 def self_attention_mask(
-    tokens: torch.Tensor, pad_id: int, start: int = 0
+    tokens: torch.Tensor, pad_id: int, start: int = 0, right_padded: bool = True
 ) -> tuple[torch.Tensor | None, bool]:
     """(mask, is_causal) for causal self-attention over `tokens` (B, T) after `start` cached ones.
 
-    Returns is_causal=True with no mask wherever that is exact, so SDPA can use its fused causal
-    kernel: when there is no padding, and also when all padding is trailing (right-padded
-    targets), because then no real query lies after a pad key. Only a real token after a pad
-    (left or middle padding) needs the combined causal & padding mask.
+    right_padded=True promises that any padding is trailing, as the loader makes it (Batch):
+    then no real query lies after a pad key, causality alone hides the pads, and SDPA can use
+    its fused causal kernel with no mask. A promise rather than a check of the tokens: a check
+    is a host sync per forward. right_padded=False (left or inner padding) builds the combined
+    causal & padding mask.
     """
     T = tokens.size(1)
     if start > 0:
@@ -36,12 +37,10 @@ def self_attention_mask(
         # token needs no mask; several need a causal mask shifted by `start`. The tokens fed
         # incrementally must hold no padding (decode.py never feeds any).
         return (None, False) if T == 1 else (causal_mask(T, start + T, tokens.device), False)
-    pad = tokens == pad_id  # (B, T)
-    real_after_pad = pad.cummax(dim=1).values & ~pad
-    if not bool(real_after_pad.any()):
+    if right_padded:
         return None, True
     # A query may always see itself, so a pad query never has an all-False row (which gives NaN
     # that would then leak into later layers through its value vector).
     eye = torch.eye(T, dtype=torch.bool, device=tokens.device)
-    keep = ~pad[:, None, None, :] | eye  # (B, 1, T, T)
+    keep = (tokens != pad_id)[:, None, None, :] | eye  # (B, 1, T, T)
     return causal_mask(T, device=tokens.device) & keep, False

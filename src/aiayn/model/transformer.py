@@ -139,21 +139,26 @@ class Seq2SeqTransformer(nn.Module):
         memory: torch.Tensor,
         src_mask: torch.Tensor,
         state: DecoderState | None = None,
+        right_padded: bool = True,
     ) -> torch.Tensor:
         """tgt (B, T) -> logits (B, T, V). With a state, tgt holds only the new positions, which
-        follow the state.length already fed; the state is updated in place."""
+        follow the state.length already fed; the state is updated in place. right_padded=False
+        if tgt has padding before real tokens (see masks.self_attention_mask)."""
         start = state.length if state is not None else 0
-        self_mask, is_causal = self_attention_mask(tgt, self.pad_id, start)
+        self_mask, is_causal = self_attention_mask(tgt, self.pad_id, start, right_padded)
         x = self.tgt_embed(tgt, start)  # (B, T, D)
         x = self.decoder(x, self_mask, is_causal, memory, src_mask, state)  # (B, T, D)
         if state is not None:
             state.length += tgt.size(1)
         return self.out(x)  # (B, T, V)
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        """src (B, S), tgt_in (B, T) -> logits (B, T, V) predicting tgt_out."""
+    def forward(
+        self, src: torch.Tensor, tgt_in: torch.Tensor, right_padded: bool = True
+    ) -> torch.Tensor:
+        """src (B, S), tgt_in (B, T) -> logits (B, T, V) predicting tgt_out. Source padding may
+        be anywhere; target padding trailing unless right_padded=False."""
         memory, src_mask = self.encode(src)
-        return self.decode(tgt_in, memory, src_mask)
+        return self.decode(tgt_in, memory, src_mask, right_padded=right_padded)
 
 
 class DecoderOnlyLM(nn.Module):
@@ -169,10 +174,13 @@ class DecoderOnlyLM(nn.Module):
             self.out.weight = self.embed.token.weight
         init_parameters(self, cfg.d_model)
 
-    def forward(self, tokens: torch.Tensor, state: DecoderState | None = None) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, V). With a state, tokens are the new positions only."""
+    def forward(
+        self, tokens: torch.Tensor, state: DecoderState | None = None, right_padded: bool = True
+    ) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V). With a state, tokens are the new positions only.
+        Padding trailing unless right_padded=False (see masks.self_attention_mask)."""
         start = state.length if state is not None else 0
-        mask, is_causal = self_attention_mask(tokens, self.pad_id, start)
+        mask, is_causal = self_attention_mask(tokens, self.pad_id, start, right_padded)
         x = self.decoder(self.embed(tokens, start), mask, is_causal, state=state)  # (B, T, D)
         if state is not None:
             state.length += tokens.size(1)

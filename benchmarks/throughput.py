@@ -1,0 +1,320 @@
+"""Training throughput of aiayn against PyTorch's nn.Transformer and Hugging Face MarianMT.
+
+    python benchmarks/throughput.py                 # small and transformer_base, ~15 min on 2 cores
+    python benchmarks/throughput.py --quick         # small only, fewer steps: a smoke test
+
+All trainers get the same model dimensions (a model preset), the same vocabulary, the same
+padded batches of similar-length sentences, the same thread count, label-smoothed
+cross-entropy and Adam. Warm-up steps are excluded; each repeat times every trainer once, in
+rotated order, and the table gives the median, min and max over repeats of target tokens/s
+(non-pad tokens of tgt_out). Achieved GFLOP/s counts the matrix multiplies of forward and
+backward (aiayn.flops.training_flops, the same count for all: the dimensions are equal) and is
+shown as a fraction of an fp32 2048^3 matrix-multiply peak measured in the same run.
+
+The peers are optional (`pip install .[bench]`); a missing one gives a "skipped" row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from _common import (
+    BOS,
+    EOS,
+    PAD,
+    AiaynTrainer,
+    fmt,
+    machine,
+    markdown_table,
+    run_config,
+    set_threads,
+    summary,
+    time_steps,
+)
+from torch import nn
+
+from aiayn.config import ModelConfig
+from aiayn.data.batch import Batch
+from aiayn.flops import measure_matmul_peak, training_flops
+
+# ---- the batches --------------------------------------------------------------------------
+
+
+def synthetic_batches(
+    n_batches: int, max_tokens: int, vocab: int, seed: int = 0, mean_len: float = 14.0
+) -> list[Batch]:
+    """Padded batches as aiayn's loader makes them: sentences sorted by length and cut so that
+    rows * (longest + 1) <= max_tokens, then shuffled. Lengths are log-normal around mean_len
+    tokens (Multi30k with an 8k joint BPE: ~13 source, ~14 target tokens, long tail to ~40);
+    token ids are uniform (their values do not change the work)."""
+    rng = np.random.default_rng(seed)
+    n = max(4 * n_batches * max_tokens // int(mean_len), 1000)
+    tgt_len = np.clip(np.round(rng.lognormal(math.log(mean_len), 0.35, n)), 2, 100).astype(int)
+    src_len = np.clip(np.round(tgt_len * rng.lognormal(0.0, 0.15, n)), 2, 100).astype(int)
+    width = np.maximum(src_len, tgt_len) + 1
+    order = np.argsort(width, kind="stable")
+    groups, start = [], 0
+    for i in range(1, len(order) + 1):
+        if i == len(order) or (i - start + 1) * width[order[i]] > max_tokens:
+            groups.append(order[start:i])
+            start = i
+    picks = rng.permutation(len(groups))[:n_batches]
+    return [
+        _batch([src_len[j] for j in groups[k]], [tgt_len[j] for j in groups[k]], vocab, rng)
+        for k in picks
+    ]
+
+
+def _batch(src_len: list[int], tgt_len: list[int], vocab: int, rng) -> Batch:
+    B, S, T = len(src_len), max(src_len) + 1, max(tgt_len) + 1
+    src = np.full((B, S), PAD)
+    tgt_in, tgt_out = np.full((B, T), PAD), np.full((B, T), PAD)
+    for i, (s, t) in enumerate(zip(src_len, tgt_len, strict=True)):
+        src[i, :s], src[i, s] = rng.integers(3, vocab, s), EOS
+        y = rng.integers(3, vocab, t)
+        tgt_in[i, 0], tgt_in[i, 1 : t + 1] = BOS, y
+        tgt_out[i, :t], tgt_out[i, t] = y, EOS
+    as_t = torch.from_numpy
+    return Batch(
+        ids=torch.arange(B),
+        n_tokens=int(sum(tgt_len)) + B,
+        src=as_t(src),
+        tgt_in=as_t(tgt_in),
+        tgt_out=as_t(tgt_out),
+    )
+
+
+# ---- the peers ----------------------------------------------------------------------------
+
+
+def _smoothed_ce(logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)),
+        target.reshape(-1),
+        ignore_index=PAD,
+        label_smoothing=smoothing,
+        reduction="sum",
+    )
+
+
+def _adam(model: nn.Module) -> torch.optim.Optimizer:
+    # torch's defaults, as a minimal loop would write it; the paper's betas and epsilon (§5.3).
+    return torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+
+
+class _TorchSeq2Seq(nn.Module):
+    """nn.Transformer with shared, scaled embeddings, sinusoidal positions and a tied output."""
+
+    def __init__(self, m: ModelConfig, vocab: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, m.d_model, padding_idx=PAD)
+        pos = torch.arange(m.max_len)[:, None]
+        inv = torch.exp(torch.arange(0, m.d_model, 2) * (-math.log(10000.0) / m.d_model))
+        pe = torch.zeros(m.max_len, m.d_model)
+        pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * inv), torch.cos(pos * inv)
+        self.register_buffer("pe", pe)
+        self.dropout = nn.Dropout(m.dropout)
+        self.transformer = nn.Transformer(
+            m.d_model, m.h, m.N, m.N, m.d_ff, m.dropout, batch_first=True
+        )
+        self.out = nn.Linear(m.d_model, vocab, bias=False)
+        self.out.weight = self.embed.weight
+        self.scale = math.sqrt(m.d_model)
+
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.embed(x) * self.scale + self.pe[: x.size(1)])
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.size(1))
+        src_pad = src == PAD
+        # Right-padded targets need no key padding mask: the causal mask hides trailing pads.
+        y = self.transformer(
+            self._embed(src),
+            self._embed(tgt),
+            tgt_mask=causal,
+            src_key_padding_mask=src_pad,
+            memory_key_padding_mask=src_pad,
+            tgt_is_causal=True,
+        )
+        return self.out(y)
+
+
+class TorchTrainer:
+    name = "nn.Transformer"
+
+    def __init__(self, m: ModelConfig, vocab: int, smoothing: float):
+        torch.manual_seed(0)
+        self.model, self.smoothing = _TorchSeq2Seq(m, vocab), smoothing
+        self.opt = _adam(self.model)
+
+    def step(self, batch: Batch) -> None:
+        self.model.train()
+        logits = self.model(batch.src, batch.tgt_in)
+        loss = _smoothed_ce(logits, batch.tgt_out, self.smoothing) / batch.n_tokens
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+class MarianTrainer:
+    """transformers' MarianMTModel (the paper's post-LN architecture) from a config, untrained."""
+
+    name = "HF MarianMT"
+
+    def __init__(self, m: ModelConfig, vocab: int, smoothing: float):
+        from transformers import MarianConfig, MarianMTModel
+
+        config = MarianConfig(
+            vocab_size=vocab,
+            d_model=m.d_model,
+            encoder_layers=m.N,
+            decoder_layers=m.N,
+            encoder_attention_heads=m.h,
+            decoder_attention_heads=m.h,
+            encoder_ffn_dim=m.d_ff,
+            decoder_ffn_dim=m.d_ff,
+            activation_function="relu",
+            dropout=m.dropout,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            max_position_embeddings=m.max_len,
+            scale_embedding=True,
+            share_encoder_decoder_embeddings=True,
+            pad_token_id=PAD,
+            eos_token_id=EOS,
+            decoder_start_token_id=BOS,
+        )
+        torch.manual_seed(0)
+        self.model = MarianMTModel(config)
+        self.smoothing = smoothing
+        self.opt = _adam(self.model)
+
+    def step(self, batch: Batch) -> None:
+        self.model.train()
+        logits = self.model(
+            input_ids=batch.src,
+            attention_mask=(batch.src != PAD).long(),
+            decoder_input_ids=batch.tgt_in,
+        ).logits
+        loss = _smoothed_ce(logits, batch.tgt_out, self.smoothing) / batch.n_tokens
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+PEERS = {"nn.Transformer": TorchTrainer, "HF MarianMT": MarianTrainer}
+
+
+# ---- the run ------------------------------------------------------------------------------
+
+
+def bench_preset(preset: str, args, peak: list[float]) -> str:
+    cfg = run_config(preset, max_tokens=args.max_tokens, seed=1)
+    m, vocab = cfg.model, args.vocab
+    batches = synthetic_batches(args.batches + args.warmup, args.max_tokens, vocab)
+    warm, timed = batches[: args.warmup], batches[args.warmup :]
+    tokens = sum(b.n_tokens for b in timed)
+    flops = sum(training_flops(m, vocab, b) for b in timed)
+
+    trainers, skipped = {}, []
+    trainers["aiayn"] = AiaynTrainer(cfg, vocab)
+    if args.compile:
+        # Not a config option: on this CPU it made training slower (benchmarks/README.md).
+        compiled = AiaynTrainer(cfg, vocab, name="aiayn + torch.compile")
+        compiled.engine.model = torch.compile(compiled.engine.module)
+        trainers[compiled.name] = compiled
+    for name, cls in PEERS.items():
+        try:
+            trainers[name] = cls(m, vocab, cfg.train.label_smoothing)
+        except ImportError as exc:
+            skipped.append((name, exc))
+    for t in trainers.values():
+        time_steps(t.step, warm)
+
+    # Interleaved step by step, in rotated order: a slow phase of a busy machine then falls on
+    # all trainers alike, and each repeat gives paired timings.
+    names = list(trainers)
+    seconds: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.repeats):
+        spent = dict.fromkeys(names, 0.0)
+        for i, batch in enumerate(timed):
+            k = (r * len(timed) + i) % len(names)
+            for n in names[k:] + names[:k]:
+                spent[n] += time_steps(trainers[n].step, [batch])
+        for n in names:
+            seconds[n].append(spent[n])
+        peak.append(measure_matmul_peak(torch.device("cpu"), torch.float32))
+    best_peak = max(peak)
+
+    peers = [n for n in PEERS if n in seconds]
+    rows = []
+    for name, secs in seconds.items():
+        med, lo, hi = summary([tokens / s for s in secs])
+        gflops = flops / summary(secs)[0] / 1e9
+        ratio = "n/a"
+        if peers:  # per repeat against the faster peer of that repeat, then the median
+            vs = [min(seconds[p][r] for p in peers) / s for r, s in enumerate(secs)]
+            ratio = f"{summary(vs)[0]:.2f}x"
+        rows.append(
+            [
+                name,
+                fmt(med),
+                f"{fmt(lo)} - {fmt(hi)}",
+                fmt(gflops, 1),
+                f"{100 * gflops * 1e9 / best_peak:.0f}%",
+                ratio,
+            ]
+        )
+    n_params = sum(p.numel() for p in trainers["aiayn"].engine.module.parameters())
+    title = (
+        f"### {preset}: d_model {m.d_model}, d_ff {m.d_ff}, h {m.h}, N {m.N}+{m.N}, vocab "
+        f"{vocab}, {n_params / 1e6:.1f}M parameters\n\n"
+        f"{len(timed)} batches of <= {args.max_tokens} tokens ({tokens} target tokens, "
+        f"{flops / len(timed) / 1e9:.1f} GFLOP per step) x {args.repeats} repeats after "
+        f"{args.warmup} warm-up steps; matmul peak {best_peak / 1e9:.0f} GFLOP/s (fp32 2048^3, "
+        "best of the run)\n"
+    )
+    header = [
+        "trainer",
+        "target tokens/s (median)",
+        "min - max",
+        "GFLOP/s",
+        "of peak",
+        "vs faster peer",
+    ]
+    return title + "\n" + markdown_table(header, rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--presets", nargs="+", default=["small", "transformer_base"])
+    p.add_argument("--vocab", type=int, default=8000, help="joint vocabulary size")
+    p.add_argument(
+        "--max-tokens", type=int, default=4096, help="tokens per batch, padding included"
+    )
+    p.add_argument("--batches", type=int, default=4, help="timed steps per repeat")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per trainer")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time aiayn's model under torch.compile (compiling takes minutes)",
+    )
+    p.add_argument("--quick", action="store_true", help="small only, 2 batches x 3 repeats")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.presets, args.batches, args.repeats, args.warmup = ["small"], 2, 3, 1
+    set_threads(args.threads)
+    print(f"Machine: {machine()}\n")
+    peak: list[float] = [measure_matmul_peak(torch.device("cpu"), torch.float32)]
+    for preset in args.presets:
+        print(bench_preset(preset, args, peak), "\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()
