@@ -1,7 +1,6 @@
 """launch/*.sh: each prints the command it runs, then runs it to the end (tiny run, CPU)."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -9,15 +8,10 @@ from pathlib import Path
 import pytest
 
 from aiayn import demo_data
+from procs import free_port  # tests/dist/procs.py, beside this file
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ def _checkpoint_layers(model: nn.Module, cfg: Config) -> None:
 def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
     """Adam with the paper's beta_2 = 0.98 and epsilon = 1e-9 (§5.3) unless configured."""
     cls = torch.optim.AdamW if cfg.optim.name == "adamw" else torch.optim.Adam
-    params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+    params = [p for _, p in reshard.trainable(model)]
     # The fused kernel reads and writes each parameter, gradient and moment once per step; on
     # CPU, foreach falls back to one kernel per tensor and operation, about 3x slower
     # (benchmarks/README.md). Same update up to float rounding.
@@ -241,10 +241,9 @@ class DeepSpeedEngine:
         deepspeed.utils.logger.setLevel(logging.WARNING)
         self.ds_config = deepspeed_config.build(cfg, env.world_size, env.device.type)
         _checkpoint_layers(model, cfg)
-        params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model,
-            model_parameters=params,
+            model_parameters=[p for _, p in reshard.trainable(model)],
             config=self.ds_config,
             lr_scheduler=lambda optimizer: _paper_schedule(optimizer, cfg),
             dist_init_required=False,
