@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import itertools
 import json
 import threading
 import time
@@ -163,6 +164,19 @@ def test_bucketing_keeps_padding_low(corpus, tok):
         if total > 20_000:
             break
     assert pad / total < 0.25
+
+
+def test_rows_of_one_width_are_sorted_by_target_then_source_length(corpus, tok):
+    """The batch's width is the longer side; sorting ties by each side's length trims the
+    padding of both tensors, not only of the longer one."""
+    tied = 0
+    for b in loader(s2s_cfg(corpus / "train", shuffle_buffer=300), tok, max_tokens=400):
+        src = (b.src != PAD_ID).sum(1).tolist()
+        tgt = (b.tgt_out != PAD_ID).sum(1).tolist()
+        keys = [(max(s, t), t, s) for s, t in zip(src, tgt, strict=True)]
+        assert keys == sorted(keys)
+        tied += sum(a[0] == b[0] and a[1:] != b[1:] for a, b in itertools.pairwise(keys))
+    assert tied > 0  # the corpus has ties to order, so the assertion above is not vacuous
 
 
 # ---- shuffling and epochs ------------------------------------------------------------------

@@ -1,0 +1,126 @@
+"""The Multi30k German->English recipe, end to end, and its table.
+
+    make multi30k                                   # or, in the venv:
+    python launch/multi30k.py [--config FILE] [key=value ...]
+
+Stages, each the `aiayn` command a user would type (printed before it runs):
+  1. tokenizer  `aiayn tokenizer train`: one joint SentencePiece BPE vocabulary (§3.4)
+  2. train      `aiayn train`: the warmup schedule, label smoothing, Adam 0.9/0.98/1e-9
+  3. average    `aiayn average --last K`: the last K checkpoints (§6.1)
+  4. evaluate   `aiayn evaluate --split test`: beam search with a length penalty, sacreBLEU
+
+It then prints the wall time of each stage and test_2016_flickr sacreBLEU, lowercased and
+cased with their signatures, for the averaged model and, as the ablation, for the last
+checkpoint alone (beam and greedy). The run resumes where it stopped if interrupted
+(`aiayn train` resumes from run_dir); a finished run is only re-scored.
+
+key=value overrides go to every stage (e.g. run_dir=runs/m30_try2 train.max_steps=1000).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+AIAYN = [sys.executable, "-m", "aiayn"]
+
+
+def run(args: list[str], capture: bool = False) -> str:
+    print("+ aiayn " + shlex.join(args), flush=True)
+    done = subprocess.run(AIAYN + args, cwd=ROOT, check=True, text=True, capture_output=capture)
+    return done.stdout if capture else ""
+
+
+def score(checkpoint: str, overrides: list[str]) -> dict:
+    """Test-set scores of one checkpoint (the evaluate command's JSON)."""
+    out = run(
+        ["evaluate", "--checkpoint", checkpoint, "--split", "test", "--json", *overrides], True
+    )
+    return json.loads(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="configs/multi30k_de_en.yaml")
+    parser.add_argument(
+        "--average", type=int, default=None, help="K (default: the config's keep_last)"
+    )
+    parser.add_argument("--no-ablation", action="store_true", help="score only the averaged model")
+    parser.add_argument("overrides", nargs="*", help="key=value, given to every stage")
+    args = parser.parse_args(argv)
+
+    cfg = yaml.safe_load((ROOT / args.config).read_text())
+    for item in args.overrides:  # for run_dir, keep_last and decode; aiayn validates them all
+        key, _, value = item.partition("=")
+        *parents, leaf = key.split(".")
+        node = cfg
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    run_dir = ROOT / cfg["run_dir"]  # the stages run in ROOT; absolute stays absolute
+    k = args.average or cfg.get("checkpoint", {}).get("keep_last", 5)
+    common = ["--config", args.config, *args.overrides]
+
+    times: dict[str, float] = {}
+    start = time.perf_counter()
+
+    t = time.perf_counter()
+    tokenizer = ROOT / cfg["tokenizer"]["path"]
+    if tokenizer.exists():  # a resumed or re-scored run must keep the vocabulary it trained with
+        print(f"tokenizer {tokenizer} exists: kept")
+    else:
+        run(["tokenizer", "train", *common])
+    times["tokenizer"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    run(["train", *common])
+    times["train"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()  # step_XXXXXXXX
+    averaged = str(run_dir / f"average_last{k}_{latest}")
+    if Path(averaged).exists():  # this run's average was made before: score it again
+        print(f"{averaged} exists: kept")
+    else:
+        run(["average", str(run_dir), "--last", str(k), "--output", averaged])
+    times["average"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    rows = [(f"average of last {k}, beam", score(averaged, []))]
+    times["evaluate"] = time.perf_counter() - t
+    times["total"] = time.perf_counter() - start
+
+    if not args.no_ablation:  # outside the timed recipe: it answers what each part adds
+        rows.append(("last checkpoint, beam", score(str(run_dir), [])))
+        rows.append(("last checkpoint, greedy", score(str(run_dir), ["decode.beam=1"])))
+
+    decode = cfg.get("decode", {})
+    print(f"\nMulti30k de->en, test_2016_flickr ({args.config}, {run_dir})\n")
+    print("| stage | wall time |\n| --- | ---: |")
+    for stage, seconds in times.items():
+        print(f"| {stage} | {seconds / 60:.1f} min |")
+    print(
+        f"\n| model (beam {decode.get('beam')}, alpha {decode.get('alpha')}) "
+        "| BLEU lowercased | BLEU cased |\n| --- | ---: | ---: |"
+    )
+    for name, result in rows:
+        print(f"| {name} | {result['bleu_lc']:.2f} | {result['bleu']:.2f} |")
+    print(f"\nlowercased: {rows[0][1]['bleu_lc_signature']}")
+    print(f"cased:      {rows[0][1]['bleu_signature']}")
+    print(f"hypotheses: {rows[0][1]['hypotheses_file']}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except subprocess.CalledProcessError as e:  # the stage printed its own error above
+        sys.exit(f"multi30k: stopped, `aiayn {e.cmd[3]}` exited with {e.returncode}")

@@ -1,0 +1,52 @@
+"""launch/multi30k.py, the recipe script, chains its stages and prints its table. Run here on
+the numbers corpus with a tiny model: what is checked is the plumbing (tokenizer, train,
+average, evaluate, table), not the Multi30k score, which takes 25 minutes (README Results)."""
+
+import re
+import subprocess
+import sys
+
+import tiny  # tests/e2e/tiny.py, beside this file
+
+from aiayn.checkpoint import read_manifest
+
+
+def test_the_recipe_trains_averages_scores_and_prints_its_table(project_root, tmp_path, numbers):
+    run_dir = tmp_path / "run"
+    overrides = tiny.overrides(
+        run_dir,
+        numbers,
+        f"data.valid={numbers}/valid",
+        f"data.test={numbers}/test",
+        f"tokenizer.path={tmp_path}/spm.model",
+        "tokenizer.type=unigram",
+        "train.max_steps=12",
+        "train.eval_every=12",
+        "train.eval_bleu=0",
+        "checkpoint.every_steps=4",
+        "checkpoint.keep_last=3",
+        "decode.bleu_tokenize=char",
+        "train.threads=1",
+    )
+    cmd = [sys.executable, "launch/multi30k.py", "--config", "configs/demo.yaml", *overrides]
+    out = subprocess.run(cmd, cwd=project_root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    averaged = run_dir / "average_last3_step_00000012"
+    assert [s["step"] for s in read_manifest(averaged)["averaged_from"]] == [4, 8, 12]
+    rows = re.findall(
+        r"^\| (average of last 3, beam|last checkpoint, \w+) \| ([\d.]+) \|", out.stdout, re.M
+    )
+    assert [name for name, _ in rows] == [
+        "average of last 3, beam",
+        "last checkpoint, beam",
+        "last checkpoint, greedy",
+    ]
+    assert all(0 <= float(bleu) <= 100 for _, bleu in rows)
+    assert "| train |" in out.stdout and "case:lc" in out.stdout
+    assert (run_dir / "eval" / "test.average_last3_step_00000012.hyp").read_text().count("\n") == 50
+
+    # Run again: the tokenizer is kept, training is already done, only scoring runs again.
+    again = subprocess.run(cmd, cwd=project_root, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("exists: kept") == 2  # the tokenizer and the average
