@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value, given to every stage")
     args = parser.parse_args(argv)
 
-    cfg = yaml.safe_load((ROOT / args.config).read_text())
+    config = ROOT / args.config  # the stages run in ROOT, so relative paths are ROOT's
+    if not config.is_file():
+        sys.exit(f"multi30k: no config at {config}; pass --config, relative to {ROOT}")
+    cfg = yaml.safe_load(config.read_text())
     for item in args.overrides:  # for run_dir, keep_last and decode; aiayn validates them all
         key, _, value = item.partition("=")
         *parents, leaf = key.split(".")
