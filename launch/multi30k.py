@@ -20,6 +20,7 @@ key=value overrides go to every stage (e.g. run_dir=runs/m30_try2 train.max_step
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import subprocess
@@ -27,7 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
+from aiayn.config import load_config
+from aiayn.errors import AiaynError
 
 ROOT = Path(__file__).resolve().parent.parent
 AIAYN = [sys.executable, "-m", "aiayn"]
@@ -57,61 +59,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value, given to every stage")
     args = parser.parse_args(argv)
 
-    config = ROOT / args.config  # the stages run in ROOT, so relative paths are ROOT's
-    if not config.is_file():
-        sys.exit(f"multi30k: no config at {config}; pass --config, relative to {ROOT}")
-    cfg = yaml.safe_load(config.read_text())
-    for item in args.overrides:  # for run_dir, keep_last and decode; aiayn validates them all
-        key, _, value = item.partition("=")
-        *parents, leaf = key.split(".")
-        node = cfg
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
-    run_dir = ROOT / cfg["run_dir"]  # the stages run in ROOT; absolute stays absolute
-    k = args.average or cfg.get("checkpoint", {}).get("keep_last", 5)
+    # The stages run in ROOT, so the config and every relative path in it are ROOT's.
+    cfg = load_config(ROOT / args.config, args.overrides)  # validated before any stage runs
+    run_dir = ROOT / cfg.run_dir  # an absolute run_dir stays absolute
+    k = args.average or cfg.checkpoint.keep_last
     common = ["--config", args.config, *args.overrides]
-
     times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def stage(name: str):
+        began = time.perf_counter()
+        yield
+        times[name] = time.perf_counter() - began
+
     start = time.perf_counter()
-
-    t = time.perf_counter()
-    tokenizer = ROOT / cfg["tokenizer"]["path"]
-    if tokenizer.exists():  # a resumed or re-scored run must keep the vocabulary it trained with
-        print(f"tokenizer {tokenizer} exists: kept")
-    else:
-        run(["tokenizer", "train", *common])
-    times["tokenizer"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    run(["train", *common])
-    times["train"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()  # step_XXXXXXXX
-    averaged = str(run_dir / f"average_last{k}_{latest}")
-    if Path(averaged).exists():  # this run's average was made before: score it again
-        print(f"{averaged} exists: kept")
-    else:
-        run(["average", str(run_dir), "--last", str(k), "--output", averaged])
-    times["average"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    rows = [(f"average of last {k}, beam", score(averaged, []))]
-    times["evaluate"] = time.perf_counter() - t
+    with stage("tokenizer"):
+        tokenizer = ROOT / cfg.tokenizer.path
+        if tokenizer.exists():  # a resumed or re-scored run keeps the vocabulary it used
+            print(f"tokenizer {tokenizer} exists: kept")
+        else:
+            run(["tokenizer", "train", *common])
+    with stage("train"):
+        run(["train", *common])
+    with stage("average"):
+        latest = (run_dir / "checkpoints" / "latest").read_text().strip()  # step_XXXXXXXX
+        averaged = str(run_dir / f"average_last{k}_{latest}")
+        if Path(averaged).exists():  # this run's average was made before: score it again
+            print(f"{averaged} exists: kept")
+        else:
+            run(["average", str(run_dir), "--last", str(k), "--output", averaged])
+    with stage("evaluate"):
+        rows = [(f"average of last {k}, beam", score(averaged, []))]
     times["total"] = time.perf_counter() - start
 
     if not args.no_ablation:  # outside the timed recipe: it answers what each part adds
         rows.append(("last checkpoint, beam", score(str(run_dir), [])))
         rows.append(("last checkpoint, greedy", score(str(run_dir), ["decode.beam=1"])))
 
-    decode = cfg.get("decode", {})
     print(f"\nMulti30k de->en, test_2016_flickr ({args.config}, {run_dir})\n")
     print("| stage | wall time |\n| --- | ---: |")
-    for stage, seconds in times.items():
-        print(f"| {stage} | {seconds / 60:.1f} min |")
+    for name, seconds in times.items():
+        print(f"| {name} | {seconds / 60:.1f} min |")
     print(
-        f"\n| model (beam {decode.get('beam')}, alpha {decode.get('alpha')}) "
+        f"\n| model (beam {cfg.decode.beam}, alpha {cfg.decode.alpha}) "
         "| BLEU lowercased | BLEU cased |\n| --- | ---: | ---: |"
     )
     for name, result in rows:
@@ -125,5 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
+    except AiaynError as e:  # a bad config or override: named before any stage runs
+        sys.exit(f"multi30k: {e}")
     except subprocess.CalledProcessError as e:  # the stage printed its own error above
         sys.exit(f"multi30k: stopped, `aiayn {e.cmd[3]}` exited with {e.returncode}")
