@@ -26,9 +26,10 @@ GPU_BF16_PEAK = {
 def training_flops(cfg: ModelConfig, vocab_size: int, batch: Batch) -> int:
     """Matrix-multiply FLOPs of forward + backward (3x forward) for one micro-batch.
 
-    Counted on the padded shapes the kernels really process; attention counts the full T x S
-    score matrix even where a causal kernel skips half of it. Embedding lookups, norms and
-    softmax are left out, as in the usual 6 * params * tokens estimate.
+    Counted on the shapes the kernels really process: padded, except the output projection,
+    which runs on the batch.n_tokens non-pad targets only (loss.batch_loss); attention counts
+    the full T x S score matrix even where a causal kernel skips half of it. Embedding lookups,
+    norms and softmax are left out, as in the usual 6 * params * tokens estimate.
     """
     d, ff, enc_layers = cfg.d_model, cfg.d_ff, cfg.N
     dec_layers = cfg.decoder_layers or cfg.N
@@ -44,7 +45,7 @@ def training_flops(cfg: ModelConfig, vocab_size: int, batch: Batch) -> int:
             S = batch.src.shape[1]
             per_token += 2 * d * d + 2 * S * d  # cross-attention: W^Q, W^O, QK^T, AV
             macs += dec_layers * B * S * 2 * d * d  # cross-attention K, V of the memory
-        macs += dec_layers * B * T * per_token + B * T * d * vocab_size  # + output projection
+        macs += dec_layers * B * T * per_token + batch.n_tokens * d * vocab_size  # + output
     if batch.labels is not None:
         macs += batch.size * (d * d + d * cfg.num_classes)
     return 3 * 2 * macs

@@ -1,51 +1,119 @@
+import pytest
 import torch
 import torch.nn.functional as F
 
-from aiayn.loss import smoothed_cross_entropy
+from aiayn.config import ModelConfig
+from aiayn.data.batch import Batch
+from aiayn.loss import batch_loss, smoothed_cross_entropy
+from aiayn.model import build_model
 
 PAD = 0
 
 
-def test_without_smoothing_it_is_the_summed_cross_entropy():
-    logits, target = torch.randn(3, 5, 11), torch.randint(1, 11, (3, 5))
-    loss, n = smoothed_cross_entropy(logits, target, 0.0, ignore_index=PAD)
-    assert n == 15
-    torch.testing.assert_close(
-        loss, F.cross_entropy(logits.view(-1, 11), target.view(-1), reduction="sum")
+def reference(logits, target, eps, ignore_index=-100):
+    """torch's own label-smoothed cross-entropy, summed."""
+    V = logits.size(-1)
+    return F.cross_entropy(
+        logits.reshape(-1, V),
+        target.reshape(-1),
+        ignore_index=ignore_index,
+        label_smoothing=eps,
+        reduction="sum",
     )
+
+
+def test_without_smoothing_it_is_the_summed_cross_entropy_and_predicts_the_argmax():
+    logits, target = torch.randn(15, 11), torch.randint(0, 11, (15,))
+    loss, predicted = smoothed_cross_entropy(logits, target, 0.0)
+    torch.testing.assert_close(loss, F.cross_entropy(logits, target, reduction="sum"))
+    assert torch.equal(predicted, logits.argmax(-1))
 
 
 def test_smoothing_mixes_nll_with_the_uniform_distribution():
     eps, V = 0.1, 7
     logits, target = torch.randn(4, V), torch.tensor([1, 2, 3, 4])
-    loss, _ = smoothed_cross_entropy(logits, target, eps, ignore_index=PAD)
+    loss, _ = smoothed_cross_entropy(logits, target, eps)
     logp = logits.log_softmax(-1)
     nll = -logp.gather(1, target[:, None]).squeeze(1)
     expected = ((1 - eps) * nll + eps * -logp.mean(-1)).sum()
     torch.testing.assert_close(loss, expected)
 
 
-def test_pad_targets_do_not_count():
-    logits, target = torch.randn(2, 6, 9), torch.randint(1, 9, (2, 6))
-    target[0, 4:] = PAD
-    loss, n = smoothed_cross_entropy(logits, target, 0.1, ignore_index=PAD)
-    assert n == 10
-    logits2 = logits.clone()
-    logits2[0, 4:] = torch.randn(2, 9) * 100  # whatever the model says at pads
-    loss2, _ = smoothed_cross_entropy(logits2, target, 0.1, ignore_index=PAD)
-    torch.testing.assert_close(loss, loss2)
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
+def test_hand_written_backward_matches_autograd_through_torchs_loss(eps):
+    torch.manual_seed(0)
+    logits = (torch.randn(37, 101, dtype=torch.float64) * 4).requires_grad_()
+    target = torch.randint(0, 101, (37,))
+    loss, _ = smoothed_cross_entropy(logits, target, eps)
+    (grad,) = torch.autograd.grad(loss * 0.7, logits)  # a non-unit upstream gradient
+    (expected,) = torch.autograd.grad(reference(logits, target, eps) * 0.7, logits)
+    torch.testing.assert_close(grad, expected)
+    small = logits[:5, :9].detach().clone().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda x: smoothed_cross_entropy(x, target[:5] % 9, eps)[0], small
+    )
+
+
+def test_large_logits_do_not_overflow():
+    logits = torch.tensor([[1000.0, 0.0, -1000.0], [0.0, 88.0, 90.0]])
+    target = torch.tensor([0, 2])
+    loss, _ = smoothed_cross_entropy(logits, target, 0.1)
+    torch.testing.assert_close(loss, reference(logits, target, 0.1))
 
 
 def test_accumulated_micro_batches_give_the_full_batch_gradient():
     torch.manual_seed(0)
     w = torch.randn(8, 13, requires_grad=True)
     x, target = torch.randn(6, 8), torch.randint(1, 13, (6,))
-    target[[1, 4]] = PAD  # micro-batches with different token counts
-    full, n = smoothed_cross_entropy(x @ w, target, 0.1, ignore_index=PAD)
-    (g_full,) = torch.autograd.grad(full / n, w)
+    full, _ = smoothed_cross_entropy(x @ w, target, 0.1)
+    (g_full,) = torch.autograd.grad(full / 6, w)
     g_acc = torch.zeros_like(w)
     for part in (slice(0, 2), slice(2, 6)):
-        loss, _ = smoothed_cross_entropy(x[part] @ w, target[part], 0.1, ignore_index=PAD)
-        (g,) = torch.autograd.grad(loss / n, w)  # divided by the step's tokens
+        loss, _ = smoothed_cross_entropy(x[part] @ w, target[part], 0.1)
+        (g,) = torch.autograd.grad(loss / 6, w)  # divided by the step's tokens
         g_acc += g
     torch.testing.assert_close(g_acc, g_full)
+
+
+# --- batch_loss: logits only at non-pad targets ----------------------------------------------
+
+
+def tiny(kind: str):
+    cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0, max_len=64, kind=kind)
+    torch.manual_seed(0)
+    return build_model(cfg, 50, PAD)
+
+
+def padded_batch(kind: str) -> Batch:
+    torch.manual_seed(1)
+    tgt = torch.randint(3, 50, (3, 9))
+    tgt[0, 6:] = PAD
+    tgt[2, 3:] = PAD
+    src = torch.randint(3, 50, (3, 7)) if kind == "seq2seq" else None
+    keep = tgt[:, 1:] != PAD
+    tgt_in = tgt[:, :-1].masked_fill(~torch.cat([keep[:, :1], keep[:, :-1]], 1), PAD)
+    return Batch(
+        ids=torch.arange(3),
+        n_tokens=int(keep.sum()),
+        src=src,
+        tgt_in=tgt_in,
+        tgt_out=tgt[:, 1:],
+    )
+
+
+@pytest.mark.parametrize("kind", ["seq2seq", "lm"])
+def test_batch_loss_equals_the_padded_loss_with_pads_ignored_in_value_and_gradient(kind):
+    model, batch = tiny(kind), padded_batch(kind)
+    loss, correct = batch_loss(model, batch, kind, 0.1, PAD)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+
+    args = (batch.src, batch.tgt_in) if kind == "seq2seq" else (batch.tgt_in,)
+    logits = model(*args)  # (B, T, V): every position, pads included
+    expected = reference(logits, batch.tgt_out, 0.1, ignore_index=PAD)
+    expected_grads = torch.autograd.grad(expected, list(model.parameters()))
+    torch.testing.assert_close(loss, expected)
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e)
+    real = batch.tgt_out != PAD
+    assert int(correct) == int(((logits.argmax(-1) == batch.tgt_out) & real).sum())
+    assert int(real.sum()) < batch.tgt_out.numel()  # the batch does have padding to skip

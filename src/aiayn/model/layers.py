@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from aiayn.model.attention import CrossAttention, KVCache, SelfAttention
+from aiayn.model.dropout import Dropout
 
 
 class FeedForward(nn.Module):
@@ -32,7 +33,7 @@ class Residual(nn.Module):
     def __init__(self, d_model: int, dropout: float, norm: str):
         super().__init__()
         self.norm = nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.pre = norm == "pre"
 
     def forward(self, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]):

@@ -10,6 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 from aiayn.config import ModelConfig
 from aiayn.model.attention import CrossAttention, KVCache, SelfAttention
+from aiayn.model.dropout import Dropout
 from aiayn.model.layers import DecoderLayer, EncoderLayer
 from aiayn.model.masks import padding_mask, self_attention_mask
 from aiayn.model.positions import make_positions
@@ -22,7 +23,7 @@ class Embeddings(nn.Module):
         super().__init__()
         self.token = token if token is not None else nn.Embedding(vocab_size, cfg.d_model)
         self.positions = make_positions(cfg.positions, cfg.d_model, cfg.max_len)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.scale = math.sqrt(cfg.d_model)
 
     def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -47,6 +48,16 @@ def _run_layer(stack: nn.Module, layer: nn.Module, *args):
     if stack.checkpoint_layers and stack.training and torch.is_grad_enabled():
         return checkpoint(layer, *args, use_reentrant=False)
     return layer(*args)
+
+
+def _project(out: nn.Linear, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """The pre-softmax projection of decoder states x (B, T, D): logits (B, T, V), or (N, V) for
+    the N positions keep (B, T) marks. Training passes the non-pad targets as keep, so the
+    largest matrix multiply of a small model and the loss after it skip padding. (On a GPU,
+    boolean indexing waits for the count of kept positions: one sync per forward.)"""
+    if keep is not None:
+        x = x[keep]  # (N, D)
+    return out(x)
 
 
 class Encoder(nn.Module):
@@ -140,25 +151,32 @@ class Seq2SeqTransformer(nn.Module):
         src_mask: torch.Tensor,
         state: DecoderState | None = None,
         right_padded: bool = True,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tgt (B, T) -> logits (B, T, V). With a state, tgt holds only the new positions, which
         follow the state.length already fed; the state is updated in place. right_padded=False
-        if tgt has padding before real tokens (see masks.self_attention_mask)."""
+        if tgt has padding before real tokens (see masks.self_attention_mask). With keep
+        (B, T) bool, logits (N, V) at the N positions it marks only (see _project)."""
         start = state.length if state is not None else 0
         self_mask, is_causal = self_attention_mask(tgt, self.pad_id, start, right_padded)
         x = self.tgt_embed(tgt, start)  # (B, T, D)
         x = self.decoder(x, self_mask, is_causal, memory, src_mask, state)  # (B, T, D)
         if state is not None:
             state.length += tgt.size(1)
-        return self.out(x)  # (B, T, V)
+        return _project(self.out, x, keep)
 
     def forward(
-        self, src: torch.Tensor, tgt_in: torch.Tensor, right_padded: bool = True
+        self,
+        src: torch.Tensor,
+        tgt_in: torch.Tensor,
+        right_padded: bool = True,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """src (B, S), tgt_in (B, T) -> logits (B, T, V) predicting tgt_out. Source padding may
-        be anywhere; target padding trailing unless right_padded=False."""
+        """src (B, S), tgt_in (B, T) -> logits (B, T, V) predicting tgt_out, or (N, V) at the
+        positions `keep` marks. Source padding may be anywhere; target padding trailing unless
+        right_padded=False."""
         memory, src_mask = self.encode(src)
-        return self.decode(tgt_in, memory, src_mask, right_padded=right_padded)
+        return self.decode(tgt_in, memory, src_mask, right_padded=right_padded, keep=keep)
 
 
 class DecoderOnlyLM(nn.Module):
@@ -175,16 +193,21 @@ class DecoderOnlyLM(nn.Module):
         init_parameters(self, cfg.d_model)
 
     def forward(
-        self, tokens: torch.Tensor, state: DecoderState | None = None, right_padded: bool = True
+        self,
+        tokens: torch.Tensor,
+        state: DecoderState | None = None,
+        right_padded: bool = True,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, V). With a state, tokens are the new positions only.
-        Padding trailing unless right_padded=False (see masks.self_attention_mask)."""
+        """tokens (B, T) -> logits (B, T, V), or (N, V) at the positions `keep` (B, T) marks.
+        With a state, tokens are the new positions only. Padding trailing unless
+        right_padded=False (see masks.self_attention_mask)."""
         start = state.length if state is not None else 0
         mask, is_causal = self_attention_mask(tokens, self.pad_id, start, right_padded)
         x = self.decoder(self.embed(tokens, start), mask, is_causal, state=state)  # (B, T, D)
         if state is not None:
             state.length += tokens.size(1)
-        return self.out(x)  # (B, T, V)
+        return _project(self.out, x, keep)
 
 
 class EncoderClassifier(nn.Module):
@@ -198,7 +221,7 @@ class EncoderClassifier(nn.Module):
         self.head = nn.Sequential(
             nn.Linear(cfg.d_model, cfg.d_model),
             nn.Tanh(),
-            nn.Dropout(cfg.dropout),
+            Dropout(cfg.dropout),
             nn.Linear(cfg.d_model, cfg.num_classes),
         )
         init_parameters(self, cfg.d_model)
