@@ -2,6 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from aiayn import loss as loss_module
 from aiayn.config import ModelConfig
 from aiayn.data.batch import Batch
 from aiayn.loss import batch_loss, smoothed_cross_entropy
@@ -40,11 +41,14 @@ def test_smoothing_mixes_nll_with_the_uniform_distribution():
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
-def test_hand_written_backward_matches_autograd_through_torchs_loss(eps):
+def test_hand_written_backward_matches_autograd_through_torchs_loss(eps, monkeypatch):
+    monkeypatch.setattr(loss_module._SmoothedCrossEntropy, "ROWS", 8)  # 37 rows: 5 blocks
     torch.manual_seed(0)
     logits = (torch.randn(37, 101, dtype=torch.float64) * 4).requires_grad_()
     target = torch.randint(0, 101, (37,))
-    loss, _ = smoothed_cross_entropy(logits, target, eps)
+    loss, predicted = smoothed_cross_entropy(logits, target, eps)
+    assert torch.equal(predicted, logits.argmax(-1))
+    torch.testing.assert_close(loss, reference(logits, target, eps))
     (grad,) = torch.autograd.grad(loss * 0.7, logits)  # a non-unit upstream gradient
     (expected,) = torch.autograd.grad(reference(logits, target, eps) * 0.7, logits)
     torch.testing.assert_close(grad, expected)
