@@ -210,6 +210,37 @@ class MarianTrainer:
 PEERS = {"nn.Transformer": TorchTrainer, "HF MarianMT": MarianTrainer}
 
 
+class MatmulsAlone:
+    """The matrix multiplies of aiayn's step on a batch, replayed on their own: the time a
+    trainer doing the same fp32 FLOPs would take if everything else (attention, softmax, norms,
+    dropout, the optimizer) cost nothing. Shapes come from profiling one real step per batch;
+    operands are contiguous, so transposed layouts are not reproduced."""
+
+    name = "matmuls alone (ceiling)"
+
+    def __init__(self, aiayn: AiaynTrainer, batches: list[Batch]):
+        from torch.profiler import ProfilerActivity, profile
+
+        gen = torch.Generator().manual_seed(0)
+        self.calls: dict[int, list[tuple]] = {}
+        for batch in batches:
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                aiayn.step(batch)
+            calls = []
+            for e in prof.events():
+                if e.name == "aten::mm":
+                    (m, k), (_, n) = e.input_shapes[:2]
+                    calls.append((None, torch.randn(m, k, generator=gen), torch.randn(k, n)))
+                elif e.name == "aten::addmm":
+                    _, (m, k), (_, n) = e.input_shapes[:3]
+                    calls.append((torch.randn(n), torch.randn(m, k), torch.randn(k, n)))
+            self.calls[id(batch)] = calls
+
+    def step(self, batch: Batch) -> None:
+        for bias, a, b in self.calls[id(batch)]:
+            torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
+
+
 # ---- the run ------------------------------------------------------------------------------
 
 
@@ -238,6 +269,10 @@ def bench_preset(preset: str, args, peak: list[float]) -> str:
             skipped.append((name, exc))
     for t in trainers.values():
         time_steps(t.step, warm)
+    if not args.no_ceiling:
+        ceiling = MatmulsAlone(trainers["aiayn"], timed)
+        time_steps(ceiling.step, timed[:1])
+        trainers[ceiling.name] = ceiling
 
     # Interleaved step by step, in rotated order: a slow phase of a busy machine then falls on
     # all trainers alike, and each repeat gives paired timings.
@@ -258,7 +293,7 @@ def bench_preset(preset: str, args, peak: list[float]) -> str:
     rows = []
     for name, secs in seconds.items():
         med, lo, hi = summary([tokens / s for s in secs])
-        gflops = (flops if name.startswith("aiayn") else peer_flops) / summary(secs)[0] / 1e9
+        gflops = (peer_flops if name in PEERS else flops) / summary(secs)[0] / 1e9
         ratio = "n/a"
         if peers:  # per repeat against the faster peer of that repeat, then the median
             vs = [min(seconds[p][r] for p in peers) / s for r, s in enumerate(secs)]
@@ -310,6 +345,7 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also time aiayn's model under torch.compile (compiling takes minutes)",
     )
+    p.add_argument("--no-ceiling", action="store_true", help="leave out the 'matmuls alone' row")
     p.add_argument("--quick", action="store_true", help="small only, 2 batches x 3 repeats")
     args = p.parse_args(argv)
     if args.quick:
