@@ -222,6 +222,13 @@ class MatmulsAlone:
         from torch.profiler import ProfilerActivity, profile
 
         gen = torch.Generator().manual_seed(0)
+        operands: dict[tuple, torch.Tensor] = {}  # one tensor per shape, shared by the calls
+
+        def operand(*shape: int) -> torch.Tensor:
+            if shape not in operands:
+                operands[shape] = torch.randn(*shape, generator=gen)
+            return operands[shape]
+
         self.calls: dict[int, list[tuple]] = {}
         for batch in batches:
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -230,10 +237,10 @@ class MatmulsAlone:
             for e in prof.events():
                 if e.name == "aten::mm":
                     (m, k), (_, n) = e.input_shapes[:2]
-                    calls.append((None, torch.randn(m, k, generator=gen), torch.randn(k, n)))
+                    calls.append((None, operand(m, k), operand(k, n)))
                 elif e.name == "aten::addmm":
                     _, (m, k), (_, n) = e.input_shapes[:3]
-                    calls.append((torch.randn(n), torch.randn(m, k), torch.randn(k, n)))
+                    calls.append((operand(n), operand(m, k), operand(k, n)))
             self.calls[id(batch)] = calls
 
     def step(self, batch: Batch) -> None:
