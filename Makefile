@@ -71,6 +71,7 @@ $(BENCH_STAMP): pyproject.toml
 bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python benchmarks/throughput.py
 	$(BENCH_VENV)/bin/python benchmarks/data_pipeline.py
+	$(BENCH_VENV)/bin/python benchmarks/kernels.py
 
 clean-demo:
 	rm -rf runs/demo runs/demo_lm runs/demo_classify data/demo

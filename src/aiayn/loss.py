@@ -18,7 +18,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
     pass for the logged accuracy's argmax. Here the forward takes the row max (with the argmax
     the accuracy reuses) and a log-sum-exp; the backward writes softmax - q into one
     allocation. Both walk the rows in blocks of ROWS (8 MB of fp32 logits at V = 8000), so that
-    every pass after a block's first read hits the cache. On a 2-core CPU this is 0.55x the time
+    every pass after a block's first read hits the cache. On a 2-core CPU this is 0.6x the time
     of F.cross_entropy plus argmax, for (3600, 8000) logits (benchmarks/README.md).
     """
 

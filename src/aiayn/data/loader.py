@@ -256,13 +256,11 @@ class BatchLoader:
         order = keep if rng is None else rng.permutation(keep)
         width = longest + 1  # every row gains one special token (eos, or bos for tgt_in)
         if self.cfg.shuffle_buffer:  # bucket: similar lengths share a batch, little padding
-            # By width, then target and source length: rows of one width differ in how it splits
-            # between the two sides, and sorting on each trims both paddings (multi30k: target
-            # tokens 91% -> 95% of the padded target, source 94% -> 96%).
-            keys = [width[order]]  # np.lexsort: the last key is the primary one; it is stable
-            if tgt is not None:
-                keys = [src.length[order], tgt.length[order], *keys]
-            order = order[np.lexsort(keys)]
+            # By width only, stable: rows of one width keep their shuffled order. Breaking ties by
+            # target and source length trimmed padding (Multi30k: target 91% -> 95% real tokens)
+            # but made batches of near-identical sentences: the demo learned far more slowly
+            # (train accuracy 0.88 against 0.97 at step 200; test exact match 90% against 95%).
+            order = order[np.argsort(width[order], kind="stable")]
         batches = _budget_batches(order, width, self.max_tokens)
         if rng is not None:
             batches = [batches[j] for j in rng.permutation(len(batches))]

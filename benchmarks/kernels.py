@@ -1,0 +1,96 @@
+"""aiayn's own loss and dropout against the torch functions they replace, one call at a time.
+
+    python benchmarks/kernels.py            # ~1 min on 2 cores
+
+- loss: label-smoothed cross-entropy over (N, V) logits, forward and backward, plus the argmax
+  the trainer logs accuracy from: F.cross_entropy(label_smoothing=0.1) + argmax against
+  aiayn.loss.smoothed_cross_entropy (which returns the argmax).
+- dropout: p = 0.1 on a (N, d_model) activation: F.dropout against aiayn.model.dropout.Dropout.
+
+Interleaved repeats; the table gives the median milliseconds per call with min and max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from _common import fmt, machine, markdown_table, set_threads, summary
+
+from aiayn.loss import smoothed_cross_entropy
+from aiayn.model.dropout import Dropout
+
+
+def _ms(fn, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rows", type=int, default=3600, help="target tokens N (a 4096-token batch)")
+    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--calls", type=int, default=10, help="calls per repeat")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    set_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(args.rows, args.vocab, generator=gen).requires_grad_()
+    target = torch.randint(0, args.vocab, (args.rows,), generator=gen)
+    x = torch.randn(args.rows, args.d_model, generator=gen)
+    ours_dropout = Dropout(0.1).train()
+
+    def torch_loss():
+        loss = F.cross_entropy(logits, target, label_smoothing=0.1, reduction="sum")
+        logits.detach().argmax(-1)
+        torch.autograd.grad(loss, logits)
+
+    def aiayn_loss():
+        loss, _ = smoothed_cross_entropy(logits, target, 0.1)
+        torch.autograd.grad(loss, logits)
+
+    pairs = {
+        "loss": {
+            "F.cross_entropy + argmax": torch_loss,
+            "aiayn smoothed_cross_entropy": aiayn_loss,
+        },
+        "dropout": {
+            "F.dropout": lambda: F.dropout(x, 0.1, training=True),
+            "aiayn Dropout": lambda: ours_dropout(x),
+        },
+    }
+    rows = []
+    for what, contenders in pairs.items():
+        for fn in contenders.values():
+            fn()  # warm-up
+        times: dict[str, list[float]] = {n: [] for n in contenders}
+        names = list(contenders)
+        for r in range(args.repeats):
+            for n in names[r % 2 :] + names[: r % 2]:
+                times[n].append(_ms(contenders[n], args.calls))
+        base = summary(times[names[0]])[0]
+        for n in names:
+            med, lo, hi = summary(times[n])
+            rows.append(
+                [what, n, fmt(med, 1), f"{fmt(lo, 1)} - {fmt(hi, 1)}", f"{med / base:.2f}x"]
+            )
+    print(f"Machine: {machine()}\n")
+    print(
+        f"logits ({args.rows}, {args.vocab}); activation ({args.rows}, {args.d_model}); "
+        f"{args.calls} calls x {args.repeats} repeats\n"
+    )
+    print(
+        markdown_table(
+            ["what", "function", "ms per call (median)", "min - max", "time vs torch"], rows
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
