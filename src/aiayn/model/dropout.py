@@ -13,9 +13,9 @@ class Dropout(nn.Module):
     """Zero each element with probability p and scale the rest by 1 / (1 - p), as nn.Dropout.
 
     On a GPU this is F.dropout (a fused kernel). On a CPU, nn.Dropout draws one random number
-    per element through bernoulli_, which costs ~4x the multiply it masks and was 8% of a CPU
-    training step. Here one 64-bit draw makes four 16-bit uniforms, each compared with a
-    threshold: p is rounded to a multiple of 2^-16 (0.1 becomes 0.100006), the mask is the same
+    per element through bernoulli_, which was 8% of a CPU training step; this mask takes 0.3x
+    its time (benchmarks/kernels.py). One 64-bit draw makes four 16-bit uniforms, each compared
+    with a threshold: p is rounded to a multiple of 2^-16 (0.1 becomes 0.100006), the mask is the same
     in distribution, and it is drawn from torch's generator, so seeding, checkpointed-layer
     replay and resumption treat it like any other random op.
     """
