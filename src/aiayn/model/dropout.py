@@ -15,9 +15,9 @@ class Dropout(nn.Module):
     On a GPU this is F.dropout (a fused kernel). On a CPU, nn.Dropout draws one random number
     per element through bernoulli_, which was 8% of a CPU training step; this mask takes 0.3x
     its time (benchmarks/kernels.py). One 64-bit draw makes four 16-bit uniforms, each compared
-    with a threshold: p is rounded to a multiple of 2^-16 (0.1 becomes 0.100006), the mask is the same
-    in distribution, and it is drawn from torch's generator, so seeding, checkpointed-layer
-    replay and resumption treat it like any other random op.
+    with a threshold: p is rounded to a multiple of 2^-16 (0.1 becomes 0.100006), the mask is
+    the same in distribution, and it is drawn from torch's generator, so seeding,
+    checkpointed-layer replay and resumption treat it like any other random op.
     """
 
     def __init__(self, p: float):
