@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
-from _common import fmt, machine, markdown_table, set_threads, summary
+from _common import fmt, interleaved, machine, markdown_table, set_threads, summary
 
 from aiayn.loss import smoothed_cross_entropy
 from aiayn.model.dropout import Dropout
@@ -69,14 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     for what, contenders in pairs.items():
         for fn in contenders.values():
             fn()  # warm-up
-        times: dict[str, list[float]] = {n: [] for n in contenders}
-        names = list(contenders)
-        for r in range(args.repeats):
-            for n in names[r % 2 :] + names[: r % 2]:
-                times[n].append(_ms(contenders[n], args.calls))
-        base = summary(times[names[0]])[0]
-        for n in names:
-            med, lo, hi = summary(times[n])
+        timed = {n: partial(_ms, fn, args.calls) for n, fn in contenders.items()}
+        times = interleaved(timed, args.repeats)
+        base = summary(times[next(iter(times))])[0]  # the first contender is torch's
+        for n, ms in times.items():
+            med, lo, hi = summary(ms)
             rows.append(
                 [what, n, fmt(med, 1), f"{fmt(lo, 1)} - {fmt(hi, 1)}", f"{med / base:.2f}x"]
             )

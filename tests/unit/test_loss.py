@@ -94,13 +94,11 @@ def padded_batch(kind: str) -> Batch:
     tgt[0, 6:] = PAD
     tgt[2, 3:] = PAD
     src = torch.randint(3, 50, (3, 7)) if kind == "seq2seq" else None
-    keep = tgt[:, 1:] != PAD
-    tgt_in = tgt[:, :-1].masked_fill(~torch.cat([keep[:, :1], keep[:, :-1]], 1), PAD)
     return Batch(
         ids=torch.arange(3),
-        n_tokens=int(keep.sum()),
+        n_tokens=int((tgt[:, 1:] != PAD).sum()),
         src=src,
-        tgt_in=tgt_in,
+        tgt_in=tgt[:, :-1],  # right-padded like tgt_out, one real token longer per row
         tgt_out=tgt[:, 1:],
     )
 
