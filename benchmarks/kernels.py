@@ -4,10 +4,12 @@
 
 - loss: label-smoothed cross-entropy over (N, V) logits, forward and backward, plus the argmax
   the trainer logs accuracy from: F.cross_entropy(label_smoothing=0.1) + argmax against
-  aiayn.loss.smoothed_cross_entropy (which returns the argmax).
+  aiayn.loss.smoothed_cross_entropy (which returns whether each row's argmax is its target).
 - dropout: p = 0.1 on a (N, d_model) activation: F.dropout against aiayn.model.dropout.Dropout.
 
-Interleaved repeats; the table gives the median milliseconds per call with min and max.
+Interleaved repeats; the table gives the median milliseconds per call with min and max. Both
+contenders run under the allocator policy training uses on CPU (`--malloc keep`, see
+aiayn/malloc.py); `--malloc system` leaves glibc's default.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from _common import fmt, interleaved, machine, markdown_table, set_threads, summary
 
 from aiayn.loss import smoothed_cross_entropy
+from aiayn.malloc import keep_freed_memory
 from aiayn.model.dropout import Dropout
 
 
@@ -39,8 +42,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--calls", type=int, default=10, help="calls per repeat")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--malloc", choices=["keep", "system"], default="keep")
     args = p.parse_args(argv)
     set_threads(args.threads)
+    if args.malloc == "keep":
+        keep_freed_memory()
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(args.rows, args.vocab, generator=gen).requires_grad_()
     target = torch.randint(0, args.vocab, (args.rows,), generator=gen)
@@ -81,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Machine: {machine()}\n")
     print(
         f"logits ({args.rows}, {args.vocab}); activation ({args.rows}, {args.d_model}); "
-        f"{args.calls} calls x {args.repeats} repeats\n"
+        f"{args.calls} calls x {args.repeats} repeats; malloc {args.malloc}\n"
     )
     print(
         markdown_table(

@@ -29,6 +29,7 @@ from aiayn.errors import CheckpointError, TrainingError
 from aiayn.evaluate import Validation
 from aiayn.flops import device_peak_flops, training_flops
 from aiayn.loss import batch_loss
+from aiayn.malloc import keep_freed_memory
 from aiayn.metrics import Metrics, ProgressBar, memory_bytes, setup_logging
 from aiayn.model import build_model, count_parameters
 from aiayn.preemption import REQUEUE_EXIT_CODE, Preempted, StopFlag
@@ -119,6 +120,8 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
     setup_logging(run_dir, env.rank)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    if env.device.type == "cpu" and cfg.train.malloc == "keep":
+        keep_freed_memory()
     ckpts = CheckpointManager.from_config(run_dir, cfg.checkpoint, env.is_main)
     resume_from = _resume_point(cfg, ckpts)
     if env.is_main:  # one writer: the others wait, then load what it trained

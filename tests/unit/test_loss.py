@@ -2,7 +2,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aiayn import loss as loss_module
 from aiayn.config import ModelConfig
 from aiayn.data.batch import Batch
 from aiayn.loss import batch_loss, smoothed_cross_entropy
@@ -23,11 +22,14 @@ def reference(logits, target, eps, ignore_index=-100):
     )
 
 
-def test_without_smoothing_it_is_the_summed_cross_entropy_and_predicts_the_argmax():
-    logits, target = torch.randn(15, 11), torch.randint(0, 11, (15,))
-    loss, predicted = smoothed_cross_entropy(logits, target, 0.0)
+def test_without_smoothing_it_is_the_summed_cross_entropy_and_marks_argmax_hits():
+    torch.manual_seed(0)
+    logits, target = torch.randn(40, 11), torch.randint(0, 11, (40,))
+    target[:5] = logits[:5].argmax(-1)  # some rows right, most wrong
+    loss, correct = smoothed_cross_entropy(logits, target, 0.0)
     torch.testing.assert_close(loss, F.cross_entropy(logits, target, reduction="sum"))
-    assert torch.equal(predicted, logits.argmax(-1))
+    assert torch.equal(correct, logits.argmax(-1) == target)
+    assert 5 <= int(correct.sum()) < 40
 
 
 def test_smoothing_mixes_nll_with_the_uniform_distribution():
@@ -41,13 +43,12 @@ def test_smoothing_mixes_nll_with_the_uniform_distribution():
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
-def test_hand_written_backward_matches_autograd_through_torchs_loss(eps, monkeypatch):
-    monkeypatch.setattr(loss_module._SmoothedCrossEntropy, "ROWS", 8)  # 37 rows: 5 blocks
+def test_hand_written_backward_matches_autograd_through_torchs_loss(eps):
     torch.manual_seed(0)
     logits = (torch.randn(37, 101, dtype=torch.float64) * 4).requires_grad_()
     target = torch.randint(0, 101, (37,))
-    loss, predicted = smoothed_cross_entropy(logits, target, eps)
-    assert torch.equal(predicted, logits.argmax(-1))
+    loss, correct = smoothed_cross_entropy(logits, target, eps)
+    assert torch.equal(correct, logits.argmax(-1) == target)
     torch.testing.assert_close(loss, reference(logits, target, eps))
     (grad,) = torch.autograd.grad(loss * 0.7, logits)  # a non-unit upstream gradient
     (expected,) = torch.autograd.grad(reference(logits, target, eps) * 0.7, logits)
@@ -56,6 +57,24 @@ def test_hand_written_backward_matches_autograd_through_torchs_loss(eps, monkeyp
     assert torch.autograd.gradcheck(
         lambda x: smoothed_cross_entropy(x, target[:5] % 9, eps)[0], small
     )
+
+
+def test_a_second_backward_through_the_graph_gives_the_same_gradient():
+    logits = torch.randn(6, 9, requires_grad=True)
+    loss, _ = smoothed_cross_entropy(logits, torch.arange(6), 0.1)
+    (first,) = torch.autograd.grad(loss * 2.0, logits, retain_graph=True)
+    (second,) = torch.autograd.grad(loss * 2.0, logits)
+    torch.testing.assert_close(first, second)
+    torch.testing.assert_close(
+        first, 2.0 * torch.autograd.grad(reference(logits, torch.arange(6), 0.1), logits)[0]
+    )
+
+
+def test_nan_logits_give_a_nan_loss_for_the_trainer_to_catch():
+    logits = torch.randn(3, 5)
+    logits[1, 2] = float("nan")
+    loss, _ = smoothed_cross_entropy(logits, torch.tensor([0, 1, 2]), 0.1)
+    assert torch.isnan(loss)
 
 
 def test_large_logits_do_not_overflow():

@@ -1,0 +1,65 @@
+"""malloc.keep_freed_memory: large tensors come from the heap and their memory is reused."""
+
+import json
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from aiayn import malloc
+
+pytestmark = pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only"
+)
+
+# In a fresh interpreter, so that the setting does not leak into the test process: allocate and
+# touch a 64 MiB tensor, free it, allocate it again, and read glibc's own accounting.
+_PROBE = """
+import ctypes, json, sys
+import torch
+from aiayn.malloc import keep_freed_memory
+
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+applied = keep_freed_memory() if sys.argv[1] == "keep" else None
+out = {"applied": applied}
+x = torch.empty(16 << 20).fill_(1.0)  # 64 MiB
+out["held"] = {"mmapped": libc.mallinfo2().hblkhd, "heap": libc.mallinfo2().arena}
+del x
+out["freed"] = {"free_in_heap": libc.mallinfo2().fordblks}
+y = torch.empty(16 << 20).fill_(2.0)
+out["again"] = {"heap": libc.mallinfo2().arena}
+print(json.dumps(out))
+"""
+
+MiB = 1 << 20
+
+
+def _probe(mode: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_system_policy_maps_large_tensors_and_keep_serves_them_from_the_heap():
+    system, keep = _probe("system"), _probe("keep")
+    # glibc's default: the 64 MiB block is its own mmap, which free() unmaps.
+    assert system["held"]["mmapped"] >= 64 * MiB
+    assert keep["applied"] is True
+    assert keep["held"]["mmapped"] < 64 * MiB
+    assert keep["held"]["heap"] >= 64 * MiB
+    # Freed, the block stays in the process, and the next tensor of that size reuses it.
+    assert keep["freed"]["free_in_heap"] >= 64 * MiB
+    assert keep["again"]["heap"] == keep["held"]["heap"]
+
+
+def test_other_c_libraries_are_left_alone(monkeypatch):
+    monkeypatch.setattr(platform, "libc_ver", lambda: ("musl", "1.2"))
+    assert malloc.keep_freed_memory() is False
