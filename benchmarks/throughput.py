@@ -12,6 +12,13 @@ backward that each trainer executes (aiayn.flops.training_flops; the peers also 
 padding to the vocabulary, which aiayn skips) and is shown as a fraction of an fp32 2048^3
 matrix-multiply peak measured in the same run.
 
+Each trainer runs in a process of its own, as it would for a user, with the allocator policy of
+its own entry point: aiayn keeps freed host memory (train.malloc: keep, aiayn/malloc.py), the
+peers run with glibc's default. Two more rows swap the policies (aiayn with glibc's default,
+MarianMT with aiayn's), so the table shows both the comparison a user sees and the
+like-for-like one; the last column compares every row with MarianMT given aiayn's policy.
+`--no-malloc-rows` leaves those two out (fewer processes: each holds its own model).
+
 The peers are optional (`pip install .[bench]`); a missing one gives a "skipped" row.
 """
 
@@ -19,6 +26,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing as mp
+import traceback
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,6 +51,7 @@ from torch import nn
 from aiayn.config import ModelConfig
 from aiayn.data.batch import Batch
 from aiayn.flops import measure_matmul_peak, training_flops
+from aiayn.malloc import keep_freed_memory
 
 # ---- the batches --------------------------------------------------------------------------
 
@@ -248,6 +259,110 @@ class MatmulsAlone:
             torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
 
 
+# ---- one process per contender ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Contender:
+    row: str  # its row in the table
+    trainer: str  # "aiayn" or a key of PEERS
+    malloc: str  # "keep" (what `aiayn train` sets on CPU) or "system" (glibc's default)
+    compile: bool = False
+
+
+CEILING = MatmulsAlone.name  # served by aiayn's own process: it replays aiayn's shapes
+
+
+def contenders(args) -> list[Contender]:
+    """aiayn as `aiayn train` runs it and the peers as a minimal loop runs them, each with the
+    allocator policy of its own entry point; then each with the other's policy, which shows
+    what the allocator alone is worth."""
+    rows = [Contender("aiayn", "aiayn", "keep")]
+    if args.compile:
+        # Not a config option: on this CPU it made training slower (benchmarks/README.md).
+        rows.append(Contender("aiayn + torch.compile", "aiayn", "keep", compile=True))
+    rows += [Contender(name, name, "system") for name in PEERS]
+    if not args.no_malloc_rows:
+        rows += [
+            Contender("aiayn, malloc system", "aiayn", "system"),
+            Contender("HF MarianMT, malloc keep", "HF MarianMT", "keep"),
+        ]
+    return rows
+
+
+def _serve(conn, c: Contender, preset: str, args) -> None:
+    """A contender's process: its allocator policy first (it applies to later allocations),
+    then its trainer; then it trains on the batches it is told, one step per message, and
+    answers with the seconds each took. It makes the same batches as every other process."""
+    try:
+        if c.malloc == "keep":
+            keep_freed_memory()
+        set_threads(args.threads)
+        cfg = run_config(preset, max_tokens=args.max_tokens, seed=1)
+        batches = synthetic_batches(args.batches + args.warmup, args.max_tokens, args.vocab)
+        if c.trainer == "aiayn":
+            trainer = AiaynTrainer(cfg, args.vocab, name=c.row)
+            if c.compile:
+                trainer.engine.model = torch.compile(trainer.engine.module)
+            n_params = sum(p.numel() for p in trainer.engine.module.parameters())
+        else:
+            trainer = PEERS[c.trainer](cfg.model, args.vocab, cfg.train.label_smoothing)
+            n_params = sum(p.numel() for p in trainer.model.parameters())
+    except ImportError as exc:
+        conn.send(("skipped", f"{exc}"))
+        return
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", n_params))
+    steps = {"step": trainer.step}
+    while (msg := conn.recv())[0] != "stop":
+        what, i = msg
+        try:
+            if what == CEILING and CEILING not in steps:
+                steps[CEILING] = MatmulsAlone(trainer, batches[args.warmup :]).step
+                time_steps(steps[CEILING], batches[args.warmup : args.warmup + 1])  # warm-up
+            conn.send(("ok", time_steps(steps[what], [batches[i]])))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+            return
+
+
+class Process:
+    """The main process's handle on one contender's process."""
+
+    def __init__(self, c: Contender, preset: str, args):
+        ctx = mp.get_context("spawn")  # a fresh interpreter: glibc's own policy until told
+        self.contender = c
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, c, preset, args), daemon=True)
+        self.proc.start()
+        child.close()
+        self.status, self.detail = self._recv()
+
+    def _recv(self):
+        try:
+            return self.conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise RuntimeError(
+                f"{self.contender.row}: its process died (exit code {self.proc.exitcode}); "
+                "out of memory? --no-malloc-rows runs fewer processes"
+            ) from None
+
+    def seconds(self, what: str, i: int) -> float:
+        self.conn.send((what, i))
+        status, value = self._recv()
+        if status != "ok":
+            raise RuntimeError(f"{self.contender.row} failed:\n{value}")
+        return value
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.conn.send(("stop", None))
+        self.proc.join(30)
+
+
 # ---- the run ------------------------------------------------------------------------------
 
 
@@ -255,83 +370,100 @@ def bench_preset(preset: str, args, peak: list[float]) -> str:
     cfg = run_config(preset, max_tokens=args.max_tokens, seed=1)
     m, vocab = cfg.model, args.vocab
     batches = synthetic_batches(args.batches + args.warmup, args.max_tokens, vocab)
-    warm, timed = batches[: args.warmup], batches[args.warmup :]
-    tokens = sum(b.n_tokens for b in timed)
-    flops = sum(training_flops(m, vocab, b) for b in timed)
+    timed = range(args.warmup, len(batches))
+    tokens = sum(batches[i].n_tokens for i in timed)
+    flops = sum(training_flops(m, vocab, batches[i]) for i in timed)
     # The peers run the output projection on every padded target position too.
-    pad_rows = sum(b.tgt_out.numel() - b.n_tokens for b in timed)
+    pad_rows = sum(batches[i].tgt_out.numel() - batches[i].n_tokens for i in timed)
     peer_flops = flops + 3 * 2 * pad_rows * m.d_model * vocab
 
-    trainers, skipped = {}, []
-    trainers["aiayn"] = AiaynTrainer(cfg, vocab)
-    if args.compile:
-        # Not a config option: on this CPU it made training slower (benchmarks/README.md).
-        compiled = AiaynTrainer(cfg, vocab, name="aiayn + torch.compile")
-        compiled.engine.model = torch.compile(compiled.engine.module)
-        trainers[compiled.name] = compiled
-    for name, cls in PEERS.items():
-        try:
-            trainers[name] = cls(m, vocab, cfg.train.label_smoothing)
-        except ImportError as exc:
-            skipped.append((name, exc))
-    for t in trainers.values():
-        time_steps(t.step, warm)
-    if not args.no_ceiling:
-        ceiling = MatmulsAlone(trainers["aiayn"], timed)
-        time_steps(ceiling.step, timed[:1])
-        trainers[ceiling.name] = ceiling
+    procs: dict[str, Process] = {}  # row -> process; started one by one, all kept alive
+    skipped: list[list[str]] = []
+    try:
+        for c in contenders(args):
+            proc = Process(c, preset, args)
+            if proc.status == "skipped":
+                skipped.append([c.row, f"skipped: pip install .[bench] ({proc.detail})"])
+                proc.stop()
+                continue
+            if proc.status == "error":
+                raise RuntimeError(f"{c.row} failed to start:\n{proc.detail}")
+            procs[c.row] = proc
+            for i in range(args.warmup):
+                proc.seconds("step", i)
+        calls = {row: (proc, "step") for row, proc in procs.items()}
+        if not args.no_ceiling:
+            calls[CEILING] = (procs["aiayn"], CEILING)
 
-    # Interleaved step by step, in rotated order: a slow phase of a busy machine then falls on
-    # all trainers alike, and each repeat gives paired timings.
-    names = list(trainers)
-    seconds: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(args.repeats):
-        spent = dict.fromkeys(names, 0.0)
-        for i, batch in enumerate(timed):
-            k = (r * len(timed) + i) % len(names)
-            for n in names[k:] + names[:k]:
-                spent[n] += time_steps(trainers[n].step, [batch])
-        for n in names:
-            seconds[n].append(spent[n])
-        peak.append(measure_matmul_peak(torch.device("cpu"), torch.float32))
+        # Interleaved step by step, in rotated order: a slow phase of a busy machine then falls
+        # on all contenders alike, and each repeat gives paired timings. One process runs at a
+        # time; the others wait on their pipes.
+        names = list(calls)
+        seconds: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(args.repeats):
+            spent = dict.fromkeys(names, 0.0)
+            for j, i in enumerate(timed):
+                k = (r * len(timed) + j) % len(names)
+                for n in names[k:] + names[:k]:
+                    proc, what = calls[n]
+                    spent[n] += proc.seconds(what, i)
+            for n in names:
+                seconds[n].append(spent[n])
+            peak.append(measure_matmul_peak(torch.device("cpu"), torch.float32))
+    finally:
+        for proc in procs.values():
+            proc.stop()
     best_peak = max(peak)
+    n_params = procs["aiayn"].detail
 
-    peers = [n for n in PEERS if n in seconds]
+    def faster(rows: list[str], r: int) -> float:
+        return min(seconds[n][r] for n in rows)
+
+    # The peers as their users run them (glibc's default allocator), and MarianMT given the
+    # allocator policy aiayn sets for itself.
+    peers = [c.row for c in contenders(args) if c.trainer in PEERS and c.malloc == "system"]
+    peers = [n for n in peers if n in seconds]
+    same = [n for n in ("HF MarianMT, malloc keep",) if n in seconds]
     rows = []
     for name, secs in seconds.items():
         med, lo, hi = summary([tokens / s for s in secs])
-        gflops = (peer_flops if name in PEERS else flops) / summary(secs)[0] / 1e9
-        ratio = "n/a"
-        if peers:  # per repeat against the faster peer of that repeat, then the median
-            vs = [min(seconds[p][r] for p in peers) / s for r, s in enumerate(secs)]
-            ratio = f"{summary(vs)[0]:.2f}x"
+        is_peer = name in procs and procs[name].contender.trainer in PEERS
+        gflops = (peer_flops if is_peer else flops) / summary(secs)[0] / 1e9
+        ratios = []
+        for against in (peers, same):  # per repeat against the faster of that repeat, median
+            vs = [faster(against, r) / s for r, s in enumerate(secs)] if against else []
+            ratios.append(f"{summary(vs)[0]:.2f}x" if vs else "n/a")
+        malloc = procs[name].contender.malloc if name in procs else "keep"
         rows.append(
             [
                 name,
+                malloc,
                 fmt(med),
                 f"{fmt(lo)} - {fmt(hi)}",
                 fmt(gflops, 1),
                 f"{100 * gflops * 1e9 / best_peak:.0f}%",
-                ratio,
+                *ratios,
             ]
         )
-    n_params = sum(p.numel() for p in trainers["aiayn"].engine.module.parameters())
+    rows += [[name, "", why, "", "", "", "", ""] for name, why in skipped]
     title = (
         f"### {preset}: d_model {m.d_model}, d_ff {m.d_ff}, h {m.h}, N {m.N}+{m.N}, vocab "
         f"{vocab}, {n_params / 1e6:.1f}M parameters\n\n"
         f"{len(timed)} batches of <= {args.max_tokens} tokens ({tokens} target tokens, "
         f"{flops / len(timed) / 1e9:.1f} GFLOP per step for aiayn, "
         f"{peer_flops / len(timed) / 1e9:.1f} for the peers) x {args.repeats} repeats after "
-        f"{args.warmup} warm-up steps; matmul peak {best_peak / 1e9:.0f} GFLOP/s (fp32 2048^3, "
-        "best of the run)\n"
+        f"{args.warmup} warm-up steps; one process per trainer; matmul peak "
+        f"{best_peak / 1e9:.0f} GFLOP/s (fp32 2048^3, best of the run)\n"
     )
     header = [
         "trainer",
+        "malloc",
         "target tokens/s (median)",
         "min - max",
         "GFLOP/s",
         "of peak",
         "vs faster peer",
+        "vs MarianMT, malloc keep",
     ]
     return title + "\n" + markdown_table(header, rows)
 
@@ -353,11 +485,17 @@ def main(argv: list[str] | None = None) -> None:
         help="also time aiayn's model under torch.compile (compiling takes minutes)",
     )
     p.add_argument("--no-ceiling", action="store_true", help="leave out the 'matmuls alone' row")
+    p.add_argument(
+        "--no-malloc-rows",
+        action="store_true",
+        help="leave out aiayn with glibc's default allocator and MarianMT with aiayn's",
+    )
     p.add_argument("--quick", action="store_true", help="small only, 2 batches x 3 repeats")
     args = p.parse_args(argv)
     if args.quick:
         args.presets, args.batches, args.repeats, args.warmup = ["small"], 2, 3, 1
     set_threads(args.threads)
+    keep_freed_memory()  # for the peak measured here between repeats
     print(f"Machine: {machine()}\n")
     peak: list[float] = [measure_matmul_peak(torch.device("cpu"), torch.float32)]
     for preset in args.presets:
