@@ -15,6 +15,7 @@ The corpus is Multi30k (configs/multi30k_de_en.yaml) when ../shared/data/multi30
 else the generated numbers corpus (written under runs/bench/). The tokenizer (joint BPE) is
 trained once and cached under runs/bench/. data.shuffle_buffer defaults to 2000 here, smaller
 than the config's, so that several chunks are read and tokenised inside every timed window.
+The process keeps freed host memory, as `aiayn train` does on CPU (aiayn/malloc.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from _common import (
 from aiayn import demo_data
 from aiayn.config import Config, load_config
 from aiayn.data import make_loader
+from aiayn.malloc import keep_freed_memory
 from aiayn.train import prepare_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.steps, args.repeats = 8, 2
     set_threads(args.threads)
+    keep_freed_memory()
     cfg, corpus = bench_config(args)
     tok = prepare_tokenizer(cfg)
     print(f"Machine: {machine()}\n")

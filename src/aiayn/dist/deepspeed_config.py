@@ -35,7 +35,9 @@ def generate(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
         # The loop owns the accumulation boundary: it calls step() once per optimizer step,
         # after all micro-batches, as it does for DDP.
         "managed_gradient_accumulation": False,
-        "gradient_clipping": train.clip_norm,
+        # At stage 0 DeepSpeed steps a plain torch optimizer and computes no gradient norm;
+        # DeepSpeedEngine then clips (and measures the norm) itself, after the all-reduce.
+        "gradient_clipping": 0.0 if plain_optimizer(cfg) else train.clip_norm,
         "optimizer": {
             "type": "AdamW" if optim.name == "adamw" else "Adam",
             "params": {
@@ -60,6 +62,11 @@ def generate(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
         # fp16 weights with fp32 master copies and dynamic loss scaling (loss_scale 0).
         ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
     return ds
+
+
+def plain_optimizer(cfg: Config) -> bool:
+    """True where DeepSpeed steps the torch optimizer itself, with no ZeRO or fp16 wrapper."""
+    return cfg.distributed.zero_stage == 0 and cfg.train.precision != "fp16"
 
 
 def merge(generated: dict[str, Any], extra: dict[str, Any], source: str) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from aiayn.config import Config
 from aiayn.dist import reshard
 from aiayn.dist.env import DistEnv
 from aiayn.dist.reshard import DEEPSPEED_DIR, Portable
-from aiayn.errors import CheckpointError, ConfigError
+from aiayn.errors import CheckpointError, ConfigError, TrainingError
 from aiayn.schedule import learning_rate
 
 
@@ -256,6 +256,22 @@ class DeepSpeedEngine:
         self.offload = cfg.distributed.offload_optimizer or cfg.distributed.offload_params
         self.rebuild = rebuild  # a plain model of the same architecture, for ZeRO-3 gathers
         self._gathered = deepspeed.zero.GatheredParameters
+        self._grad_norm: torch.Tensor | None = None
+        if deepspeed_config.plain_optimizer(cfg):
+            if not isinstance(self.optimizer, torch.optim.Optimizer):
+                raise TrainingError(
+                    f"DeepSpeed wrapped the stage-0 optimizer in {type(self.optimizer).__name__}; "
+                    "aiayn expected a torch optimizer to clip for (dist/deepspeed_config.py)"
+                )
+            # DeepSpeed computes no norm here (and was told not to clip): clip as LocalEngine
+            # does, when its step has all-reduced the gradients and calls the optimizer.
+            max_norm = cfg.train.clip_norm if cfg.train.clip_norm > 0 else float("inf")
+
+            def clip(optimizer, args, kwargs) -> None:
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                self._grad_norm = nn.utils.clip_grad_norm_(params, max_norm)
+
+            self.optimizer.register_step_pre_hook(clip)
 
     @property
     def lr(self) -> float:
@@ -287,6 +303,9 @@ class DeepSpeedEngine:
 
     def step(self) -> torch.Tensor:
         self.model.step()
+        if self._grad_norm is not None:
+            norm, self._grad_norm = self._grad_norm, None
+            return norm.detach()
         norm = self.model.get_global_grad_norm()
         return torch.as_tensor(float("nan") if norm is None else norm).detach()
 
