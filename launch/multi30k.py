@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from aiayn.checkpoint import resolve_checkpoint
 from aiayn.config import load_config
 from aiayn.errors import AiaynError
 
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     with stage("train"):
         run(["train", *common])
     with stage("average"):
-        latest = (run_dir / "checkpoints" / "latest").read_text().strip()  # step_XXXXXXXX
+        latest = resolve_checkpoint(run_dir).name  # the newest valid step_XXXXXXXX
         averaged = str(run_dir / f"average_last{k}_{latest}")
         if Path(averaged).exists():  # this run's average was made before: score it again
             print(f"{averaged} exists: kept")
