@@ -150,7 +150,7 @@ def test_a_preempted_job_saves_requeues_resumes_and_ends_with_the_same_weights(
     assert job["Restarts"] == "1", info
     text = out.read_text()  # --open-mode=append: both runs of the job in one file
     assert "restart 0 (SLURM_RESTART_COUNT)" in text and "restart 1 (SLURM_RESTART_COUNT)" in text
-    assert f"requeued job {job_id}" in text, info
+    assert f"requeueing job {job_id}" in text, info
     stopped = stopped_at(run_dir)
     assert len(stopped) == 1 and 20 <= stopped[0] < STEPS, info
     assert f"(step {stopped[0]})" in log.read_text()  # the requeued run resumed from there
