@@ -33,8 +33,13 @@ x = torch.empty(16 << 20).fill_(1.0)  # 64 MiB
 out["held"] = {"mmapped": libc.mallinfo2().hblkhd, "heap": libc.mallinfo2().arena}
 del x
 out["freed"] = {"free_in_heap": libc.mallinfo2().fordblks}
-y = torch.empty(16 << 20).fill_(2.0)
-out["again"] = {"heap": libc.mallinfo2().arena}
+heaps = []
+for i in range(1, 41):  # allocate and free again: the heap settles, it does not keep growing
+    y = torch.empty(16 << 20).fill_(2.0)
+    del y
+    if i in (20, 40):
+        heaps.append(libc.mallinfo2().arena)
+out["again"] = {"heaps": heaps}
 print(json.dumps(out))
 """
 
@@ -55,9 +60,13 @@ def test_system_policy_maps_large_tensors_and_keep_serves_them_from_the_heap():
     assert keep["applied"] is True
     assert keep["held"]["mmapped"] < 64 * MiB
     assert keep["held"]["heap"] >= 64 * MiB
-    # Freed, the block stays in the process, and the next tensor of that size reuses it.
+    # Freed, the block stays in the process. Allocated and freed again and again, the heap
+    # settles: no growth between round 20 and round 40. (It may grow by a few blocks first:
+    # torch asks for 64-byte-aligned memory, which a freed block of exactly the size cannot
+    # always give, and small objects allocated between can keep it from merging.)
     assert keep["freed"]["free_in_heap"] >= 64 * MiB
-    assert keep["again"]["heap"] == keep["held"]["heap"]
+    at_20, at_40 = keep["again"]["heaps"]
+    assert at_40 == at_20, (at_20, at_40)
 
 
 def test_other_c_libraries_are_left_alone(monkeypatch):
