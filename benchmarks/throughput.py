@@ -421,9 +421,14 @@ def bench_preset(preset: str, args, peak: list[float]) -> str:
 
     # The peers as their users run them (glibc's default allocator), and MarianMT given the
     # allocator policy aiayn sets for itself.
-    peers = [c.row for c in contenders(args) if c.trainer in PEERS and c.malloc == "system"]
-    peers = [n for n in peers if n in seconds]
-    same = [n for n in ("HF MarianMT, malloc keep",) if n in seconds]
+    def rows_of(trainers, malloc: str) -> list[str]:
+        return [
+            n
+            for n, p in procs.items()
+            if p.contender.trainer in trainers and p.contender.malloc == malloc
+        ]
+
+    peers, same = rows_of(PEERS, "system"), rows_of(("HF MarianMT",), "keep")
     rows = []
     for name, secs in seconds.items():
         med, lo, hi = summary([tokens / s for s in secs])

@@ -234,9 +234,9 @@ class TrainConfig:
     """torch intra-op threads on CPU (None: torch's default)."""
     malloc: Literal["keep", "system"] = "keep"
     """Training on CPU, keep: freed host memory stays in the process for the next step's
-    tensors instead of going back to the OS and being page-faulted in again (glibc only; about
-    20% more tokens/s on `small`, see aiayn/malloc.py); system: the C library's own policy,
-    which returns memory between steps."""
+    tensors instead of going back to the OS and being page-faulted in again (glibc only; 2-23%
+    more tokens/s on `small` in three runs, see benchmarks/README.md); system: the C library's
+    own policy, which returns memory between steps."""
 
     def validate(self) -> list[str]:
         errs = []

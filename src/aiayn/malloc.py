@@ -4,8 +4,8 @@ glibc serves every allocation above its mmap threshold (at most 32 MiB) with a f
 unmaps it on free, and trims the top of its heap back to the OS. A CPU training step allocates
 and frees the same large activations, gradients and logits every step, so each step
 page-faults all of them in again. On this project's 2-core KVM machine a fresh 115 MB tensor
-costs 5x the time of the same operation into memory already touched, and `small` trains about
-20% faster with freed memory kept (benchmarks/README.md). Intel's PyTorch launcher gets the
+costs 5x the time of the same operation into memory already touched, and `small` trained 2-23%
+faster with freed memory kept in three runs (benchmarks/README.md). Intel's PyTorch launcher gets the
 same effect by preloading jemalloc or tcmalloc; glibc's own switches need no extra library.
 """
 
