@@ -5,8 +5,9 @@ unmaps it on free, and trims the top of its heap back to the OS. A CPU training 
 and frees the same large activations, gradients and logits every step, so each step
 page-faults all of them in again. On this project's 2-core KVM machine a fresh 115 MB tensor
 costs 5x the time of the same operation into memory already touched, and `small` trained 2-23%
-faster with freed memory kept in three runs (benchmarks/README.md). Intel's PyTorch launcher gets the
-same effect by preloading jemalloc or tcmalloc; glibc's own switches need no extra library.
+faster with freed memory kept in three runs (benchmarks/README.md). Intel's PyTorch launcher
+gets the same effect by preloading jemalloc or tcmalloc; glibc's own switches need no extra
+library.
 """
 
 from __future__ import annotations
