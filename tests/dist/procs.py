@@ -38,7 +38,9 @@ checkpoint: {{every_steps: 10}}
 """
     )
     cfg = load_config(config)
-    train_tokenizer(cfg.tokenizer, sample_sentences(cfg.data, "seq2seq", 5000, 1), cfg.tokenizer_path)
+    train_tokenizer(
+        cfg.tokenizer, sample_sentences(cfg.data, "seq2seq", 5000, 1), cfg.tokenizer_path
+    )
     return root, config
 
 
@@ -49,8 +51,14 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int = 2) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+    ]
 
 
 def run(cmd: list[str], timeout: int = 600) -> str:

@@ -13,6 +13,7 @@ import pytest
 from aiayn.config import load_config
 from aiayn.data import make_loader
 from aiayn.tokenizer import Tokenizer
+
 from procs import ENV, aiayn, assert_close, final_weights, free_port, run, torchrun
 
 pytestmark = pytest.mark.dist
@@ -43,10 +44,22 @@ def test_two_nodes_on_localhost_with_c10d_rendezvous(setup, ddp_run):
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-             f"--node_rank={rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-             "--rdzv-id=aiayn-test", *aiayn(config, run_dir)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc_per_node=1",
+                f"--node_rank={rank}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={endpoint}",
+                "--rdzv-id=aiayn-test",
+                *aiayn(config, run_dir),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=ENV,
         )
         for rank in (0, 1)
     ]
@@ -62,8 +75,20 @@ def test_accelerate_launch_multi_process(setup, ddp_run):
     if not exe.exists() and shutil.which("accelerate") is None:
         pytest.skip("accelerate is not installed")
     run_dir = root / "accelerate"
-    run([str(exe), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-         "--main_process_port", str(free_port()), *aiayn(config, run_dir)])
+    run(
+        [
+            str(exe),
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--main_process_port",
+            str(free_port()),
+            *aiayn(config, run_dir),
+        ]
+    )
     assert_close(final_weights(run_dir), final_weights(ddp_run), atol=1e-6)
 
 
@@ -81,8 +106,16 @@ def test_uneven_shards_finish_and_every_example_is_seen_once_per_epoch(setup):
     assert n_batches % 2, "no max_tokens gives an odd number of batches"
     run_dir = root / "uneven"
     steps = n_batches // 2 + 3  # into epoch 1 on both ranks
-    run(torchrun() + aiayn(config, run_dir, f"train.max_tokens={max_tokens}",
-                         f"train.max_steps={steps}", "logging.record_ids=true"))
+    run(
+        torchrun()
+        + aiayn(
+            config,
+            run_dir,
+            f"train.max_tokens={max_tokens}",
+            f"train.max_steps={steps}",
+            "logging.record_ids=true",
+        )
+    )
     seen: list[int] = []
     for rank in (0, 1):
         rows = [json.loads(line) for line in open(run_dir / "consumed" / f"rank_{rank}.jsonl")]
@@ -97,18 +130,28 @@ def test_a_signal_to_one_rank_stops_all_ranks_after_the_same_step(setup):
     psutil = pytest.importorskip("psutil")
     root, config = setup
     run_dir = root / "preempted"
-    cmd = torchrun() + aiayn(config, run_dir, "train.max_steps=100000", "logging.every_steps=1",
-                           "train.eval_every=0", "checkpoint.every_steps=100000")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=ENV)
+    cmd = torchrun() + aiayn(
+        config,
+        run_dir,
+        "train.max_steps=100000",
+        "logging.every_steps=1",
+        "train.eval_every=0",
+        "checkpoint.every_steps=100000",
+    )
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
+    )
     log = run_dir / "train.log"
     try:
         deadline = time.time() + 120
         while not (log.is_file() and "train step 4 |" in log.read_text()):
             assert proc.poll() is None and time.time() < deadline, "training did not get going"
             time.sleep(0.05)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "aiayn" in " ".join(p.cmdline())]
+        workers = [
+            p
+            for p in psutil.Process(proc.pid).children(recursive=True)
+            if "aiayn" in " ".join(p.cmdline())
+        ]
         rank1 = [p for p in workers if p.environ().get("RANK") == "1"]
         assert len(rank1) == 1, workers
         rank1[0].send_signal(signal.SIGUSR1)
@@ -120,6 +163,5 @@ def test_a_signal_to_one_rank_stops_all_ranks_after_the_same_step(setup):
     step = int(saved[0].name.split("_")[1])
     assert f"stop requested: saved step {step} (signal on another rank)" in log.read_text()
     assert f"aiayn train: preempted: checkpoint of step {step} saved" in out  # rank 1 said so
-    run(torchrun()
-        + aiayn(config, run_dir, f"train.max_steps={step + 3}", "train.eval_every=0"))
+    run(torchrun() + aiayn(config, run_dir, f"train.max_steps={step + 3}", "train.eval_every=0"))
     assert (run_dir / "checkpoints" / f"step_{step + 3:08d}").is_dir()

@@ -8,9 +8,7 @@ measured up to 5e-6) and the final weights to 5e-3 (measured up to 6e-4). bf16 a
 other operations in DeepSpeed (its own torch_autocast) than in DDP: loss curve within 1e-2.
 """
 
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -75,8 +73,10 @@ def test_one_process_accumulating_two_equals_two_ranks(setup, ddp_run):
     loop, not DeepSpeed, owns the accumulation boundary and the token normalisation."""
     root, config = setup
     run_dir = root / "zero2_accum2"
-    run([sys.executable] + aiayn(config, run_dir, *DS, "distributed.zero_stage=2",
-                                 "train.grad_accum=2"))
+    run(
+        [sys.executable]
+        + aiayn(config, run_dir, *DS, "distributed.zero_stage=2", "train.grad_accum=2")
+    )
     assert_same_curve(run_dir, ddp_run, rtol=1e-4)
     assert_close(final_weights(run_dir), final_weights(ddp_run), atol=5e-3)
 
@@ -105,8 +105,14 @@ def test_killed_zero_run_resumes_bitwise(setup, stage):
     bit, dropout on (each rank's RNG stream is checkpointed)."""
     root, config = setup
     steps = 60  # ~50 ms each: time for the kills to land before the run ends
-    options = (*DS, f"distributed.zero_stage={stage}", "model.dropout=0.1",
-               "checkpoint.every_steps=5", "train.eval_every=0", f"train.max_steps={steps}")
+    options = (
+        *DS,
+        f"distributed.zero_stage={stage}",
+        "model.dropout=0.1",
+        "checkpoint.every_steps=5",
+        "train.eval_every=0",
+        f"train.max_steps={steps}",
+    )
     straight, killed = root / f"straight{stage}", root / f"killed{stage}"
     run(torchrun(2) + aiayn(config, straight, *options))
     log = killed / "train.log"
@@ -143,9 +149,22 @@ def test_accelerate_launch_use_deepspeed(setup, ddp_run):
     root, config = setup
     exe = Path(sys.executable).parent / "accelerate"
     run_dir = root / "accelerate_zero3"
-    out = run([str(exe), "launch", "--use_deepspeed", "--zero_stage", "3", "--num_processes",
-               "2", "--num_machines", "1", "--main_process_port", str(free_port()),
-               *aiayn(config, run_dir)])
+    out = run(
+        [
+            str(exe),
+            "launch",
+            "--use_deepspeed",
+            "--zero_stage",
+            "3",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--main_process_port",
+            str(free_port()),
+            *aiayn(config, run_dir),
+        ]
+    )
     assert "from accelerate launch: distributed.backend=deepspeed distributed.zero_stage=3" in out
     assert "backend deepspeed, ZeRO stage 3" in (run_dir / "train.log").read_text()
     assert_same_curve(run_dir, ddp_run, rtol=1e-4)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from aiayn import demo_data
+
 from procs import free_port  # tests/dist/procs.py, beside this file
 
 pytestmark = pytest.mark.dist

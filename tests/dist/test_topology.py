@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import STEPS, aiayn, assert_close, final_weights, run, torchrun
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from procs import STEPS, aiayn, assert_close, final_weights, run, torchrun
 
 pytestmark = pytest.mark.dist
 HALF = STEPS // 2

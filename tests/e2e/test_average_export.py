@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import tiny  # tests/e2e/tiny.py, beside this file
 import torch
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -16,6 +15,8 @@ from aiayn.config import load_config
 from aiayn.errors import CheckpointError
 from aiayn.evaluate import load_for_inference, translate
 from aiayn.train import train
+
+import tiny  # tests/e2e/tiny.py, beside this file
 
 SOURCES = ["one", "twenty-one", "three hundred four", "nine thousand", "fifty-five"]
 

@@ -3,13 +3,14 @@ batches of a run that was given the larger limit from the start."""
 
 import json
 
-import tiny  # tests/e2e/tiny.py, beside this file
 import torch
 from safetensors.torch import load_file
 
 from aiayn.checkpoint import CheckpointManager
 from aiayn.config import load_config
 from aiayn.train import train
+
+import tiny  # tests/e2e/tiny.py, beside this file
 
 
 def config(run_dir, corpus, epochs: int):

@@ -10,10 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-import tiny  # tests/e2e/tiny.py, beside this file
 import torch
-from killing import kill_tree  # tests/killing.py
 from safetensors.torch import load_file
+
+import tiny  # tests/e2e/tiny.py, beside this file
+from killing import kill_tree  # tests/killing.py
 
 STEPS = 40
 # One thread per process: the same reduction order in every run, and the runs leave the other

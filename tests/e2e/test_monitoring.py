@@ -10,11 +10,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import tiny  # tests/e2e/tiny.py, beside this file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from aiayn.config import load_config
 from aiayn.train import train
+
+import tiny  # tests/e2e/tiny.py, beside this file
 
 TRAIN_TAGS = {
     "loss",

@@ -6,13 +6,14 @@ import sys
 import time
 
 import pytest
-import tiny  # tests/e2e/tiny.py, beside this file
 import torch
 from safetensors.torch import load_file
 
 from aiayn.config import load_config
 from aiayn.preemption import REQUEUE_EXIT_CODE
 from aiayn.train import train
+
+import tiny  # tests/e2e/tiny.py, beside this file
 
 
 def overrides(run_dir, corpus, *extra):

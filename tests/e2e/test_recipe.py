@@ -6,9 +6,9 @@ import re
 import subprocess
 import sys
 
-import tiny  # tests/e2e/tiny.py, beside this file
-
 from aiayn.checkpoint import read_manifest
+
+import tiny  # tests/e2e/tiny.py, beside this file
 
 
 def test_the_recipe_trains_averages_scores_and_prints_its_table(project_root, tmp_path, numbers):

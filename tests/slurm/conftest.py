@@ -1,6 +1,7 @@
 import shutil
 
 import pytest
+
 from minicluster import MiniCluster, why_unavailable  # tests/slurm/minicluster.py
 
 

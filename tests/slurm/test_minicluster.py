@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from minicluster import MiniCluster, why_unavailable
 
 pytestmark = pytest.mark.slurm

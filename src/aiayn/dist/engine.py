@@ -26,7 +26,6 @@ from aiayn.dist.reshard import DEEPSPEED_DIR, Portable
 from aiayn.errors import CheckpointError, ConfigError, TrainingError
 from aiayn.schedule import learning_rate
 
-
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -62,6 +61,11 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
         fused=fused or None,
         foreach=None if fused else True,
     )
+
+
+def clip_gradients(params, clip_norm: float) -> torch.Tensor:
+    """Clip to `clip_norm` (0 turns clipping off) and return the norm from before clipping."""
+    return nn.utils.clip_grad_norm_(params, clip_norm if clip_norm > 0 else float("inf"))
 
 
 class LocalEngine:
@@ -116,9 +120,8 @@ class LocalEngine:
 
         The norm stays a tensor so the caller decides when to pay for a host sync.
         """
-        max_norm = self.clip_norm if self.clip_norm > 0 else float("inf")
         self.scaler.unscale_(self.optimizer)
-        grad_norm = nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        grad_norm = clip_gradients(self.module.parameters(), self.clip_norm)
         if self.scaler.is_enabled():
             # An overflowing fp16 step is skipped, schedule included, as DeepSpeed does: the
             # schedule counts applied updates. The scale's drop is the only public sign of it.
@@ -263,13 +266,12 @@ class DeepSpeedEngine:
                     f"DeepSpeed wrapped the stage-0 optimizer in {type(self.optimizer).__name__}; "
                     "aiayn expected a torch optimizer to clip for (dist/deepspeed_config.py)"
                 )
+
             # DeepSpeed computes no norm here (and was told not to clip): clip as LocalEngine
             # does, when its step has all-reduced the gradients and calls the optimizer.
-            max_norm = cfg.train.clip_norm if cfg.train.clip_norm > 0 else float("inf")
-
             def clip(optimizer, args, kwargs) -> None:
                 params = [p for group in optimizer.param_groups for p in group["params"]]
-                self._grad_norm = nn.utils.clip_grad_norm_(params, max_norm)
+                self._grad_norm = clip_gradients(params, cfg.train.clip_norm)
 
             self.optimizer.register_step_pre_hook(clip)
 
@@ -279,7 +281,11 @@ class DeepSpeedEngine:
 
     @property
     def loss_scale(self) -> float:
-        return float(self.model._get_optimizer_loss_scale() or 1.0) if "fp16" in self.ds_config else 1.0
+        return (
+            float(self.model._get_optimizer_loss_scale() or 1.0)
+            if "fp16" in self.ds_config
+            else 1.0
+        )
 
     @property
     def skipped_steps(self) -> int:
@@ -374,8 +380,10 @@ class DeepSpeedEngine:
             # Adam creates its state at the first step; create it here, on this rank's flat
             # fp32 partitions, then write each parameter's share through DeepSpeed's
             # tensor-fragment API, which knows every stage's partitioning.
-            flats = zero.fp32_partitioned_groups_flat if self.zero_stage == 3 else (
-                zero.single_partition_of_fp32_groups
+            flats = (
+                zero.fp32_partitioned_groups_flat
+                if self.zero_stage == 3
+                else zero.single_partition_of_fp32_groups
             )
             for flat in flats:
                 zero.optimizer.state[flat] = {
@@ -400,13 +408,14 @@ class DeepSpeedEngine:
         with torch.no_grad():
             for name, p in params:
                 # ZeRO-3 keeps only a partition: gather, write the whole tensor, re-partition.
-                with self._gathered([p], modifier_rank=0) if self.zero_stage == 3 else (
-                    contextlib.nullcontext()
+                with (
+                    self._gathered([p], modifier_rank=0)
+                    if self.zero_stage == 3
+                    else contextlib.nullcontext()
                 ):
                     p.data.copy_(weights[name].to(p.device, p.dtype).view_as(p.data))
         if self.zero_stage > 0:
             self.model.optimizer.refresh_fp32_params()
-
 
 
 def _join_single_process_group(env: DistEnv) -> None:

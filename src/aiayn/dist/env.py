@@ -56,7 +56,9 @@ def pick_device(choice: str, local_rank: int = 0) -> torch.device:
     """auto: CUDA when present (one device per local rank), else CPU."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
+            raise ConfigError(
+                "train.device=cuda but no CUDA device is visible; use train.device=cpu"
+            )
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
 

@@ -19,7 +19,7 @@ standing as command-line overrides given before the user's own:
 
 `--mixed_precision no` (accelerate's default, set on every launch) leaves train.precision as
 the config has it. The user's own `key=value` arguments come after these and win.
-"""
+"""  # noqa: E501 (the table reads best on one line per option)
 
 from __future__ import annotations
 

@@ -191,7 +191,9 @@ def _read_deepspeed(folder: Path, names: list[str]) -> Portable:
     shapes = {n: torch.Size(s) for group in model["param_shapes"] for n, s in group.items()}
     if list(shapes) != names:
         raise _other_model(folder, sorted(set(names) ^ set(shapes)) or names)
-    ranks = [_load_pickle(p)["optimizer_state_dict"] for p in _rank_files(folder, "optim_states.pt")]
+    ranks = [
+        _load_pickle(p)["optimizer_state_dict"] for p in _rank_files(folder, "optim_states.pt")
+    ]
     if int(ranks[0]["zero_stage"]) == 3:
         flats, step = _zero3_flats(ranks)
         full = {key: _zero3_merge(flat, shapes, len(ranks)) for key, flat in flats.items()}
@@ -223,10 +225,14 @@ def _zero12_flats(ranks: list[dict]) -> tuple[dict[str, list[torch.Tensor]], int
     groups = range(len(ranks[0]["single_partition_of_fp32_groups"]))
     states = [r["base_optimizer_state"]["state"][g] for r in ranks for g in groups]
     flats = {
-        "fp32": [torch.cat([r["single_partition_of_fp32_groups"][g] for r in ranks]) for g in groups]
+        "fp32": [
+            torch.cat([r["single_partition_of_fp32_groups"][g] for r in ranks]) for g in groups
+        ]
     }
     for key in MOMENTS:
-        flats[key] = [torch.cat([r["base_optimizer_state"]["state"][g][key] for r in ranks]) for g in groups]
+        flats[key] = [
+            torch.cat([r["base_optimizer_state"]["state"][g][key] for r in ranks]) for g in groups
+        ]
     return flats, _step_of(states)
 
 
