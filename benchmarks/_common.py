@@ -93,7 +93,7 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def set_threads(threads: int | None) -> int:
-    """The same intra-op thread count for every contender (they run in one process)."""
+    """The intra-op thread count, the same in every contender's process."""
     if threads:
         torch.set_num_threads(threads)
     return torch.get_num_threads()

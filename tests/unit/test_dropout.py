@@ -44,3 +44,12 @@ def test_seeded_masks_repeat_and_eval_mode_is_the_identity():
 def test_a_probability_outside_0_1_is_refused(p):
     with pytest.raises(ValueError, match="dropout probability"):
         Dropout(p)
+
+
+def test_a_probability_just_below_1_keeps_a_scaled_few_instead_of_dividing_by_zero():
+    torch.manual_seed(0)
+    x = torch.ones(1 << 20)
+    y = Dropout(1.0 - 1e-7).train()(x)  # rounds to 2^16 - 1 dropped of 2^16
+    kept = y[y > 0]
+    assert 0 < kept.numel() < 60  # ~16 expected of 2^20
+    assert torch.equal(kept, torch.full_like(kept, 65536.0))

@@ -26,7 +26,9 @@ class Dropout(nn.Module):
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p = p
         # int16 values are uniform on [-2^15, 2^15); keep those at or above this threshold.
-        dropped = round(p * _INT16_VALUES)
+        # At least one value is kept: a p within 2^-17 of 1 would otherwise round to "drop all"
+        # and a scale of 1 / 0.
+        dropped = min(round(p * _INT16_VALUES), _INT16_VALUES - 1)
         self._threshold = dropped - (1 << 15)
         self._scale = _INT16_VALUES / (_INT16_VALUES - dropped)  # 1 / P(keep), exactly
 
