@@ -237,6 +237,11 @@ class TrainConfig:
     tensors instead of going back to the OS and being page-faulted in again (glibc only; 2-23%
     more tokens/s on `small` in three runs, see benchmarks/README.md); system: the C library's
     own policy, which returns memory between steps."""
+    compile: bool = False
+    """torch.compile each encoder and decoder layer (TorchInductor), fusing its norms,
+    residuals, dropout and activations. For GPUs: on a 2-core CPU it was slower (0.8x on
+    `small`, benchmarks/README.md). The first steps compile for a minute or more, and a new
+    batch shape recompiles once before torch marks the shapes dynamic."""
 
     def validate(self) -> list[str]:
         errs = []
@@ -438,6 +443,12 @@ class Config:
                 "reads text, tsv, jsonl, parquet or hub data"
             )
         errs += self._validate_keep_best()
+        if self.train.compile and self.distributed.backend == "deepspeed":
+            errs.append(
+                "train.compile is for distributed.backend ddp (and one process): DeepSpeed's "
+                "hooks gather and reduce inside the layers torch.compile would trace; set "
+                "train.compile=false or distributed.backend=ddp"
+            )
         if self.data.max_len + 2 > self.model.max_len:
             errs.append(
                 f"data.max_len ({self.data.max_len}) + 2 special tokens exceeds model.max_len "

@@ -14,6 +14,7 @@ from aiayn.dist.launcher import accelerate_overrides
 from aiayn.errors import ConfigError
 from aiayn.loss import batch_loss
 from aiayn.model import build_model
+from aiayn.model.transformer import DecoderState
 
 BASE = ["data.train=corpus/train", "data.max_len=30"]
 TINY = [*BASE, "model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2", "model.max_len=32"]
@@ -106,6 +107,10 @@ def test_shipped_deepspeed_files_agree_with_the_shipped_configs(project_root):
             ],
             "offload_params needs distributed.zero_stage=3",
         ),
+        (
+            ["distributed.backend=deepspeed", "train.compile=true"],
+            "train.compile is for distributed.backend ddp",
+        ),
     ],
 )
 def test_inconsistent_distributed_settings_are_refused(overrides, message):
@@ -190,3 +195,83 @@ def test_activation_checkpointing_recomputes_the_same_gradients_with_dropout():
         engine.backward(loss)
         grads.append([p.grad.clone() for p in engine.module.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def padded_batch(rows: int, src_len: int, tgt_len: int, vocab: int = 50) -> Batch:
+    """Random tokens with the last rows' tails padded (id 0), so masks and `keep` matter."""
+    g = torch.Generator().manual_seed(rows)
+    src = torch.randint(4, vocab, (rows, src_len), generator=g)
+    tgt = torch.randint(4, vocab, (rows, tgt_len + 1), generator=g)
+    src[rows // 2 :, src_len - 2 :] = 0
+    tgt[rows // 2 :, tgt_len - 2 :] = 0
+    tgt_out = tgt[:, 1:]
+    return Batch(
+        ids=torch.arange(rows),
+        n_tokens=int((tgt_out != 0).sum()),
+        src=src,
+        tgt_in=tgt[:, :-1],
+        tgt_out=tgt_out,
+    )
+
+
+@pytest.mark.slow  # TorchInductor compiles C++ for each layer kind and shape: about a minute
+def test_compiled_layers_give_eager_gradients_under_the_same_parameter_names():
+    """train.compile: each layer through TorchInductor, on two batch shapes (the second
+    recompiles), against the eager model; checkpoints must not see a difference."""
+    eager = engine_for("model.dropout=0")  # the same masks would need the same RNG calls
+    compiled = engine_for("model.dropout=0", "train.compile=true")
+    assert list(compiled.module.state_dict()) == list(eager.module.state_dict())
+    for batch in (padded_batch(4, 9, 8), padded_batch(6, 7, 11)):
+        losses = []
+        for engine in (eager, compiled):
+            loss, _ = batch_loss(engine.model, batch, "seq2seq", 0.1, 0)
+            engine.backward(loss / batch.n_tokens)
+            losses.append(loss.item())
+        assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+        for (name, a), b in zip(
+            eager.module.named_parameters(), compiled.module.parameters(), strict=True
+        ):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+        eager.step()
+        compiled.step()
+    model = compiled.module
+    layers = [*model.encoder.layers, *model.decoder.layers]
+    assert layers and all(layer._compiled_call_impl is not None for layer in layers)
+    assert all(layer._compiled_call_impl is None for layer in eager.module.decoder.layers)
+
+    # An eager checkpoint loads into the compiled model, and incremental decoding (the layers
+    # write their key/value caches) gives the eager logits step by step.
+    model.load_state_dict(eager.module.state_dict())
+    src = padded_batch(3, 6, 5).src
+    with torch.no_grad():
+        steps = []
+        for m in (eager.module.eval(), model.eval()):
+            memory, src_mask = m.encode(src)
+            state, last, logits = DecoderState(), torch.full((3, 1), 1), []
+            for _ in range(4):
+                logits.append(m.decode(last, memory, src_mask, state)[:, -1])
+                last = logits[-1].argmax(dim=-1, keepdim=True)
+            steps.append(torch.stack(logits))
+    torch.testing.assert_close(steps[1], steps[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_layers_draw_dropout_in_one_graph_and_checkpointing_replays_it():
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    grads = []
+    for flag in ("false", "true"):
+        engine = engine_for(
+            "model.dropout=0.3",
+            "train.compile=true",
+            f"distributed.activation_checkpointing={flag}",
+        )
+        torch.manual_seed(1)
+        for batch in (padded_batch(4, 9, 8), padded_batch(6, 7, 11)):
+            loss, _ = batch_loss(engine.model, batch, "seq2seq", 0.1, 0)
+            engine.backward(loss / batch.n_tokens)
+        grads.append([p.grad.clone() for p in engine.module.parameters()])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert any(not torch.equal(g, torch.zeros_like(g)) for g in grads[0])

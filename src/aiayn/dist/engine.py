@@ -24,6 +24,7 @@ from aiayn.dist import reshard
 from aiayn.dist.env import DistEnv
 from aiayn.dist.reshard import DEEPSPEED_DIR, Portable
 from aiayn.errors import CheckpointError, ConfigError, TrainingError
+from aiayn.model.layers import DecoderLayer, EncoderLayer
 from aiayn.schedule import learning_rate
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -41,6 +42,21 @@ def _checkpoint_layers(model: nn.Module, cfg: Config) -> None:
     for m in model.modules():
         if hasattr(m, "checkpoint_layers"):
             m.checkpoint_layers = cfg.distributed.activation_checkpointing
+
+
+def _compile_layers(model: nn.Module, cfg: Config) -> None:
+    """torch.compile each encoder and decoder layer in place (train.compile).
+
+    Layers, not the model: they are the repeated unit (one compiled graph serves all N), and
+    the output projection after them runs on a data-dependent number of rows (the non-pad
+    targets), which would break a whole-model graph. Compiling in place keeps the parameter
+    names, so checkpoints load with or without it.
+    """
+    if not cfg.train.compile:
+        return
+    for m in model.modules():
+        if isinstance(m, (EncoderLayer, DecoderLayer)):
+            m.compile()
 
 
 def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
@@ -83,6 +99,7 @@ class LocalEngine:
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
         self.skipped_steps = 0
         _checkpoint_layers(self.module, cfg)
+        _compile_layers(self.module, cfg)
 
     @property
     def lr(self) -> float:

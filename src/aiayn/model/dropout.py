@@ -12,12 +12,13 @@ _INT16_VALUES = 1 << 16
 class Dropout(nn.Module):
     """Zero each element with probability p and scale the rest by 1 / (1 - p), as nn.Dropout.
 
-    On a GPU this is F.dropout (a fused kernel). On a CPU, nn.Dropout draws one random number
-    per element through bernoulli_, which was 8% of a CPU training step; this mask takes 0.3x
-    its time (benchmarks/kernels.py). One 64-bit draw makes four 16-bit uniforms, each compared
-    with a threshold: p is rounded to a multiple of 2^-16 (0.1 becomes 0.100006), the mask is
-    the same in distribution, and it is drawn from torch's generator, so seeding,
-    checkpointed-layer replay and resumption treat it like any other random op.
+    On a GPU, and under torch.compile, this is F.dropout (a fused kernel). On a CPU, nn.Dropout
+    draws one random number per element through bernoulli_, which was 8% of a CPU training
+    step; this mask takes 0.3x its time (benchmarks/kernels.py). One 64-bit draw makes four
+    16-bit uniforms, each compared with a threshold: p is rounded to a multiple of 2^-16 (0.1
+    becomes 0.100006), the mask is the same in distribution, and it is drawn from torch's
+    generator, so seeding, checkpointed-layer replay and resumption treat it like any other
+    random op.
     """
 
     def __init__(self, p: float):
@@ -35,7 +36,9 @@ class Dropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        if x.device.type != "cpu":
+        # torch.compile (train.compile) fuses F.dropout with its neighbours and draws the mask
+        # in the generated kernel; random_ here would break its graph.
+        if x.device.type != "cpu" or torch.compiler.is_compiling():
             return F.dropout(x, self.p, training=True)
         n = x.numel()
         draws = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(1 << 63), None)
