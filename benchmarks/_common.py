@@ -41,11 +41,11 @@ class AiaynTrainer:
 
     name = "aiayn"
 
-    def __init__(self, cfg: Config, vocab_size: int, name: str | None = None):
+    def __init__(self, cfg: Config, vocab_size: int, name: str | None = None, device: str = "cpu"):
         torch.manual_seed(cfg.train.seed)
         self.cfg = cfg
         model = build_model(cfg.model, vocab_size, PAD)
-        self.engine = LocalEngine(model, cfg, torch.device("cpu"))
+        self.engine = LocalEngine(model, cfg, torch.device(device))
         self.name = name or self.name
 
     def step(self, batch: Batch) -> None:

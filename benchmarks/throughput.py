@@ -279,7 +279,7 @@ def contenders(args) -> list[Contender]:
     what the allocator alone is worth."""
     rows = [Contender("aiayn", "aiayn", "keep")]
     if args.compile:
-        # Not a config option: on this CPU it made training slower (benchmarks/README.md).
+        # train.compile; off by default: on this CPU it made training slower.
         rows.append(Contender("aiayn + torch.compile", "aiayn", "keep", compile=True))
     rows += [Contender(name, name, "system") for name in PEERS]
     if not args.no_malloc_rows:
@@ -298,12 +298,10 @@ def _serve(conn, c: Contender, preset: str, args) -> None:
         if c.malloc == "keep":
             keep_freed_memory()
         set_threads(args.threads)
-        cfg = run_config(preset, max_tokens=args.max_tokens, seed=1)
+        cfg = run_config(preset, max_tokens=args.max_tokens, seed=1, compile=c.compile)
         batches = synthetic_batches(args.batches + args.warmup, args.max_tokens, args.vocab)
         if c.trainer == "aiayn":
             trainer = AiaynTrainer(cfg, args.vocab, name=c.row)
-            if c.compile:
-                trainer.engine.model = torch.compile(trainer.engine.module)
             n_params = sum(p.numel() for p in trainer.engine.module.parameters())
         else:
             trainer = PEERS[c.trainer](cfg.model, args.vocab, cfg.train.label_smoothing)
@@ -487,7 +485,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="also time aiayn's model under torch.compile (compiling takes minutes)",
+        help="also time aiayn with train.compile (compiling takes minutes)",
     )
     p.add_argument("--no-ceiling", action="store_true", help="leave out the 'matmuls alone' row")
     p.add_argument(

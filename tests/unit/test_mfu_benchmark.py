@@ -1,0 +1,42 @@
+"""benchmarks/mfu.py is the GPU measurement; CI has no GPU, so its CPU path keeps it working."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "mfu.py"
+
+
+def test_the_mfu_table_reports_every_preset_with_its_tokens_and_utilisation():
+    args = ["--device", "cpu", "--precision", "fp32", "--presets", "tiny", "small"]
+    args += ["--quick", "--no-compile", "--vocab", "500", "--max-tokens", "600"]
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr
+    table = out.stdout.split("| preset |")[-1]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("| ").split("|")]
+        rows[cells[0]] = cells
+    assert set(rows) == {"tiny", "small"}, out.stdout
+    for preset, cells in rows.items():
+        assert cells[2] == "eager"
+        tokens = float(cells[3].replace(",", ""))
+        mfu = float(cells[6].rstrip("%"))
+        assert tokens > 0 and 0 < mfu < 200, (preset, cells)
+    # The larger model does more work per token: fewer tokens per second.
+    assert float(rows["small"][3].replace(",", "")) < float(rows["tiny"][3].replace(",", ""))
+    assert re.search(r"MFU against [\d.]+ TFLOP/s", out.stdout)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there: this would benchmark it")
+def test_asking_for_cuda_without_one_names_the_cpu_option():
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cuda"], capture_output=True, text=True
+    )
+    assert out.returncode != 0 and "--device cpu" in out.stderr
