@@ -239,8 +239,8 @@ class TrainConfig:
     own policy, which returns memory between steps."""
     compile: bool = False
     """torch.compile each encoder and decoder layer (TorchInductor), fusing its norms,
-    residuals, dropout and activations. For GPUs: on a 2-core CPU it was slower (0.8x on
-    `small`, benchmarks/README.md). The first steps compile for a minute or more, and a new
+    residuals, dropout and activations. For GPUs: on a 2-core CPU it was slower (0.7-0.8x,
+    benchmarks/README.md). The first steps compile for a minute or more, and a new
     batch shape recompiles once before torch marks the shapes dynamic."""
 
     def validate(self) -> list[str]:
