@@ -38,6 +38,17 @@ def test_parameters_are_checked_identical_across_ranks_at_every_save(ddp_run):
     assert "differ between data-parallel ranks" not in log
 
 
+def test_compiled_layers_under_ddp_follow_the_eager_ranks(setup, ddp_run):
+    """train.compile with DDP's gradient hooks: the same weights as eager, up to the float
+    rounding of the fused kernels, and replicas that agree at every save."""
+    root, config = setup
+    run_dir = root / "ddp2_compiled"
+    run(torchrun(2) + aiayn(config, run_dir, "train.compile=true"))
+    log = (run_dir / "train.log").read_text()
+    assert "differ between data-parallel ranks" not in log and log.count("saved ") == 2
+    assert_close(final_weights(run_dir), final_weights(ddp_run), atol=1e-5)  # 4e-7 seen
+
+
 def test_two_nodes_on_localhost_with_c10d_rendezvous(setup, ddp_run):
     root, config = setup
     run_dir = root / "nodes2"
