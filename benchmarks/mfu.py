@@ -26,7 +26,7 @@ import torch
 from _common import AiaynTrainer, fmt, machine, markdown_table, run_config, summary
 from throughput import synthetic_batches
 
-from aiayn.flops import device_peak_flops, measure_matmul_peak, training_flops
+from aiayn.flops import datasheet_peak, matmul_dtype, measure_matmul_peak, training_flops
 
 
 def sync(device: torch.device) -> None:
@@ -99,12 +99,11 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 rows: what a user would enable
-    dtype = torch.bfloat16 if args.precision == "bf16" and device.type == "cuda" else torch.float32
+    dtype = matmul_dtype(device, args.precision)
     measured = measure_matmul_peak(device, dtype)
     # A data sheet's figure where there is one; else what was just measured (one measurement:
     # two would differ by the machine's noise).
-    sheet = device.type == "cuda" and args.precision == "bf16"
-    peak = device_peak_flops(device, args.precision, None) if sheet else measured
+    peak = datasheet_peak(device, args.precision) or measured
     where = (
         f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
         if device.type == "cuda"

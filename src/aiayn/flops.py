@@ -85,22 +85,34 @@ def measure_matmul_peak(
     return 2 * n**3 / best
 
 
+def matmul_dtype(device: torch.device, precision: str) -> torch.dtype:
+    """The dtype whose matrix multiply bounds a run: bf16 on a GPU in bf16, else fp32 (on a CPU
+    bf16 matmul is emulated and many times slower than fp32: fp32 is its ceiling)."""
+    return torch.bfloat16 if precision == "bf16" and device.type == "cuda" else torch.float32
+
+
+def datasheet_peak(device: torch.device, precision: str) -> float | None:
+    """A known GPU's dense bf16 peak from its data sheet (FLOP/s) for a bf16 run; else None."""
+    if device.type != "cuda" or precision != "bf16":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, peak in GPU_BF16_PEAK.items():
+        if fragment in name:
+            return peak
+    log.warning(
+        "no data-sheet peak for %s: MFU uses a measured matmul peak; set "
+        "logging.peak_tflops to the data sheet's figure",
+        name,
+    )
+    return None
+
+
 def device_peak_flops(device: torch.device, precision: str, configured: float | None) -> float:
     """FLOP/s that MFU is measured against: the configured figure, a GPU's data sheet, or (on
     CPU, or an unknown GPU) a matrix multiply measured now."""
     if configured:
         return configured * 1e12
-    # On a CPU bf16 matmul is emulated and many times slower than fp32: fp32 is its ceiling.
-    bf16 = precision == "bf16" and device.type == "cuda"
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    if device.type == "cuda" and precision == "bf16":
-        name = torch.cuda.get_device_name(device)
-        for fragment, peak in GPU_BF16_PEAK.items():
-            if fragment in name:
-                return peak
-        log.warning(
-            "no data-sheet peak for %s: MFU uses a measured matmul peak; set "
-            "logging.peak_tflops to the data sheet's figure",
-            name,
-        )
-    return measure_matmul_peak(device, dtype)
+    sheet = datasheet_peak(device, precision)
+    if sheet is not None:
+        return sheet
+    return measure_matmul_peak(device, matmul_dtype(device, precision))
