@@ -12,15 +12,26 @@ from aiayn.data.batch import Batch
 
 log = logging.getLogger("aiayn")
 
-# Dense bf16 tensor-core peaks from the vendors' data sheets (FLOP/s), by device-name fragment.
+# Dense bf16 tensor-core peaks from the vendors' data sheets (FLOP/s: half their "with
+# sparsity" figures), by a fragment of torch.cuda.get_device_name. The longest matching
+# fragment wins: "NVIDIA H100 PCIe" is not an SXM H100, "NVIDIA L40" is not an L4.
 GPU_BF16_PEAK = {
-    "H200": 989e12,
-    "H100": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H200 NVL": 835e12,
+    "H100": 989e12,  # SXM ("NVIDIA H100 80GB HBM3")
+    "H200": 989e12,  # SXM
     "A100": 312e12,
     "L40S": 362e12,
-    "A10G": 70e12,
+    "L40": 181e12,
     "L4": 121e12,
 }
+
+
+def datasheet_bf16_peak(device_name: str) -> float | None:
+    """The data-sheet dense bf16 peak of a GPU named `device_name`, or None if not known."""
+    matches = [fragment for fragment in GPU_BF16_PEAK if fragment in device_name]
+    return GPU_BF16_PEAK[max(matches, key=len)] if matches else None
 
 
 def training_flops(cfg: ModelConfig, vocab_size: int, batch: Batch) -> int:
@@ -96,9 +107,9 @@ def datasheet_peak(device: torch.device, precision: str) -> float | None:
     if device.type != "cuda" or precision != "bf16":
         return None
     name = torch.cuda.get_device_name(device)
-    for fragment, peak in GPU_BF16_PEAK.items():
-        if fragment in name:
-            return peak
+    peak = datasheet_bf16_peak(name)
+    if peak is not None:
+        return peak
     log.warning(
         "no data-sheet peak for %s: MFU uses a measured matmul peak; set "
         "logging.peak_tflops to the data sheet's figure",

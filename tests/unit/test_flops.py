@@ -1,0 +1,87 @@
+"""aiayn.flops: the FLOP count behind MFU, and the peaks it is measured against."""
+
+import math
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from aiayn.config import load_config
+from aiayn.data.batch import Batch
+from aiayn.flops import (
+    datasheet_bf16_peak,
+    device_peak_flops,
+    measure_matmul_peak,
+    training_flops,
+)
+from aiayn.loss import batch_loss
+from aiayn.model import build_model
+
+VOCAB = 50
+
+
+def _batch(kind: str) -> Batch:
+    """A small batch of `kind` whose later rows end in padding (id 0)."""
+    g = torch.Generator().manual_seed(0)
+    if kind == "seq2seq":
+        src = torch.randint(4, VOCAB, (4, 9), generator=g)
+        tgt = torch.randint(4, VOCAB, (4, 8 + 1), generator=g)
+        src[2:, 7:], tgt[2:, 7:] = 0, 0
+        tgt_out = tgt[:, 1:]
+        n = int((tgt_out != 0).sum())
+        return Batch(ids=torch.arange(4), n_tokens=n, src=src, tgt_in=tgt[:, :-1], tgt_out=tgt_out)
+    if kind == "lm":
+        t = torch.randint(4, VOCAB, (3, 11), generator=g)
+        return Batch(ids=torch.arange(3), n_tokens=30, tgt_in=t[:, :-1], tgt_out=t[:, 1:])
+    src = torch.randint(4, VOCAB, (3, 7), generator=g)
+    src[1:, 5:] = 0
+    return Batch(ids=torch.arange(3), n_tokens=3, src=src, labels=torch.tensor([0, 1, 1]))
+
+
+@pytest.mark.parametrize("kind", ["seq2seq", "lm", "classifier"])
+def test_training_flops_is_what_torch_counts_in_a_forward_and_backward(kind):
+    """torch's FLOP counter over a real step, with attention on SDPA's math backend (whose
+    matrix multiplies it can see): every multiply the model runs, padding and the output
+    projection at non-pad targets only included, and nothing else."""
+    fmt = [] if kind == "seq2seq" else ["data.format=text"]
+    cfg = load_config(None, ["model.preset=tiny", "data.train=x", f"model.kind={kind}", *fmt])
+    model = build_model(cfg.model, VOCAB, 0)
+    batch = _batch(kind)
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        loss, _ = batch_loss(model, batch, kind, 0.1, 0)
+        loss.backward()
+    assert training_flops(cfg.model, VOCAB, batch) == counter.get_total_flops()
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),  # not the SXM part's 989
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA L40", 181e12),  # not the L4's 121
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA GeForce RTX 4090", None),  # unknown: MFU falls back to a measured peak
+    ],
+)
+def test_the_data_sheet_peak_is_the_named_gpus_own(name, peak):
+    assert datasheet_bf16_peak(name) == peak
+
+
+def test_the_matmul_peak_leaves_the_global_random_stream_alone():
+    """It runs at startup: drawing from torch's generator would change every dropout mask
+    after it, so a resumed run would not replay the run it continues."""
+    before = torch.get_rng_state()
+    flops = measure_matmul_peak(torch.device("cpu"), torch.float32, n=256, seconds=0.05)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert math.isfinite(flops) and flops > 1e8  # even a slow CPU does 0.1 GFLOP/s
+
+
+def test_a_configured_peak_is_used_as_given_and_a_cpu_is_measured():
+    cpu = torch.device("cpu")
+    assert device_peak_flops(cpu, "fp32", configured=2.5) == 2.5e12
+    assert 1e8 < device_peak_flops(cpu, "fp32", configured=None) < 1e14
