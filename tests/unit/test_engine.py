@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from aiayn.config import load_config
-from aiayn.data.batch import Batch
 from aiayn.dist import deepspeed_config
 from aiayn.dist.engine import LocalEngine
 from aiayn.dist.launcher import accelerate_overrides
@@ -15,6 +14,8 @@ from aiayn.errors import ConfigError
 from aiayn.loss import batch_loss
 from aiayn.model import build_model
 from aiayn.model.transformer import DecoderState
+
+from batches import padded_batch
 
 BASE = ["data.train=corpus/train", "data.max_len=30"]
 TINY = [*BASE, "model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2", "model.max_len=32"]
@@ -141,15 +142,6 @@ def test_accelerate_variables_become_overrides():
         accelerate_overrides({**env, "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "nvme"})
 
 
-def tiny_batch(vocab: int = 50) -> Batch:
-    g = torch.Generator().manual_seed(0)
-    src = torch.randint(4, vocab, (4, 9), generator=g)
-    tgt = torch.randint(4, vocab, (4, 8), generator=g)
-    return Batch(
-        ids=torch.arange(4), n_tokens=4 * 7, src=src, tgt_in=tgt[:, :-1], tgt_out=tgt[:, 1:]
-    )
-
-
 def engine_for(*overrides) -> LocalEngine:
     cfg = load_config(None, [*TINY, *overrides])
     torch.manual_seed(0)
@@ -169,7 +161,7 @@ def test_fp16_overflow_skips_the_step_and_the_schedule_then_training_goes_on():
     assert engine.lr == lr  # the schedule counts applied updates only
     assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True))
 
-    batch = tiny_batch()
+    batch = padded_batch()
     with engine.autocast():
         loss, _ = batch_loss(engine.model, batch, "seq2seq", 0.1, 0)
     engine.backward(loss / batch.n_tokens)
@@ -190,28 +182,11 @@ def test_activation_checkpointing_recomputes_the_same_gradients_with_dropout():
         engine = engine_for("model.dropout=0.3", f"distributed.activation_checkpointing={flag}")
         assert engine.module.encoder.checkpoint_layers is (flag == "true")
         torch.manual_seed(1)
-        batch = tiny_batch()
+        batch = padded_batch()
         loss, _ = batch_loss(engine.model, batch, "seq2seq", 0.1, 0)
         engine.backward(loss)
         grads.append([p.grad.clone() for p in engine.module.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
-
-
-def padded_batch(rows: int, src_len: int, tgt_len: int, vocab: int = 50) -> Batch:
-    """Random tokens with the last rows' tails padded (id 0), so masks and `keep` matter."""
-    g = torch.Generator().manual_seed(rows)
-    src = torch.randint(4, vocab, (rows, src_len), generator=g)
-    tgt = torch.randint(4, vocab, (rows, tgt_len + 1), generator=g)
-    src[rows // 2 :, src_len - 2 :] = 0
-    tgt[rows // 2 :, tgt_len - 2 :] = 0
-    tgt_out = tgt[:, 1:]
-    return Batch(
-        ids=torch.arange(rows),
-        n_tokens=int((tgt_out != 0).sum()),
-        src=src,
-        tgt_in=tgt[:, :-1],
-        tgt_out=tgt_out,
-    )
 
 
 @pytest.mark.slow  # TorchInductor compiles C++ for each layer kind and shape: about a minute
@@ -221,7 +196,7 @@ def test_compiled_layers_give_eager_gradients_under_the_same_parameter_names():
     eager = engine_for("model.dropout=0")  # the same masks would need the same RNG calls
     compiled = engine_for("model.dropout=0", "train.compile=true")
     assert list(compiled.module.state_dict()) == list(eager.module.state_dict())
-    for batch in (padded_batch(4, 9, 8), padded_batch(6, 7, 11)):
+    for batch in (padded_batch(rows=4), padded_batch(rows=6, src_len=7, tgt_len=11)):
         losses = []
         for engine in (eager, compiled):
             loss, _ = batch_loss(engine.model, batch, "seq2seq", 0.1, 0)
@@ -242,7 +217,7 @@ def test_compiled_layers_give_eager_gradients_under_the_same_parameter_names():
     # An eager checkpoint loads into the compiled model, and incremental decoding (the layers
     # write their key/value caches) gives the eager logits step by step.
     model.load_state_dict(eager.module.state_dict())
-    src = padded_batch(3, 6, 5).src
+    src = padded_batch(rows=3, src_len=6).src
     with torch.no_grad():
         steps = []
         for m in (eager.module.eval(), model.eval()):
@@ -268,7 +243,7 @@ def test_compiled_layers_draw_dropout_in_one_graph_and_checkpointing_replays_it(
             f"distributed.activation_checkpointing={flag}",
         )
         torch.manual_seed(1)
-        for batch in (padded_batch(4, 9, 8), padded_batch(6, 7, 11)):
+        for batch in (padded_batch(rows=4), padded_batch(rows=6, src_len=7, tgt_len=11)):
             loss, _ = batch_loss(engine.model, batch, "seq2seq", 0.1, 0)
             engine.backward(loss / batch.n_tokens)
         grads.append([p.grad.clone() for p in engine.module.parameters()])

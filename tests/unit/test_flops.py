@@ -8,7 +8,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from aiayn.config import load_config
-from aiayn.data.batch import Batch
 from aiayn.flops import (
     datasheet_bf16_peak,
     device_peak_flops,
@@ -18,25 +17,9 @@ from aiayn.flops import (
 from aiayn.loss import batch_loss
 from aiayn.model import build_model
 
+from batches import padded_batch
+
 VOCAB = 50
-
-
-def _batch(kind: str) -> Batch:
-    """A small batch of `kind` whose later rows end in padding (id 0)."""
-    g = torch.Generator().manual_seed(0)
-    if kind == "seq2seq":
-        src = torch.randint(4, VOCAB, (4, 9), generator=g)
-        tgt = torch.randint(4, VOCAB, (4, 8 + 1), generator=g)
-        src[2:, 7:], tgt[2:, 7:] = 0, 0
-        tgt_out = tgt[:, 1:]
-        n = int((tgt_out != 0).sum())
-        return Batch(ids=torch.arange(4), n_tokens=n, src=src, tgt_in=tgt[:, :-1], tgt_out=tgt_out)
-    if kind == "lm":
-        t = torch.randint(4, VOCAB, (3, 11), generator=g)
-        return Batch(ids=torch.arange(3), n_tokens=30, tgt_in=t[:, :-1], tgt_out=t[:, 1:])
-    src = torch.randint(4, VOCAB, (3, 7), generator=g)
-    src[1:, 5:] = 0
-    return Batch(ids=torch.arange(3), n_tokens=3, src=src, labels=torch.tensor([0, 1, 1]))
 
 
 @pytest.mark.parametrize("kind", ["seq2seq", "lm", "classifier"])
@@ -47,7 +30,7 @@ def test_training_flops_is_what_torch_counts_in_a_forward_and_backward(kind):
     fmt = [] if kind == "seq2seq" else ["data.format=text"]
     cfg = load_config(None, ["model.preset=tiny", "data.train=x", f"model.kind={kind}", *fmt])
     model = build_model(cfg.model, VOCAB, 0)
-    batch = _batch(kind)
+    batch = padded_batch(kind)
     with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
         loss, _ = batch_loss(model, batch, kind, 0.1, 0)
         loss.backward()

@@ -3,9 +3,10 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.config import ModelConfig
-from aiayn.data.batch import Batch
 from aiayn.loss import batch_loss, smoothed_cross_entropy
 from aiayn.model import build_model
+
+from batches import padded_batch
 
 PAD = 0
 
@@ -105,21 +106,6 @@ def tiny(kind: str):
     cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0, max_len=64, kind=kind)
     torch.manual_seed(0)
     return build_model(cfg, 50, PAD)
-
-
-def padded_batch(kind: str) -> Batch:
-    torch.manual_seed(1)
-    tgt = torch.randint(3, 50, (3, 9))
-    tgt[0, 6:] = PAD
-    tgt[2, 3:] = PAD
-    src = torch.randint(3, 50, (3, 7)) if kind == "seq2seq" else None
-    return Batch(
-        ids=torch.arange(3),
-        n_tokens=int((tgt[:, 1:] != PAD).sum()),
-        src=src,
-        tgt_in=tgt[:, :-1],  # right-padded like tgt_out, one real token longer per row
-        tgt_out=tgt[:, 1:],
-    )
 
 
 @pytest.mark.parametrize("kind", ["seq2seq", "lm"])
