@@ -38,7 +38,7 @@ demo-classify: install
 	$(BIN)/aiayn evaluate --checkpoint runs/demo_classify --split test
 
 # The Multi30k de->en recipe (data in ../shared/data/multi30k): tokenizer, training, checkpoint
-# averaging and test BLEU, then a table. About 30 minutes on 2 CPU cores.
+# averaging and test BLEU, then a table. 20-25 minutes on 2 CPU cores.
 multi30k: install
 	$(BIN)/python launch/multi30k.py
 
