@@ -189,6 +189,11 @@ def test_activation_checkpointing_recomputes_the_same_gradients_with_dropout():
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
+def two_batch_shapes():
+    """Two padded batches of different shapes: the second makes torch.compile recompile."""
+    return padded_batch(rows=4), padded_batch(rows=6, src_len=7, tgt_len=11)
+
+
 @pytest.mark.slow  # TorchInductor compiles C++ for each layer kind and shape: about a minute
 def test_compiled_layers_give_eager_gradients_under_the_same_parameter_names():
     """train.compile: each layer through TorchInductor, on two batch shapes (the second
@@ -196,7 +201,7 @@ def test_compiled_layers_give_eager_gradients_under_the_same_parameter_names():
     eager = engine_for("model.dropout=0")  # the same masks would need the same RNG calls
     compiled = engine_for("model.dropout=0", "train.compile=true")
     assert list(compiled.module.state_dict()) == list(eager.module.state_dict())
-    for batch in (padded_batch(rows=4), padded_batch(rows=6, src_len=7, tgt_len=11)):
+    for batch in two_batch_shapes():
         losses = []
         for engine in (eager, compiled):
             loss, _ = batch_loss(engine.model, batch, "seq2seq", 0.1, 0)
@@ -243,7 +248,7 @@ def test_compiled_layers_draw_dropout_in_one_graph_and_checkpointing_replays_it(
             f"distributed.activation_checkpointing={flag}",
         )
         torch.manual_seed(1)
-        for batch in (padded_batch(rows=4), padded_batch(rows=6, src_len=7, tgt_len=11)):
+        for batch in two_batch_shapes():
             loss, _ = batch_loss(engine.model, batch, "seq2seq", 0.1, 0)
             engine.backward(loss / batch.n_tokens)
         grads.append([p.grad.clone() for p in engine.module.parameters()])

@@ -6,9 +6,7 @@ from aiayn.config import ModelConfig
 from aiayn.loss import batch_loss, smoothed_cross_entropy
 from aiayn.model import build_model
 
-from batches import padded_batch
-
-PAD = 0
+from batches import PAD, padded_batch
 
 
 def reference(logits, target, eps, ignore_index=-100):
