@@ -43,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.add_argument("--force", action="store_true", help="replace an existing tokenizer")
 
+    data = sub.add_parser("data", help="the token cache of the training split")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    p = data_sub.add_parser(
+        "prepare", help="tokenise the training split into data.cache_dir (all ranks under torchrun)"
+    )
+    _add_config(p)
+    p.add_argument("--force", action="store_true", help="rebuild an existing cache")
+
     p = sub.add_parser("params", help="print the model's parameter count")
     _add_config(p)
     p.add_argument("--vocab-size", type=int, help="vocabulary size (default: the tokenizer's)")
@@ -125,6 +133,32 @@ def cmd_tokenizer(args) -> int:
         )
     tok = prepare_tokenizer(cfg, retrain=True)
     print(json.dumps({"path": str(tok.path), **tok.contract()}, indent=1))
+    return 0
+
+
+def cmd_data(args) -> int:
+    import time
+
+    from aiayn.config import load_config
+    from aiayn.dist.env import setup, teardown
+    from aiayn.metrics import setup_logging
+    from aiayn.train import prepare_data
+
+    cfg = load_config(args.config, args.overrides)
+    cfg.data.cache = True
+    env = setup("cpu")  # tokenising needs no accelerator; gloo joins the ranks
+    try:
+        setup_logging(None, env.rank)
+        started = time.perf_counter()
+        _, cache = prepare_data(cfg, env, rebuild=args.force)
+        seconds = time.perf_counter() - started
+    finally:
+        teardown()
+    if env.is_main:
+        counts = cache.counts()
+        print(
+            json.dumps({"cache": str(cache.root), "seconds": round(seconds, 2), **counts}, indent=1)
+        )
     return 0
 
 
@@ -246,6 +280,7 @@ def cmd_demo_data(args) -> int:
 COMMANDS = {
     "train": cmd_train,
     "tokenizer": cmd_tokenizer,
+    "data": cmd_data,
     "params": cmd_params,
     "translate": cmd_translate,
     "evaluate": cmd_evaluate,

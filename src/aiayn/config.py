@@ -143,9 +143,19 @@ class DataConfig:
     max_len: int = 256
     """Examples with more tokens than this on either side are dropped and counted."""
     shuffle_buffer: int = 10_000
-    """Examples read, shuffled and bucketed by length together; 0 keeps the stream order."""
+    """Examples bucketed by length together (streamed: also read and shuffled together); 0
+    keeps the stream order."""
     on_invalid_utf8: Literal["skip", "error"] = "skip"
     """A line that is not valid UTF-8 is skipped and counted, or stops the run."""
+    cache: bool = True
+    """true: the training split is tokenised once (`aiayn data prepare`, or at the start of
+    `aiayn train` if missing) into memory-mapped arrays; every rank plans the epoch's batches
+    from their lengths and reads only its own, and the epoch is shuffled whole, bucketed in
+    windows of shuffle_buffer. false: stream and tokenise while training (nothing written to
+    disk; every rank reads and tokenises the whole stream)."""
+    cache_dir: str | None = None
+    """Where token caches live, one folder per split; default <run_dir>/data_cache. Point runs
+    on the same data and tokenizer at one directory to tokenise once for all of them."""
 
     def validate(self) -> list[str]:
         errs = []

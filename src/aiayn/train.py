@@ -20,7 +20,7 @@ import torch
 
 from aiayn.checkpoint import CheckpointManager, load_checkpoint
 from aiayn.config import Config
-from aiayn.data import BatchLoader, make_loader, sample_sentences
+from aiayn.data import BatchLoader, CachedLoader, ensure_cache, make_loader, sample_sentences
 from aiayn.dist import reshard
 from aiayn.dist.engine import LocalEngine, build_engine
 from aiayn.dist.env import DistEnv, setup, teardown
@@ -55,6 +55,37 @@ def prepare_tokenizer(cfg: Config, retrain: bool = False) -> Tokenizer:
     )
     sentences = sample_sentences(cfg.data, cfg.model.kind, n, cfg.tokenizer.seed)
     return train_tokenizer(cfg.tokenizer, sentences, path)
+
+
+def prepare_data(cfg: Config, env: DistEnv, rebuild: bool = False) -> tuple[Tokenizer, object]:
+    """The tokenizer (trained by rank 0 if missing) and, with data.cache, the training split's
+    token cache (built by all ranks together if missing). Every rank calls it."""
+    if env.is_main:  # one writer: the others wait, then load what it trained
+        tok = prepare_tokenizer(cfg)
+    env.barrier()
+    if not env.is_main:
+        tok = Tokenizer(cfg.tokenizer_path)
+    if not cfg.data.cache:
+        if env.distributed and env.is_main:
+            log.warning(
+                "data.cache=false on %d ranks: every rank reads and tokenises the whole training "
+                "stream and keeps 1/%d of it, so each rank gets 1/%d of one process's input rate. "
+                "Set data.cache=true to tokenise once, shared by the ranks",
+                env.world_size,
+                env.world_size,
+                env.world_size,
+            )
+        return tok, None
+    cache = ensure_cache(
+        cfg,
+        "train",
+        tok,
+        rank=env.rank,
+        world_size=env.world_size,
+        sync=env.gather,
+        rebuild=rebuild,
+    )
+    return tok, cache
 
 
 @dataclass
@@ -93,7 +124,7 @@ class Run:
     env: DistEnv
     tok: Tokenizer
     engine: LocalEngine
-    loader: BatchLoader
+    loader: BatchLoader | CachedLoader
     ckpts: CheckpointManager
     metrics: Metrics
     progress: Progress
@@ -124,11 +155,7 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
         keep_freed_memory()
     ckpts = CheckpointManager.from_config(run_dir, cfg.checkpoint, env.is_main)
     resume_from = _resume_point(cfg, ckpts)
-    if env.is_main:  # one writer: the others wait, then load what it trained
-        tok = prepare_tokenizer(cfg)
-    env.barrier()
-    if not env.is_main:
-        tok = Tokenizer(cfg.tokenizer_path)
+    tok, cache = prepare_data(cfg, env)
     seed_everything(cfg.train.seed)  # the same initial parameters on every rank
     model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
     n_params = count_parameters(model)  # before ZeRO-3 partitions them
@@ -137,7 +164,7 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
     )
     seed_everything(cfg.train.seed + 1_000_003 * env.rank)  # different dropout on each rank
     loader = make_loader(
-        cfg, cfg.data.train, tok, train=True, rank=env.rank, world_size=env.world_size
+        cfg, cfg.data.train, tok, train=True, rank=env.rank, world_size=env.world_size, cache=cache
     )
     progress = Progress()
     if resume_from is not None:
@@ -348,7 +375,7 @@ def _record_ids(run: Run, fetched: list) -> None:
             fh.write(json.dumps(row) + "\n")
 
 
-def _log_data(loader: BatchLoader, when: str) -> None:
+def _log_data(loader: BatchLoader | CachedLoader, when: str) -> None:
     """What the loader read and dropped, so a filtered corpus never goes unnoticed."""
     stats = loader.stats()
     log.info("%s | data: %s", when, ", ".join(f"{k} {v}" for k, v in stats.items()))

@@ -1,7 +1,21 @@
-"""Streaming sources -> tokenized, token-budget batches with an exact, resumable position."""
+"""Sources -> tokenised cache (arrays + length index) -> global batch plan -> this rank's Batch,
+or, without a cache, streamed sources tokenised as they are read. Positions are exact and
+resumable either way."""
 
 from aiayn.data.batch import Batch
+from aiayn.data.cache import TokenCache, ensure_cache
+from aiayn.data.cached_loader import CachedLoader
 from aiayn.data.loader import BatchLoader, make_loader
 from aiayn.data.sources import Source, open_split, sample_sentences
 
-__all__ = ["Batch", "BatchLoader", "Source", "make_loader", "open_split", "sample_sentences"]
+__all__ = [
+    "Batch",
+    "BatchLoader",
+    "CachedLoader",
+    "Source",
+    "TokenCache",
+    "ensure_cache",
+    "make_loader",
+    "open_split",
+    "sample_sentences",
+]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 
@@ -37,3 +38,26 @@ class Batch:
             value = getattr(self, f.name)
             moved[f.name] = value.to(device, non_blocking=True) if torch.is_tensor(value) else value
         return Batch(**moved)
+
+
+def padded_rows(
+    flat: np.ndarray,
+    start: np.ndarray,
+    length: np.ndarray,
+    pad: int,
+    bos: int | None = None,
+    eos: int | None = None,
+) -> torch.Tensor:
+    """(B, L) int64 tensor of rows flat[start[i]:start[i] + length[i]], right-padded, optionally
+    bos-prefixed and eos-suffixed. `flat` may be a memory map: only these rows are read."""
+    off = int(bos is not None)
+    width = int(length.max()) + off + int(eos is not None)
+    pos = np.arange(width)[None, :] - off  # position of each column inside the ids
+    mask = (pos >= 0) & (pos < length[:, None])
+    out = np.full((len(length), width), pad, dtype=np.int64)
+    out[mask] = flat[(start[:, None] + pos)[mask]]
+    if bos is not None:
+        out[:, 0] = bos
+    if eos is not None:
+        out[np.arange(len(length)), length + off] = eos
+    return torch.from_numpy(out)

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import queue
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -31,7 +29,11 @@ import numpy as np
 import torch
 
 from aiayn.config import Config, DataConfig
-from aiayn.data.batch import Batch
+from aiayn.data.batch import Batch, padded_rows
+from aiayn.data.cache import TokenCache
+from aiayn.data.cached_loader import CachedLoader
+from aiayn.data.plan import budget_bounds
+from aiayn.data.prefetch import prefetch
 from aiayn.data.sources import KINDS, open_split
 from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer
@@ -56,18 +58,7 @@ class _Tokens:
         return cls(flat, np.cumsum(length) - length, length)
 
     def padded(self, rows: np.ndarray, pad: int, bos: int | None = None, eos: int | None = None):
-        """(B, L) int64 tensor of the given rows, optionally bos-prefixed and eos-suffixed."""
-        lens, off = self.length[rows], int(bos is not None)
-        width = int(lens.max()) + off + int(eos is not None)
-        pos = np.arange(width)[None, :] - off  # position of each column inside the ids
-        mask = (pos >= 0) & (pos < lens[:, None])
-        out = np.full((len(rows), width), pad, dtype=np.int64)
-        out[mask] = self.flat[(self.start[rows][:, None] + pos)[mask]]
-        if bos is not None:
-            out[:, 0] = bos
-        if eos is not None:
-            out[np.arange(len(rows)), lens + off] = eos
-        return torch.from_numpy(out)
+        return padded_rows(self.flat, self.start[rows], self.length[rows], pad, bos, eos)
 
 
 @dataclass
@@ -185,7 +176,7 @@ class BatchLoader:
             self._pos = self._start()
         self._resume_pending = False
         pos, W = self._pos, self.world_size
-        chunks = _prefetch(self._chunks(pos))
+        chunks = prefetch(self._chunks(pos))
         stream = ((chunk, i) for chunk in chunks for i in range(len(chunk.batches)))
         stream = itertools.islice(stream, pos["done"], None)  # consumed before the save
         for k, (chunk, i) in enumerate(stream):
@@ -261,7 +252,8 @@ class BatchLoader:
             # but made batches of near-identical sentences: the demo learned far more slowly
             # (train accuracy 0.88 against 0.97 at step 200; test exact match 90% against 96%).
             order = order[np.argsort(width[order], kind="stable")]
-        batches = _budget_batches(order, width, self.max_tokens)
+        bounds = budget_bounds(width[order], self.max_tokens)
+        batches = [order[a:b] for a, b in itertools.pairwise(bounds.tolist())]
         if rng is not None:
             batches = [batches[j] for j in rng.permutation(len(batches))]
         labels = None
@@ -317,12 +309,11 @@ def make_loader(
     train: bool,
     rank: int = 0,
     world_size: int = 1,
-) -> BatchLoader:
-    """The loader of one split as a run config describes it."""
-    return BatchLoader(
-        cfg.data,
-        split,
-        tokenizer,
+    cache: TokenCache | None = None,
+) -> BatchLoader | CachedLoader:
+    """The loader of one split as a run config describes it: from its token cache if one is
+    given (data/cache.py), else streamed and tokenised as it goes."""
+    common = dict(
         kind=cfg.model.kind,
         max_tokens=cfg.train.max_tokens,
         seed=cfg.train.seed,
@@ -330,66 +321,6 @@ def make_loader(
         rank=rank,
         world_size=world_size,
     )
-
-
-_END = object()
-
-
-def _prefetch(items: Iterator, depth: int = 1) -> Iterator:
-    """Produce `items` in a thread, up to `depth` ahead, so the next chunk is read and tokenized
-    while the current one's batches train: SentencePiece releases the GIL while it encodes.
-
-    Order and content are those of `items`; only the timing changes. Leaving the loop early
-    stops the thread at its next hand-over, and waits for it.
-    """
-    hand = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                hand.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                pass
-        return False
-
-    def produce() -> None:
-        try:
-            for item in items:
-                if not put(item):
-                    return
-            put(_END)
-        except BaseException as exc:  # handed to the consumer, raised there
-            put(exc)
-
-    reader = threading.Thread(target=produce, name="aiayn-data", daemon=True)
-    reader.start()
-    try:
-        while (item := hand.get()) is not _END:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        # Wait for it: a daemon thread still inside SentencePiece or torch when the interpreter
-        # exits is unwound through C++ and aborts the process ("terminate called without an
-        # active exception"). It stops at its next hand-over, after at most one chunk.
-        reader.join()
-
-
-def _budget_batches(order: np.ndarray, width: np.ndarray, max_tokens: int) -> list[np.ndarray]:
-    """Cut `order` into consecutive batches with rows * longest row <= max_tokens.
-
-    An example wider than max_tokens alone still gets a batch of its own.
-    """
-    batches, start, longest = [], 0, 0
-    for i, w in enumerate(width[order].tolist()):
-        wider = max(longest, w)
-        if i > start and (i - start + 1) * wider > max_tokens:
-            batches.append(order[start:i])
-            start, wider = i, w
-        longest = wider
-    if start < len(order):
-        batches.append(order[start:])
-    return batches
+    if cache is not None:
+        return CachedLoader(cache, cfg.data, tokenizer, **common)
+    return BatchLoader(cfg.data, split, tokenizer, **common)

@@ -79,6 +79,15 @@ def open_split(cfg: DataConfig, split: str, kind: str) -> Source:
     return source
 
 
+def source_files(cfg: DataConfig, split: str) -> list[str]:
+    """The local files a split reads, in reading order (none for a hub dataset)."""
+    if cfg.format == "hub":
+        return []
+    if cfg.format == "parallel":
+        return [p for pair in _parallel_files(split, cfg.src_lang, cfg.tgt_lang) for p in pair]
+    return _expand(split)
+
+
 def sample_sentences(cfg: DataConfig, kind: str, n: int, seed: int) -> list[str]:
     """A deterministic, shuffled sample of at most n sentences of the training split.
 

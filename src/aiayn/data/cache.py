@@ -1,0 +1,489 @@
+"""The token cache: a split tokenised once into memory-mapped arrays with a length index.
+
+Layout of `<data.cache_dir>/<split>/` (fairseq's and Megatron's design: flat token arrays and
+offsets, read with numpy memory maps):
+
+    manifest.json       written last: a cache without it is never read
+    src_tokens.npy      every example's source (or text) token ids, back to back (uint16/uint32)
+    src_offsets.npy     int64, n + 1: example i is src_tokens[src_offsets[i]:src_offsets[i + 1]]
+    tgt_tokens.npy      tgt_offsets.npy   (seq2seq)
+    labels.npy          int64 (classifier)
+    ids.npy             int64: the example's index in the stream, for audits
+
+The manifest holds the fingerprint of what the cache was built from (source files with their
+sizes and sha256, format, fields, the tokenizer's sha256), the counts of what was read and
+dropped and why, and each array's size and sha256. Opening checks all of it: a cache built
+from other data or another tokenizer is refused with the differing fields named, and a
+truncated or altered array is refused before training reads it.
+
+Building streams the source through `datasets` in chunks of _CHUNK records. Chunk c is
+tokenised by rank c mod W (SentencePiece's batch encode runs on native threads without the GIL,
+so one process uses every core it is given) and written as a part file, atomically. Rank 0 then
+concatenates the parts in chunk order: the cache does not depend on the number of ranks. An
+interrupted build keeps its finished parts in `<split>.partial/` and the next build reuses them
+if they were made from the same fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from aiayn.config import Config
+from aiayn.data.prefetch import prefetch
+from aiayn.data.sources import open_split, source_files
+from aiayn.errors import AiaynError, DataError
+from aiayn.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+MANIFEST = "manifest.json"
+_CHUNK = 16_384  # records per part: large enough that one encode call keeps every thread busy
+_HASH_BLOCK = 1 << 24
+
+Sync = Callable[[object], list]
+"""Every rank calls it with a value and gets every rank's value, in rank order (DistEnv.gather)."""
+
+
+def cache_dir(cfg: Config, split: str) -> Path:
+    """Where the cache of `split` (train, valid or test) lives."""
+    root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.run_dir) / "data_cache"
+    return root / split
+
+
+def prepare_command(cfg_path: str = "FILE") -> str:
+    return f"`aiayn data prepare --config {cfg_path} --force`"
+
+
+# ---- the cache as training reads it --------------------------------------------------------
+
+
+@dataclass
+class TokenCache:
+    """An opened, verified cache: memory maps of its arrays and its manifest."""
+
+    root: Path
+    manifest: dict
+    src_tokens: np.ndarray
+    src_offsets: np.ndarray
+    ids: np.ndarray
+    tgt_tokens: np.ndarray | None = None
+    tgt_offsets: np.ndarray | None = None
+    labels: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def kind(self) -> str:
+        return self.manifest["fingerprint"]["kind"]
+
+    @property
+    def digest(self) -> str:
+        """Identifies the cache's content (its manifest holds every array's sha256)."""
+        return hashlib.sha256(json.dumps(self.manifest, sort_keys=True).encode()).hexdigest()
+
+    def counts(self) -> dict[str, int]:
+        return dict(self.manifest["counts"])
+
+
+def open_cache(root: Path, expected: dict, verify: bool = True) -> TokenCache:
+    """Open the cache at root, refusing one that does not fit `expected` or is damaged."""
+    manifest = _read_manifest(root)
+    if manifest.get("version") != CACHE_VERSION:
+        raise DataError(
+            f"token cache {root} has format version {manifest.get('version')}, this code reads "
+            f"{CACHE_VERSION}; rebuild it with {prepare_command()}"
+        )
+    diffs = _fingerprint_diffs(manifest["fingerprint"], expected)
+    if diffs:
+        raise DataError(
+            f"token cache {root} was built from other data or another tokenizer:\n"
+            + "\n".join(f"  - {d}" for d in diffs)
+            + f"\nRebuild it with {prepare_command()}, or set data.cache_dir to another directory"
+        )
+    arrays = {}
+    for name, meta in manifest["files"].items():
+        path = root / name
+        size = path.stat().st_size if path.is_file() else None
+        if size != meta["bytes"]:
+            found = "missing" if size is None else f"{size} bytes"
+            raise _damaged(root, f"{name} is {found}, the manifest says {meta['bytes']} bytes")
+        if verify and _sha256(path) != meta["sha256"]:
+            raise _damaged(root, f"{name} does not match the sha256 its manifest records")
+        arrays[name.removesuffix(".npy")] = np.load(path, mmap_mode="r")
+    cache = TokenCache(root, manifest, **arrays)
+    _check_index(cache)
+    return cache
+
+
+def _damaged(root: Path, what: str) -> DataError:
+    return DataError(
+        f"token cache {root} is damaged: {what}. Nothing was read from it; rebuild it with "
+        f"{prepare_command()}"
+    )
+
+
+def _read_manifest(root: Path) -> dict:
+    try:
+        return json.loads((root / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(
+            f"token cache {root} has no readable manifest ({exc}); rebuild it with "
+            f"{prepare_command()}"
+        ) from None
+
+
+def _check_index(cache: TokenCache) -> None:
+    """Offsets that point outside their arrays would read other examples' tokens."""
+    n = len(cache)
+    sides = [("src", cache.src_tokens, cache.src_offsets)]
+    if cache.tgt_tokens is not None:
+        sides.append(("tgt", cache.tgt_tokens, cache.tgt_offsets))
+    for side, tokens, offsets in sides:
+        if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != len(tokens):
+            raise _damaged(cache.root, f"{side}_offsets does not index {side}_tokens")
+    if cache.labels is not None and len(cache.labels) != n:
+        raise _damaged(cache.root, "labels and ids have different lengths")
+
+
+def _fingerprint_diffs(saved: dict, expected: dict) -> list[str]:
+    diffs = []
+    for key in sorted(set(saved) | set(expected)):
+        if key == "files":
+            diffs += _file_diffs(saved.get("files", []), expected.get("files", []))
+        elif saved.get(key) != expected.get(key):
+            diffs.append(f"{key}: cache {saved.get(key)!r}, now {expected.get(key)!r}")
+    return diffs
+
+
+def _file_diffs(saved: list[dict], now: list[dict]) -> list[str]:
+    if [f["path"] for f in saved] != [f["path"] for f in now]:
+        return [f"files: cache {[f['path'] for f in saved]}, now {[f['path'] for f in now]}"]
+    diffs = []
+    for old, new in zip(saved, now, strict=True):
+        if old["bytes"] != new["bytes"]:
+            diffs.append(f"{new['path']}: cache {old['bytes']} bytes, now {new['bytes']} bytes")
+        elif old["mtime_ns"] != new["mtime_ns"] and old["sha256"] != _sha256(Path(new["path"])):
+            # Only a changed modification time costs a hash: a copy or `touch` is not a change.
+            diffs.append(f"{new['path']}: its content changed since the cache was built")
+    return diffs
+
+
+def fingerprint(cfg: Config, split: str, tok: Tokenizer, hashes: bool = False) -> dict:
+    """What the cache of `split` depends on. hashes=False leaves the files' sha256 out (opening
+    compares sizes and modification times first)."""
+    data, kind = cfg.data, cfg.model.kind
+    spec = getattr(data, split)
+    if data.format == "parallel":
+        fields = ("src_lang", "tgt_lang")  # the file suffixes
+    elif data.format == "text":
+        fields = ()
+    elif kind == "seq2seq":
+        fields = ("src_lang", "tgt_lang", "src_field", "tgt_field")
+    else:
+        fields = ("text_field", "label_field") if kind == "classifier" else ("text_field",)
+    out = {
+        "kind": kind,
+        "format": data.format,
+        "split": spec,
+        "fields": {f: getattr(data, f) for f in fields},
+        "on_invalid_utf8": data.on_invalid_utf8,
+        "tokenizer_sha256": tok.sha256,
+        "vocab_size": tok.vocab_size,
+    }
+    if data.format == "hub":
+        out["hub"] = {"name": data.hub_name, "config": data.hub_config}
+    else:
+        out["files"] = [_file_entry(Path(p), hashes) for p in source_files(data, spec)]
+    return out
+
+
+def _file_entry(path: Path, with_hash: bool) -> dict:
+    st = path.stat()
+    entry = {"path": str(path.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+    entry["sha256"] = _sha256(path) if with_hash else None
+    return entry
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(_HASH_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---- building ------------------------------------------------------------------------------
+
+
+def ensure_cache(
+    cfg: Config,
+    split: str,
+    tok: Tokenizer,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    sync: Sync | None = None,
+    rebuild: bool = False,
+) -> TokenCache:
+    """Open the cache of `split`, building it first if it is missing (or if rebuild).
+
+    Every rank calls it; the ranks share the tokenising and rank 0 writes the result. An
+    existing cache that does not fit the config is refused, never silently replaced.
+    """
+    sync = sync or (lambda value: [value])
+    root = cache_dir(cfg, split)
+    expected = fingerprint(cfg, split, tok)
+    if not rebuild and (root / MANIFEST).is_file():
+        return open_cache(root, expected)
+    started = time.perf_counter()
+    _all_ok(sync, lambda: _start_build(cfg, split, tok, root, rebuild) if rank == 0 else None)
+    work = root.parent / f"{root.name}.partial"
+    built = _all_ok(sync, lambda: _build_parts(cfg, split, tok, work, rank, world_size))
+    _all_ok(sync, lambda: _merge(work, root, built, expected, cfg) if rank == 0 else None)
+    cache = open_cache(root, expected, verify=False)  # just written and hashed
+    if rank == 0:
+        _log_built(cache, time.perf_counter() - started, world_size)
+    return cache
+
+
+def _all_ok(sync: Sync, step: Callable[[], object]) -> list:
+    """Run `step` on every rank; if it failed on any, raise there and on every other rank (a
+    rank that raised alone would leave the others waiting at the next collective)."""
+    try:
+        result, error = step(), None
+    except AiaynError as exc:
+        result, error = None, str(exc)
+    outcomes = sync((result, error))
+    errors = [(r, e) for r, (_, e) in enumerate(outcomes) if e is not None]
+    if errors:
+        rank, msg = errors[0]
+        raise DataError(msg if len(outcomes) == 1 else f"preparing the data, rank {rank}: {msg}")
+    return [r for r, _ in outcomes]
+
+
+def _start_build(cfg: Config, split: str, tok: Tokenizer, root: Path, rebuild: bool) -> None:
+    """Invalidate the old cache (its manifest goes first) and make the work directory."""
+    if rebuild and (root / MANIFEST).exists():
+        log.info("rebuilding the token cache %s", root)
+        (root / MANIFEST).unlink()
+    work = root.parent / f"{root.name}.partial"
+    stamp = json.dumps(fingerprint(cfg, split, tok, hashes=True), indent=1, sort_keys=True)
+    if work.is_dir() and _read_text(work / "build.json") != stamp:
+        log.info("%s was left by a build from other settings: starting over", work)
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    if not (work / "build.json").is_file():
+        _write_atomic(work / "build.json", stamp.encode())
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _build_parts(
+    cfg: Config, split: str, tok: Tokenizer, work: Path, rank: int, world_size: int
+) -> dict:
+    """Tokenise this rank's chunks into part files; return the stream's chunk count."""
+    kind = cfg.model.kind
+    source = open_split(cfg.data, getattr(cfg.data, split), kind)
+    threads = _threads_per_rank()
+    dtype = np.uint16 if tok.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
+    mine = _my_chunks(source, rank, world_size, work)
+    n_chunks = 0
+    for c, read, records in prefetch(mine):
+        n_chunks = c + 1
+        if records is None:  # another rank's chunk, or one a previous build finished
+            continue
+        arrays = _tokenize_chunk(records, read, kind, tok, dtype, threads)
+        _write_part(work / _part_name(c), arrays)
+    return {"chunks": n_chunks, "invalid_utf8": source.invalid_utf8}
+
+
+def _my_chunks(source, rank: int, world_size: int, work: Path) -> Iterator:
+    """(chunk index, records before it, normalised records or None) for every chunk."""
+    raw = iter(source.dataset())
+    for c in itertools.count():
+        block = list(itertools.islice(raw, _CHUNK))
+        if not block:
+            return
+        todo = c % world_size == rank and not _part_ok(work / _part_name(c))
+        yield c, c * _CHUNK, [source.normalize(r) for r in block] if todo else None
+
+
+def _threads_per_rank() -> int:
+    """Cores for this rank's encode calls: the ranks of one node share its cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (cores or 1) // max(local, 1))
+
+
+def _tokenize_chunk(
+    records: list[dict], read: int, kind: str, tok: Tokenizer, dtype, threads: int
+) -> dict[str, np.ndarray]:
+    if kind == "seq2seq":
+        enc = tok.encode([r["src"] for r in records] + [r["tgt"] for r in records], threads)
+        sides = {"src": enc[: len(records)], "tgt": enc[len(records) :]}
+    else:
+        sides = {"src": tok.encode([r["text"] for r in records], threads)}
+    lengths = {
+        side: np.fromiter(map(len, rows), np.int64, len(rows)) for side, rows in sides.items()
+    }
+    keep = np.minimum.reduce(list(lengths.values())) > 0  # an empty side has nothing to learn
+    out = {"ids": read + np.flatnonzero(keep), "empty": np.array(int((~keep).sum()))}
+    for side, rows in sides.items():
+        kept = [row for row, k in zip(rows, keep.tolist(), strict=True) if k]
+        total = int(lengths[side][keep].sum())
+        out[f"{side}_lengths"] = lengths[side][keep]
+        out[f"{side}_tokens"] = np.fromiter(itertools.chain.from_iterable(kept), dtype, total)
+    if kind == "classifier":
+        out["labels"] = np.array([r["label"] for r in records], dtype=np.int64)[keep]
+    return out
+
+
+def _part_name(c: int) -> str:
+    return f"part_{c:08d}.npz"
+
+
+def _part_ok(path: Path) -> bool:
+    try:
+        with np.load(path) as part:
+            return "ids" in part.files
+    except (OSError, ValueError, EOFError):
+        return False
+
+
+def _write_part(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        np.savez(fh, **arrays)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _merge(work: Path, root: Path, built: list[dict], expected: dict, cfg: Config) -> None:
+    """Concatenate the parts in chunk order into the cache's arrays, then write its manifest."""
+    n_chunks = built[0]["chunks"]
+    if not n_chunks:
+        raise DataError(f"corpus {expected['split']} holds no records; check the data section")
+    parts = [work / _part_name(c) for c in range(n_chunks)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise DataError(f"the data preparation lost its parts {missing[:3]}; run it again")
+    with np.load(parts[0]) as first:
+        names = sorted(k for k in first.files if k != "empty")
+    root.mkdir(parents=True, exist_ok=True)
+    sizes = {name: 0 for name in names}
+    empty = 0
+    for path in parts:
+        with np.load(path) as part:
+            for name in names:
+                sizes[name] += len(part[name])
+            empty += int(part["empty"])
+    n = sizes["ids"]
+    with np.load(parts[0]) as first:
+        dtypes = {name: first[name].dtype for name in names}
+    outputs = {}
+    for name in names:
+        if name.endswith("_lengths"):  # stored as offsets: n + 1 entries
+            side = name.removesuffix("_lengths")
+            outputs[f"{side}_offsets"] = (name, np.int64, sizes[name] + 1)
+        else:
+            outputs[name] = (name, dtypes[name], sizes[name])
+    files = {}
+    for out_name, (name, dtype, size) in outputs.items():
+        path = root / f"{out_name}.npy"
+        tmp = path.with_name(f".{path.name}.tmp")
+        arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(size,))
+        at, total = 0, 0
+        if out_name.endswith("_offsets"):
+            arr[0], at = 0, 1
+        for p in parts:
+            with np.load(p) as part:
+                chunk = part[name]
+            if out_name.endswith("_offsets"):
+                chunk = total + np.cumsum(chunk)
+                total = int(chunk[-1]) if len(chunk) else total
+            arr[at : at + len(chunk)] = chunk
+            at += len(chunk)
+        arr.flush()
+        del arr
+        _fsync(tmp)
+        os.replace(tmp, path)
+        files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    counts = {
+        "records_read": n + empty,
+        "examples": n,
+        "dropped_empty": empty,
+        "invalid_utf8_skipped": built[0]["invalid_utf8"],
+    }
+    for side in ("src", "tgt"):
+        if f"{side}_tokens" in sizes:
+            counts[f"{side}_tokens"] = sizes[f"{side}_tokens"]
+    manifest = {
+        "version": CACHE_VERSION,
+        "fingerprint": json.loads((work / "build.json").read_text()),
+        "filters": {
+            "empty": "an example with an empty side is dropped",
+            "not_utf8": f"data.on_invalid_utf8={cfg.data.on_invalid_utf8}",
+            "too_long": "kept here; the batch plan drops examples longer than data.max_len",
+        },
+        "counts": counts,
+        "files": files,
+    }
+    _write_atomic(root / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    shutil.rmtree(work)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a power loss
+    finally:
+        os.close(dir_fd)
+
+
+def _log_built(cache: TokenCache, seconds: float, world_size: int) -> None:
+    c = cache.counts()
+    log.info(
+        "token cache %s: %d examples of %d records (%d empty dropped, %d not UTF-8 skipped), "
+        "%d source tokens, built in %.1f s by %d rank(s)",
+        cache.root,
+        c["examples"],
+        c["records_read"],
+        c["dropped_empty"],
+        c["invalid_utf8_skipped"],
+        c["src_tokens"],
+        seconds,
+        world_size,
+    )

@@ -1,0 +1,236 @@
+"""Batches of one rank from the token cache: planned from lengths, read from memory maps.
+
+Every rank computes the same global plan of an epoch from the cache's length index (plan.py)
+and builds only its own batches, global batches r, r + W, r + 2W, ... of the stream of epochs:
+what a rank reads and pads falls as 1/W. The plan costs one pass over the lengths per epoch.
+
+Position: (epoch, global batches of that epoch the group has consumed), a count that may run
+past the epoch's end into the next ones. It is the group's, not the rank's, so a checkpoint from
+N ranks resumes on M with the same global order; resuming replans the epoch and skips without
+reading any token.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from aiayn.config import DataConfig
+from aiayn.data.batch import Batch, padded_rows
+from aiayn.data.cache import TokenCache
+from aiayn.data.plan import LmPlan, Plan, epoch_rng, lm_plan, pair_plan
+from aiayn.errors import DataError
+from aiayn.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+LOADER = "cache"  # the streaming loader's positions carry no such key
+
+
+class CachedLoader:
+    """The BatchLoader's interface (iterate; state_dict; epoch; stats) over a TokenCache.
+
+    train=True loops over epochs forever, each planned with its own seed; train=False makes one
+    pass in cache order (bucketed by width within data.shuffle_buffer windows).
+    """
+
+    def __init__(
+        self,
+        cache: TokenCache,
+        data_cfg: DataConfig,
+        tokenizer: Tokenizer,
+        *,
+        kind: str,
+        max_tokens: int,
+        seed: int,
+        train: bool,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        if cache.kind != kind:
+            raise DataError(
+                f"token cache {cache.root} holds {cache.kind} data, this model is {kind}; "
+                "set data.cache_dir to another directory"
+            )
+        if max_tokens < 1:
+            raise DataError(f"max_tokens must be >= 1, got {max_tokens}; set train.max_tokens")
+        if not 0 <= rank < world_size:
+            raise DataError(f"rank {rank} is outside world size {world_size}")
+        self.cache, self.cfg, self.tok, self.kind = cache, data_cfg, tokenizer, kind
+        self.max_tokens, self.seed, self.train = max_tokens, seed, train
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self._pos = {"epoch": 0, "done": 0}
+        self._resume_pending = False
+        self._plan_of: tuple[int, Plan | LmPlan] | None = None
+        self._batches = 0
+        self._src_len = np.diff(cache.src_offsets)
+        if kind == "lm":
+            self._too_long = 0
+        else:
+            longest = self._src_len
+            if cache.tgt_offsets is not None:
+                longest = np.maximum(longest, np.diff(cache.tgt_offsets))
+            fits = longest <= data_cfg.max_len
+            self._keep = np.flatnonzero(fits)
+            self._too_long = len(fits) - len(self._keep)
+            # Every row gains one special token (eos, or bos for tgt_in).
+            self._width = (longest + 1).astype(np.int32)
+        self._fingerprint = {
+            "loader": LOADER,
+            "cache": cache.digest,
+            "kind": kind,
+            "train": train,
+            "max_tokens": max_tokens,
+            "seed": seed,
+            "shuffle_buffer": data_cfg.shuffle_buffer,
+            "max_len": data_cfg.max_len,
+            "tokenizer_sha256": tokenizer.sha256,
+        }
+
+    # ---- position ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Plain ints, strings and dicts: safe for torch.load(weights_only=True)."""
+        return {
+            "version": STATE_VERSION,
+            "fingerprint": dict(self._fingerprint),
+            "position": dict(self._pos),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state` at the next iter(); refuses a state made for other settings."""
+        saved = state.get("fingerprint", {})
+        if saved.get("loader") != LOADER:
+            raise DataError(
+                "the saved data position is the streaming loader's (data.cache=false): resume "
+                "with data.cache=false, or train in a new run_dir"
+            )
+        if state.get("version") != STATE_VERSION:
+            raise DataError(
+                f"data position has version {state.get('version')}, this code reads "
+                f"{STATE_VERSION}; resume with the aiayn version that wrote the checkpoint"
+            )
+        diffs = [
+            f"  - {key}: checkpoint {saved.get(key)!r}, now {value!r}"
+            for key, value in self._fingerprint.items()
+            if saved.get(key) != value
+        ]
+        if diffs:
+            raise DataError(
+                "the saved data position does not fit this loader:\n"
+                + "\n".join(diffs)
+                + "\nThe position is only meaningful for the same data, batching and tokenizer "
+                "(cache: the token cache's content): restore those settings, or train in a new "
+                "run_dir."
+            )
+        self._pos = copy.deepcopy(state["position"])
+        self.epoch = self._pos["epoch"]
+        self._resume_pending = True
+
+    def stats(self) -> dict[str, int]:
+        """What the cache read and dropped, and the batches this rank took since it was built."""
+        c = self.cache.counts()
+        return {
+            "examples_read": c["records_read"],
+            "dropped_too_long": self._too_long,
+            "dropped_empty": c["dropped_empty"],
+            "batches": self._batches,
+            "invalid_utf8_skipped": c["invalid_utf8_skipped"],
+        }
+
+    # ---- iteration ----------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        if not self.train and not self._resume_pending:
+            self._pos = {"epoch": 0, "done": 0}
+        self._resume_pending = False
+        W = self.world_size
+        for k, (epoch, i) in enumerate(self._stream(self._pos)):
+            if k % W == 0:  # a round of W batches starts: the group's position moves past it
+                round_pos = {"epoch": epoch, "done": i + W}
+            if k % W == self.rank:
+                self._pos, self.epoch = round_pos, epoch
+                self._batches += 1
+                yield self._make_batch(self._plan(epoch), i)
+        if not self.train:
+            self._pos = {"epoch": 0, "done": 0}
+
+    def _stream(self, pos: dict) -> Iterator[tuple[int, int]]:
+        """(epoch, batch index) of every global batch from `pos` on; epochs follow each other
+        when training. Skipping costs the plans, never a token."""
+        epoch, done = pos["epoch"], pos["done"]
+        while True:
+            n = len(self._plan(epoch))
+            if n == 0:
+                raise self._nothing_left()
+            for i in range(min(done, n), n):
+                yield epoch, i
+            if not self.train:
+                return
+            epoch, done = epoch + 1, max(done - n, 0)
+
+    def _plan(self, epoch: int) -> Plan | LmPlan:
+        if self._plan_of is None or self._plan_of[0] != epoch:
+            rng = epoch_rng(self.seed, epoch) if self.train and self.cfg.shuffle_buffer else None
+            if self.kind == "lm":
+                size = self.cfg.max_len + 1
+                rows = self.max_tokens // self.cfg.max_len
+                plan = lm_plan(self._src_len, size, rows, rng)
+            else:
+                window = self.cfg.shuffle_buffer
+                plan = pair_plan(self._width, self._keep, self.max_tokens, window, rng)
+            self._plan_of = (epoch, plan)
+        return self._plan_of[1]
+
+    def _nothing_left(self) -> DataError:
+        s = self.stats()
+        return DataError(
+            f"token cache {self.cache.root} gives no batches: of {s['examples_read']} examples "
+            f"read, {s['dropped_too_long']} are longer than data.max_len={self.cfg.max_len} "
+            f"tokens and {s['dropped_empty']} are empty; raise data.max_len or check the corpus"
+        )
+
+    # ---- one batch ----------------------------------------------------------------------------
+
+    def _make_batch(self, plan: Plan | LmPlan, k: int) -> Batch:
+        pad, bos, eos = self.tok.pad_id, self.tok.bos_id, self.tok.eos_id
+        if self.kind == "lm":
+            return self._lm_batch(plan, k)
+        rows = plan.batch(k)
+        c = self.cache
+        ids = torch.from_numpy(np.asarray(c.ids[rows], dtype=np.int64))
+        start, length = c.src_offsets[rows], self._src_len[rows]
+        src = padded_rows(c.src_tokens, start, length, pad, eos=eos)
+        if self.kind == "classifier":
+            labels = torch.from_numpy(np.asarray(c.labels[rows], dtype=np.int64))
+            return Batch(ids=ids, n_tokens=len(rows), src=src, labels=labels)
+        start, end = c.tgt_offsets[rows], c.tgt_offsets[rows + 1]
+        tgt_in = padded_rows(c.tgt_tokens, start, end - start, pad, bos=bos)
+        tgt_out = padded_rows(c.tgt_tokens, start, end - start, pad, eos=eos)
+        n = int((end - start).sum()) + len(rows)
+        return Batch(ids=ids, n_tokens=n, src=src, tgt_in=tgt_in, tgt_out=tgt_out)
+
+    def _lm_batch(self, plan: LmPlan, k: int) -> Batch:
+        """Blocks of the epoch's stream (documents in plan order, each followed by eos)."""
+        blocks = plan.blocks(k)
+        pos = blocks[:, None] * plan.size + np.arange(plan.size)[None, :]
+        inside = pos < plan.total
+        j = np.minimum(np.searchsorted(plan.ends, pos, side="right"), len(plan.docs) - 1)
+        doc = plan.docs[j]
+        length = self._src_len[doc]
+        within = pos - (plan.ends[j] - length - 1)
+        at_eos = within >= length
+        tokens = self.cache.src_tokens[self.cache.src_offsets[doc] + np.minimum(within, length - 1)]
+        out = np.where(at_eos, self.tok.eos_id, tokens).astype(np.int64)
+        out[~inside] = self.tok.pad_id
+        block = torch.from_numpy(out)
+        tgt_out = block[:, 1:].contiguous()
+        n = int((tgt_out != self.tok.pad_id).sum())
+        ids = torch.from_numpy(blocks.astype(np.int64))
+        return Batch(ids=ids, n_tokens=n, tgt_in=block[:, :-1].contiguous(), tgt_out=tgt_out)

@@ -1,0 +1,145 @@
+"""Batch plans from lengths alone: which examples form each global batch of an epoch.
+
+A plan needs no token: every rank computes the same plan from the cache's length index (a few
+arrays of one integer per example), then reads only the rows of its own batches. The same
+(seed, epoch) gives the same plan on every rank and every world size, which is what makes the
+data position global.
+
+Translation and classification (`pair_plan`): the epoch's examples are permuted whole, cut into
+windows of `window` examples, each window sorted by width (stable: rows of one width keep their
+shuffled order), cut into token-budget batches, and all the epoch's batches are shuffled
+together. The whole-epoch permutation makes each window a sample of the whole corpus rather
+than of one stretch of the file; the window bounds how alike a batch's lengths are.
+
+Language modelling (`lm_plan`): documents, permuted whole, are joined by eos into one stream and
+cut into blocks of block_size tokens, `rows` blocks a batch, in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Plan:
+    """The global batches of one epoch: batch k holds rows[bounds[k]:bounds[k + 1]]."""
+
+    rows: np.ndarray
+    bounds: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def batch(self, k: int) -> np.ndarray:
+        return self.rows[self.bounds[k] : self.bounds[k + 1]]
+
+
+def epoch_rng(seed: int, epoch: int) -> np.random.Generator:
+    return np.random.default_rng([seed, epoch])
+
+
+def budget_bounds(width: np.ndarray, max_tokens: int) -> np.ndarray:
+    """Greedy cut of consecutive rows into batches with rows x widest row <= max_tokens.
+
+    Returns the batch boundaries (0 first, len(width) last). A row wider than max_tokens alone
+    still gets a batch of its own. One numpy call per batch, not per row: the cost of a batch
+    of n rows, (n) x running max of the width, only grows with n.
+    """
+    bounds, start, n = [0], 0, len(width)
+    while start < n:
+        # A batch has at most max_tokens // width[start] rows: the running max is >= width[start].
+        span = width[start : start + max(1, max_tokens // max(int(width[start]), 1)) + 1]
+        cost = np.maximum.accumulate(span) * np.arange(1, len(span) + 1)
+        start += max(1, int(np.searchsorted(cost, max_tokens, side="right")))
+        bounds.append(start)
+    return np.asarray(bounds, dtype=np.int64)
+
+
+def sorted_bounds(width: np.ndarray, window_start: np.ndarray, max_tokens: int) -> np.ndarray:
+    """budget_bounds for rows sorted by width within windows (batches never cross a window),
+    without a numpy call per batch.
+
+    In an ascending run, a batch ending at row e fits iff its start s >= g(e) = e + 1 -
+    max(1, max_tokens // width[e]) (a row wider than the budget stands alone), and g increases
+    with e. Clamped to the window's start it still never decreases, and rows of the next window
+    have g above this window's rows: the batch from s ends at the last e with g(e) <= s.
+    """
+    n = len(width)
+    fits = np.maximum(max_tokens // np.maximum(width, 1), 1)
+    g = np.maximum(np.arange(1, n + 1) - fits, window_start)
+    bounds, s = [0], 0
+    while s < n:
+        s = int(np.searchsorted(g, s, side="right"))
+        bounds.append(s)
+    return np.asarray(bounds, dtype=np.int64)
+
+
+def pair_plan(
+    width: np.ndarray,
+    keep: np.ndarray,
+    max_tokens: int,
+    window: int,
+    rng: np.random.Generator | None,
+) -> Plan:
+    """Token-budget batches of the examples `keep` (indices), by `width` (tokens of a row).
+
+    rng None keeps the given order (evaluation) and does not shuffle batches; window 0 does not
+    sort by width either.
+    """
+    order = keep if rng is None else rng.permutation(keep)
+    if not window:
+        return Plan(order, budget_bounds(width[order], max_tokens))
+    pieces = []
+    for lo in range(0, len(order), window):
+        part = order[lo : lo + window]
+        # uint16 keys take numpy's radix sort: linear in the window.
+        key = np.minimum(width[part], np.iinfo(np.uint16).max).astype(np.uint16)
+        pieces.append(part[np.argsort(key, kind="stable")])
+    rows = np.concatenate(pieces) if pieces else order
+    window_start = np.arange(len(rows)) // window * window
+    bounds = sorted_bounds(width[rows], window_start, max_tokens)
+    if rng is None:
+        return Plan(rows, bounds)
+    # Shuffle whole batches: permute the (start, length) pairs, then gather.
+    perm = rng.permutation(len(bounds) - 1)
+    starts, lengths = bounds[:-1][perm], np.diff(bounds)[perm]
+    new_bounds = np.concatenate([[0], np.cumsum(lengths)])
+    gather = np.repeat(starts - new_bounds[:-1], lengths) + np.arange(new_bounds[-1])
+    return Plan(rows[gather], new_bounds)
+
+
+@dataclass
+class LmPlan:
+    """One epoch of a language model: documents `docs` in this order, each followed by eos,
+    form one stream of `total` tokens; block b is stream[b * size : (b + 1) * size] (the last
+    block padded), and batch k holds blocks k * rows ... k * rows + rows - 1."""
+
+    docs: np.ndarray
+    ends: np.ndarray  # cumulative stream length after each doc (eos included)
+    total: int
+    size: int
+    rows: int
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.total // self.size)
+
+    def __len__(self) -> int:
+        return -(-self.n_blocks // self.rows)
+
+    def blocks(self, k: int) -> np.ndarray:
+        return np.arange(k * self.rows, min((k + 1) * self.rows, self.n_blocks))
+
+
+def lm_plan(
+    doc_lengths: np.ndarray, block_size: int, rows: int, rng: np.random.Generator | None
+) -> LmPlan:
+    n = len(doc_lengths)
+    docs = np.arange(n) if rng is None else rng.permutation(n)
+    ends = np.cumsum(doc_lengths[docs] + 1)
+    total = int(ends[-1]) if n else 0
+    if total % block_size == 1:  # a last block of one token has no target: drop it
+        total -= 1
+    return LmPlan(docs, ends, total, block_size, max(1, rows))

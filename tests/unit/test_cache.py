@@ -1,0 +1,362 @@
+"""The token cache and the loader that plans batches from it: content, plans, ranks, exact
+resume, and the errors a stale or damaged cache gives."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from aiayn.config import Config, DataConfig, ModelConfig, TokenizerConfig, TrainConfig
+from aiayn.data import Batch, CachedLoader, ensure_cache, make_loader
+from aiayn.data.cache import MANIFEST, cache_dir
+from aiayn.data.plan import budget_bounds, pair_plan, sorted_bounds
+from aiayn.demo_data import write_classify, write_lm, write_numbers
+from aiayn.errors import DataError
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
+
+# ---- fixtures and helpers ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_numbers(tmp_path_factory.mktemp("numbers"), n_train=300, n_valid=20, n_test=10)
+
+
+@pytest.fixture(scope="module")
+def lm_corpus(tmp_path_factory) -> Path:
+    return write_lm(tmp_path_factory.mktemp("lm"), n_train=80, n_valid=10, n_test=10)
+
+
+@pytest.fixture(scope="module")
+def tok(corpus, lm_corpus, tmp_path_factory):
+    sents = [
+        line
+        for path in (corpus / "train.en", corpus / "train.de", lm_corpus / "train.txt")
+        for line in path.read_text().splitlines()
+    ]
+    out = tmp_path_factory.mktemp("tok") / "spm.model"
+    return train_tokenizer(TokenizerConfig(vocab_size=150), sents, out)
+
+
+def s2s(run_dir: Path, prefix: Path, kind="seq2seq", fmt="parallel", **data) -> Config:
+    data = {"shuffle_buffer": 64, "max_len": 64, **data}
+    return Config(
+        run_dir=str(run_dir),
+        model=ModelConfig(kind=kind, max_len=128),
+        data=DataConfig(format=fmt, train=str(prefix), src_lang="en", tgt_lang="de", **data),
+        train=TrainConfig(max_tokens=200, seed=3),
+    )
+
+
+def lm(run_dir: Path, corpus: Path, **data) -> Config:
+    data = {"shuffle_buffer": 16, "max_len": 16, **data}
+    return Config(
+        run_dir=str(run_dir),
+        model=ModelConfig(kind="lm", max_len=64),
+        data=DataConfig(format="text", train=str(corpus / "train.txt"), **data),
+        train=TrainConfig(max_tokens=64, seed=3),
+    )
+
+
+def cached(cfg: Config, tok, train=True, rank=0, world_size=1) -> CachedLoader:
+    cache = ensure_cache(cfg, "train", tok)
+    return make_loader(
+        cfg, cfg.data.train, tok, train=train, rank=rank, world_size=world_size, cache=cache
+    )
+
+
+def take(it, n: int) -> list[Batch]:
+    return [next(it) for _ in range(n)]
+
+
+def same(a: Batch, b: Batch) -> bool:
+    fields = ("ids", "src", "tgt_in", "tgt_out", "labels")
+    tensors = all(
+        (getattr(a, f) is None and getattr(b, f) is None)
+        or torch.equal(getattr(a, f), getattr(b, f))
+        for f in fields
+    )
+    return tensors and a.n_tokens == b.n_tokens
+
+
+def roundtrip(state: dict) -> dict:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+def cache_bytes(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir())}
+
+
+# ---- plans -------------------------------------------------------------------------------
+
+
+def test_the_sorted_cut_equals_the_greedy_cut_batch_by_batch():
+    for trial in range(300):
+        r = np.random.default_rng(trial)
+        n, window, budget = int(r.integers(1, 400)), int(r.integers(1, 90)), int(r.integers(1, 300))
+        width = np.concatenate(
+            [np.sort(r.integers(1, 60, n)[lo : lo + window]) for lo in range(0, n, window)]
+        )
+        expected = [0]
+        for lo in range(0, n, window):
+            expected += (budget_bounds(width[lo : lo + window], budget)[1:] + lo).tolist()
+        got = sorted_bounds(width, np.arange(n) // window * window, budget)
+        assert got.tolist() == expected, f"trial {trial}"
+
+
+def test_a_plan_holds_every_kept_example_once_within_the_budget():
+    r = np.random.default_rng(0)
+    width = r.integers(2, 40, 5000).astype(np.int32)
+    keep = np.flatnonzero(width < 35)
+    plan = pair_plan(width, keep, 300, 700, np.random.default_rng(1))
+    assert sorted(plan.rows.tolist()) == keep.tolist()
+    costs = [len(plan.batch(k)) * width[plan.batch(k)].max() for k in range(len(plan))]
+    assert max(costs) <= 300
+    # Batches are shuffled across the whole epoch: widths do not rise batch after batch.
+    first_width = [int(width[plan.batch(k)][0]) for k in range(len(plan))]
+    assert first_width != sorted(first_width)
+
+
+# ---- content -------------------------------------------------------------------------------
+
+
+def test_seq2seq_rows_are_the_tokenized_pairs_with_eos_and_bos(tmp_path, corpus, tok):
+    src, tgt = lines(corpus / "train.en"), lines(corpus / "train.de")
+    seen = []
+    for b in cached(s2s(tmp_path, corpus / "train"), tok, train=False):
+        for row, i in enumerate(b.ids.tolist()):
+            s, t = tok.encode([src[i], tgt[i]])
+            assert b.src[row, : len(s) + 1].tolist() == s + [EOS_ID]
+            assert (b.src[row, len(s) + 1 :] == PAD_ID).all()
+            assert b.tgt_in[row, : len(t) + 1].tolist() == [BOS_ID] + t
+            assert b.tgt_out[row, : len(t) + 1].tolist() == t + [EOS_ID]
+        assert b.n_tokens == int((b.tgt_out != PAD_ID).sum())
+        seen += b.ids.tolist()
+    assert sorted(seen) == list(range(300))
+
+
+def test_the_cached_eval_pass_equals_the_streamed_one(tmp_path, corpus, tok):
+    """Same windows, same order, same batches: only where the tokens come from differs."""
+    cfg = s2s(tmp_path, corpus / "train")
+    streamed = list(make_loader(cfg, cfg.data.train, tok, train=False))
+    from_cache = list(cached(cfg, tok, train=False))
+    assert len(streamed) == len(from_cache)
+    assert all(same(a, b) for a, b in zip(streamed, from_cache, strict=True))
+
+
+def test_every_example_once_per_epoch_and_epochs_differ(tmp_path, corpus, tok):
+    ld = cached(s2s(tmp_path, corpus / "train"), tok)
+    it, epochs = iter(ld), {0: [], 1: [], 2: []}
+    while ld.epoch < 3:
+        b = next(it)
+        if ld.epoch < 3:
+            epochs[ld.epoch] += b.ids.tolist()
+    assert all(sorted(ids) == list(range(300)) for ids in epochs.values())
+    assert epochs[0] != epochs[1] != epochs[2]
+
+
+def test_lm_blocks_are_the_permuted_documents_joined_by_eos(tmp_path, lm_corpus, tok):
+    ld = cached(lm(tmp_path, lm_corpus), tok)
+    it = iter(ld)
+    blocks = []
+    while ld.epoch == 0:
+        b = next(it)
+        if ld.epoch == 0:
+            assert b.tgt_in.shape[1] == 16 and torch.equal(b.tgt_in[:, 1:], b.tgt_out[:, :-1])
+            blocks += [[int(r[0])] + o.tolist() for r, o in zip(b.tgt_in, b.tgt_out, strict=True)]
+    stream = [t for block in blocks for t in block if t != PAD_ID]
+    docs = [tuple(d) for d in tok.encode(lines(lm_corpus / "train.txt"))]
+    got = [tuple(d) for d in _split(stream, EOS_ID)]
+    assert sorted(got) == sorted(docs)  # each document once, whole
+    assert got != docs  # in a shuffled order
+
+
+def _split(stream: list[int], sep: int) -> list[list[int]]:
+    out, doc = [], []
+    for t in stream:
+        if t == sep:
+            out.append(doc)
+            doc = []
+        else:
+            doc.append(t)
+    return out
+
+
+def test_classifier_batches_carry_labels(tmp_path, tok):
+    write_classify(tmp_path, n_train=120, n_valid=10, n_test=10)
+    cfg = s2s(tmp_path, tmp_path / "train.jsonl", kind="classifier", fmt="jsonl")
+    rows = [json.loads(line) for line in lines(tmp_path / "train.jsonl")]
+    n = 0
+    for b in cached(cfg, tok, train=False):
+        assert b.n_tokens == b.size and b.labels.tolist() == [rows[i]["label"] for i in b.ids]
+        n += b.size
+    assert n == 120
+
+
+def test_too_long_and_empty_examples_are_counted(tmp_path, tok):
+    (tmp_path / "c.en").write_text("one\n\nthree hundred and five\nfour\n")
+    (tmp_path / "c.de").write_text("eins\nzwei\ndrei hundert und fünf\n\n")
+    ld = cached(s2s(tmp_path, tmp_path / "c", max_len=4), tok, train=False)
+    assert [i for b in ld for i in b.ids.tolist()] == [0]
+    stats = ld.stats()
+    assert (stats["dropped_empty"], stats["dropped_too_long"], stats["examples_read"]) == (2, 1, 4)
+
+
+# ---- ranks and resume ------------------------------------------------------------------
+
+
+def test_ranks_take_alternate_batches_of_the_single_rank_stream(tmp_path, corpus, tok):
+    cfg = s2s(tmp_path, corpus / "train")
+    single = take(iter(cached(cfg, tok)), 120)
+    for world in (2, 3):
+        per_rank = [
+            take(iter(cached(cfg, tok, rank=r, world_size=world)), 40) for r in range(world)
+        ]
+        interleaved = [b for group in zip(*per_rank, strict=True) for b in group]
+        assert all(same(x, y) for x, y in zip(interleaved, single[: 40 * world], strict=True))
+
+
+@pytest.mark.parametrize("kind", ["seq2seq", "lm"])
+def test_resume_mid_epoch_and_across_epochs_gives_identical_batches(
+    kind, tmp_path, corpus, lm_corpus, tok
+):
+    cfg = s2s(tmp_path, corpus / "train") if kind == "seq2seq" else lm(tmp_path, lm_corpus)
+    ld = cached(cfg, tok)
+    it = iter(ld)
+    per_epoch = next(k for k in itertools.count() if (next(it), ld.epoch)[1] == 1)
+    ref = take(iter(cached(cfg, tok)), 2 * per_epoch + 10)
+    for cut in (1, per_epoch // 2, per_epoch - 1, per_epoch, per_epoch + 3):
+        ld = cached(cfg, tok)
+        take(iter(ld), cut)
+        fresh = cached(cfg, tok)
+        fresh.load_state_dict(roundtrip(ld.state_dict()))
+        got = take(iter(fresh), 10)
+        assert all(same(x, y) for x, y in zip(got, ref[cut : cut + 10], strict=True)), cut
+
+
+def test_a_position_saved_on_two_ranks_resumes_on_three_and_on_one(tmp_path, corpus, tok):
+    cfg = s2s(tmp_path, corpus / "train")
+    single = take(iter(cached(cfg, tok)), 90)
+    r1 = cached(cfg, tok, rank=1, world_size=2)
+    take(iter(r1), 13)  # the group has consumed 26 global batches
+    state = roundtrip(r1.state_dict())
+    one = cached(cfg, tok)
+    one.load_state_dict(state)
+    assert all(same(x, y) for x, y in zip(take(iter(one), 10), single[26:36], strict=True))
+    three = cached(cfg, tok, rank=2, world_size=3)
+    three.load_state_dict(state)  # rank 2 of 3 takes global batches 28, 31, ...
+    assert all(same(x, y) for x, y in zip(take(iter(three), 5), single[28:43:3], strict=True))
+
+
+def test_a_streaming_position_or_other_settings_are_refused(tmp_path, corpus, tok):
+    cfg = s2s(tmp_path, corpus / "train")
+    streamed = make_loader(cfg, cfg.data.train, tok, train=True)
+    take(iter(streamed), 2)
+    with pytest.raises(DataError, match="streaming loader's .data.cache=false."):
+        cached(cfg, tok).load_state_dict(streamed.state_dict())
+    ld = cached(cfg, tok)
+    take(iter(ld), 2)
+    cfg.train.max_tokens = 300
+    with pytest.raises(DataError, match="max_tokens: checkpoint 200, now 300"):
+        cached(cfg, tok).load_state_dict(ld.state_dict())
+
+
+# ---- a cache you can trust -------------------------------------------------------------
+
+
+def test_a_second_open_reads_the_cache_and_a_rebuild_gives_the_same_bytes(tmp_path, corpus, tok):
+    cfg = s2s(tmp_path, corpus / "train")
+    root = ensure_cache(cfg, "train", tok).root
+    assert root == cache_dir(cfg, "train") and not root.with_name("train.partial").exists()
+    first = cache_bytes(root)
+    manifest = json.loads(first[MANIFEST])
+    assert manifest["counts"]["examples"] == 300
+    assert manifest["fingerprint"]["tokenizer_sha256"] == tok.sha256
+    src_file = manifest["fingerprint"]["files"][0]
+    assert src_file["path"].endswith("train.en") and len(src_file["sha256"]) == 64
+    before = os.stat(root / "src_tokens.npy").st_mtime_ns
+    ensure_cache(cfg, "train", tok)
+    assert os.stat(root / "src_tokens.npy").st_mtime_ns == before  # opened, not rebuilt
+    ensure_cache(cfg, "train", tok, rebuild=True)
+    assert cache_bytes(root) == first
+
+
+def test_a_cache_of_another_tokenizer_is_refused_by_field(tmp_path, corpus, tok):
+    cfg = s2s(tmp_path, corpus / "train")
+    ensure_cache(cfg, "train", tok)
+    other = train_tokenizer(
+        TokenizerConfig(vocab_size=100), lines(corpus / "train.en"), tmp_path / "other.model"
+    )
+    with pytest.raises(DataError) as err:
+        ensure_cache(cfg, "train", other)
+    msg = str(err.value)
+    assert f"tokenizer_sha256: cache {tok.sha256!r}, now {other.sha256!r}" in msg
+    assert "vocab_size: cache 150, now 100" in msg and "--force" in msg
+
+
+def test_a_changed_source_file_is_named(tmp_path, corpus, tok):
+    for side in ("en", "de"):
+        (tmp_path / f"c.{side}").write_text((corpus / f"train.{side}").read_text())
+    cfg = s2s(tmp_path, tmp_path / "c")
+    ensure_cache(cfg, "train", tok)
+    os.utime(tmp_path / "c.de", ns=(1, 1))  # touched: same bytes, same content
+    ensure_cache(cfg, "train", tok)
+    text = (tmp_path / "c.de").read_text()
+    (tmp_path / "c.de").write_text(text.replace("eins", "zwei", 1))
+    with pytest.raises(DataError, match=r"c\.de: its content changed since the cache was built"):
+        ensure_cache(cfg, "train", tok)
+    (tmp_path / "c.en").write_text((tmp_path / "c.en").read_text() + "one\n")
+    (tmp_path / "c.de").write_text(text + "eins\n")
+    with pytest.raises(DataError, match=r"c\.en: cache \d+ bytes, now \d+ bytes"):
+        ensure_cache(cfg, "train", tok)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "remove", "manifest"])
+def test_a_damaged_cache_is_refused_before_any_batch(tmp_path, corpus, tok, damage):
+    cfg = s2s(tmp_path, corpus / "train")
+    root = ensure_cache(cfg, "train", tok).root
+    tokens = root / "tgt_tokens.npy"
+    data = bytearray(tokens.read_bytes())
+    if damage == "truncate":
+        tokens.write_bytes(data[:-64])
+        expected = r"tgt_tokens\.npy is \d+ bytes, the manifest says \d+ bytes"
+    elif damage == "flip":
+        data[-3] ^= 0x01
+        tokens.write_bytes(bytes(data))
+        expected = r"tgt_tokens\.npy does not match the sha256 its manifest records"
+    elif damage == "remove":
+        tokens.unlink()
+        expected = r"tgt_tokens\.npy is missing"
+    else:
+        (root / MANIFEST).write_text('{"version": 1, "finger')
+        expected = "has no readable manifest"
+    with pytest.raises(DataError, match=expected) as err:
+        cached(cfg, tok)
+    assert "--force" in str(err.value)
+
+
+def test_a_partial_build_is_never_read_and_a_torn_part_is_redone(tmp_path, corpus, tok):
+    cfg = s2s(tmp_path, corpus / "train")
+    root = ensure_cache(cfg, "train", tok).root
+    reference = cache_bytes(root)
+    (root / MANIFEST).unlink()  # as if killed before the manifest was written
+    work = root.with_name("train.partial")
+    work.mkdir()
+    (work / "part_00000000.npz").write_bytes(b"torn")  # a part that was never finished
+    ld = cached(cfg, tok)  # rebuilds: no manifest, so the arrays there are not trusted
+    assert cache_bytes(root) == reference and not work.exists()
+    assert sum(b.size for b in itertools.islice(iter(ld), 5)) > 0
