@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from aiayn.config import load_config
-from aiayn.data import make_loader
+from aiayn.data import ensure_cache, make_loader
 from aiayn.tokenizer import Tokenizer
 
 from procs import ENV, aiayn, assert_close, final_weights, free_port, run, torchrun
@@ -107,11 +107,12 @@ def test_uneven_shards_finish_and_every_example_is_seen_once_per_epoch(setup):
     """An odd number of batches per epoch on 2 ranks: one rank starts epoch 1 while the other
     ends epoch 0. Nothing hangs, and epoch 0's examples are each trained on exactly once."""
     root, config = setup
-    cfg = load_config(config)
+    cfg = load_config(config, [f"run_dir={root / 'uneven'}"])
     tok = Tokenizer(cfg.tokenizer_path)
+    cache = ensure_cache(cfg, "train", tok)  # the one the run will open
     for max_tokens in range(600, 800, 10):
         cfg.train.max_tokens = max_tokens
-        n_batches = sum(1 for _ in make_loader(cfg, cfg.data.train, tok, train=False))
+        n_batches = len(make_loader(cfg, cfg.data.train, tok, train=True, cache=cache).plan(0))
         if n_batches % 2:
             break
     assert n_batches % 2, "no max_tokens gives an odd number of batches"

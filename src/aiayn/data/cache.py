@@ -246,11 +246,14 @@ def ensure_cache(
     sync = sync or (lambda value: [value])
     root = cache_dir(cfg, split)
     expected = fingerprint(cfg, split, tok)
+    work = root.parent / f"{root.name}.partial"
     if not rebuild and (root / MANIFEST).is_file():
-        return open_cache(root, expected)
+        cache = open_cache(root, expected)
+        if rank == 0 and work.is_dir():  # killed after the manifest, before the clean-up
+            shutil.rmtree(work, ignore_errors=True)
+        return cache
     started = time.perf_counter()
     _all_ok(sync, lambda: _start_build(cfg, split, tok, root, rebuild) if rank == 0 else None)
-    work = root.parent / f"{root.name}.partial"
     built = _all_ok(sync, lambda: _build_parts(cfg, split, tok, work, rank, world_size))
     _all_ok(sync, lambda: _merge(work, root, built, expected, cfg) if rank == 0 else None)
     cache = open_cache(root, expected, verify=False)  # just written and hashed

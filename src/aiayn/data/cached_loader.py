@@ -157,7 +157,7 @@ class CachedLoader:
             if k % W == self.rank:
                 self._pos, self.epoch = round_pos, epoch
                 self._batches += 1
-                yield self._make_batch(self._plan(epoch), i)
+                yield self._make_batch(self.plan(epoch), i)
         if not self.train:
             self._pos = {"epoch": 0, "done": 0}
 
@@ -166,7 +166,7 @@ class CachedLoader:
         when training. Skipping costs the plans, never a token."""
         epoch, done = pos["epoch"], pos["done"]
         while True:
-            n = len(self._plan(epoch))
+            n = len(self.plan(epoch))
             if n == 0:
                 raise self._nothing_left()
             for i in range(min(done, n), n):
@@ -175,7 +175,8 @@ class CachedLoader:
                 return
             epoch, done = epoch + 1, max(done - n, 0)
 
-    def _plan(self, epoch: int) -> Plan | LmPlan:
+    def plan(self, epoch: int) -> Plan | LmPlan:
+        """The global batches of `epoch` (computed once, kept while it is the current one)."""
         if self._plan_of is None or self._plan_of[0] != epoch:
             rng = epoch_rng(self.seed, epoch) if self.train and self.cfg.shuffle_buffer else None
             if self.kind == "lm":

@@ -1,0 +1,210 @@
+"""Does each rank's input work fall as 1/W? And how fast is the token cache built?
+
+    python benchmarks/data_world.py                  # Multi30k; prepare speed on 4.5M pairs
+    python benchmarks/data_world.py --pairs 300000   # a smaller prepare corpus
+    python benchmarks/data_world.py --quick          # 2 repeats, 100k pairs: a smoke test
+
+Three tables:
+  world     rank 0 of W = 1, 2, 8, 32, 64, simulated in one process: seconds for one epoch of
+            its batches (plan included) and target tokens/s delivered to it, from the token
+            cache and from the streaming loader (data.cache=false). Goals (issue 16), cached:
+            W=8 at most 0.2x W=1, W=32 at most 0.06x; at least 5M target tokens/s per rank.
+  prepare   `ensure_cache` (what `aiayn data prepare` runs) on a corpus the size of WMT14
+            en-de (4.5M pairs) made by repeating Multi30k under runs/bench/ (never committed),
+            pinned to one core and then on all cores. Goal: at least 1.7x one core.
+  memory    resident memory of the index and one epoch's plan for that corpus, per rank.
+            Goal: at most 200 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _common import fmt, machine, markdown_table, summary
+
+from aiayn.config import load_config
+from aiayn.data import ensure_cache, make_loader
+from aiayn.data.sources import open_split
+from aiayn.tokenizer import Tokenizer
+from aiayn.train import prepare_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
+WORLDS = (1, 2, 8, 32, 64)
+
+
+def config(train: Path, cache: Path, max_tokens: int):
+    return load_config(
+        ROOT / "configs/multi30k_de_en.yaml",
+        [
+            f"data.train={train}",
+            f"data.cache_dir={cache}",
+            f"train.max_tokens={max_tokens}",
+            "tokenizer.path=" + str(ROOT / "runs/bench/multi30k_bpe8k.model"),
+        ],
+    )
+
+
+def one_epoch(loader, world_size: int) -> tuple[float, int]:
+    """Seconds and target tokens of rank 0's batches of epoch 0, from a fresh loader: the
+    streaming loader until its epoch changes, the cached one for the ceil(n / W) batches its
+    plan gives rank 0 (planning included)."""
+    start, tokens = time.perf_counter(), 0
+    if hasattr(loader, "plan"):
+        batches = itertools.islice(loader, -(-len(loader.plan(0)) // world_size))
+    else:
+        batches = itertools.takewhile(lambda _: loader.epoch == 0, loader)
+    for batch in batches:
+        tokens += batch.n_tokens
+    return time.perf_counter() - start, tokens
+
+
+def world_table(cfg, tok, repeats: int) -> str:
+    cache = ensure_cache(cfg, "train", tok)
+    rows, base = [], {}
+    for W in WORLDS:
+        row = [str(W)]
+        for name in ("cache", "stream"):
+            times, tokens = [], 0
+            for _ in range(repeats):
+                ld = make_loader(
+                    cfg,
+                    cfg.data.train,
+                    tok,
+                    train=True,
+                    rank=0,
+                    world_size=W,
+                    cache=cache if name == "cache" else None,
+                )
+                seconds, tokens = one_epoch(ld, W)
+                times.append(seconds)
+            med, lo, hi = summary(times)
+            base.setdefault(name, med)
+            row += [f"{med:.4f} ({lo:.4f}-{hi:.4f})", f"{med / base[name]:.3f}x", fmt(tokens / med)]
+        rows.append(row)
+    header = ["W"]
+    for name in ("cached", "streamed"):
+        header += [f"{name}: s/epoch (min-max)", "vs W=1", "target tok/s to rank 0"]
+    return markdown_table(header, rows)
+
+
+def big_corpus(pairs: int) -> Path:
+    """Multi30k train repeated to `pairs` lines per side, plain text, under runs/bench/."""
+    out = ROOT / "runs" / "bench" / f"repeated_{pairs}"
+    if (out / "train.en").is_file():
+        return out / "train"
+    out.mkdir(parents=True, exist_ok=True)
+    for lang in ("de", "en"):
+        lines = gzip.open(MULTI30K / f"train.{lang}.gz", "rt", encoding="utf-8").readlines()
+        with open(out / f"train.{lang}.tmp", "w", encoding="utf-8") as fh:
+            for i in range(pairs):
+                fh.write(lines[i % len(lines)])
+        os.replace(out / f"train.{lang}.tmp", out / f"train.{lang}")
+    return out / "train"
+
+
+def prepare_table(cfg, tok, pairs: int) -> tuple[str, object]:
+    cores = sorted(os.sched_getaffinity(0))
+    rows, rates, cache = [], {}, None
+    read_start = time.perf_counter()
+    n = sum(1 for _ in open_split(cfg.data, cfg.data.train, "seq2seq").dataset())
+    read_rate = n / (time.perf_counter() - read_start)
+    for label, use in (("1 core", cores[:1]), (f"{len(cores)} cores", cores)):
+        os.sched_setaffinity(0, use)
+        try:
+            start = time.perf_counter()
+            cache = ensure_cache(cfg, "train", tok, rebuild=True)
+            seconds = time.perf_counter() - start
+        finally:
+            os.sched_setaffinity(0, cores)
+        c = cache.counts()
+        rates[label] = c["examples"] / seconds
+        tokens = c["src_tokens"] + c["tgt_tokens"]
+        rows.append([label, f"{seconds:.1f}", fmt(c["examples"] / seconds), fmt(tokens / seconds)])
+    speedup = rates[f"{len(cores)} cores"] / rates["1 core"]
+    rows.append(["speed-up", "", f"{speedup:.2f}x", ""])
+    # A 64-core node, 8 ranks of 8 threads: each rank reads the whole stream (datasets, one
+    # Python thread) and tokenises 1/8 of it; tokenising scales with cores, reading does not.
+    tokenise_core_s = n / rates["1 core"] - n / read_rate  # one core's tokenising time
+    projected = max(n / read_rate, tokenise_core_s / 64)
+    note = (
+        f"Reading alone (datasets stream, one thread): {fmt(read_rate)} pairs/s. Projected on a "
+        f"64-core node (8 ranks x 8 threads; every rank reads the stream, the tokenising is "
+        f"split): max(read {n / read_rate:.0f} s, tokenise {tokenise_core_s:.0f} core-s / 64) "
+        f"= {projected:.0f} s for {fmt(n)} pairs."
+    )
+    table = markdown_table(["prepare", "seconds", "pairs/s", "tokens/s"], rows)
+    return table + "\n\n" + note, cache
+
+
+def memory_table(cfg, tok, cache) -> str:
+    """Opening (and verifying) the cache happened before: its hashing reads through the page
+    cache, not the heap."""
+
+    def rss() -> int:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS"))
+
+    before = rss()
+    ld = make_loader(cfg, cfg.data.train, tok, train=True, rank=0, world_size=8, cache=cache)
+    loaded = rss()
+    next(iter(ld))
+    planned = rss()
+    n = len(cache)
+    rows = [
+        ["index (memory maps touched) + lengths", fmt((loaded - before) / 1e6, 1)],
+        ["+ one epoch's plan and the first batch", fmt((planned - before) / 1e6, 1)],
+    ]
+    return markdown_table([f"rank 0 of 8, {fmt(n)} pairs", "resident MB"], rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--pairs", type=int, default=4_500_000, help="pairs of the prepare corpus")
+    p.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="2 repeats, 100k pairs")
+    p.add_argument("--memory-of", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.memory_of:
+        big = config(
+            big_corpus(args.memory_of),
+            ROOT / "runs/bench" / f"cache_{args.memory_of}",
+            args.max_tokens,
+        )
+        tok = Tokenizer(big.tokenizer_path)
+        print(memory_table(big, tok, ensure_cache(big, "train", tok)))
+        return
+    if args.quick:
+        args.repeats, args.pairs = 2, 100_000
+    if not MULTI30K.is_dir():
+        raise SystemExit(f"needs Multi30k in {MULTI30K} (the shared data folder)")
+    logging.basicConfig(level=logging.WARNING)
+    bench = ROOT / "runs" / "bench"
+    cfg = config(MULTI30K / "train", bench / "cache_multi30k", args.max_tokens)
+    tok = prepare_tokenizer(cfg)
+    print(f"Machine: {machine()}\n")
+    print(f"Multi30k de-en train, max_tokens {args.max_tokens}, median of {args.repeats}:\n")
+    print(world_table(cfg, tok, args.repeats) + "\n")
+    big = config(big_corpus(args.pairs), bench / f"cache_{args.pairs}", args.max_tokens)
+    table, cache = prepare_table(big, tok, args.pairs)
+    print(table + "\n")
+    # In a fresh process: this one's heap already holds freed memory from the build.
+    cmd = [sys.executable, __file__, "--memory-of", str(args.pairs), "--max-tokens"]
+    print(
+        subprocess.run(
+            cmd + [str(args.max_tokens)], check=True, capture_output=True, text=True
+        ).stdout
+    )
+
+
+if __name__ == "__main__":
+    main()
