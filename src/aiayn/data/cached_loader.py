@@ -69,18 +69,20 @@ class CachedLoader:
         self._resume_pending = False
         self._plan_of: tuple[int, Plan | LmPlan] | None = None
         self._batches = 0
-        self._src_len = np.diff(cache.src_offsets)
+        # int32 throughout (examples < 2^31, a row < 2^31 tokens): the index and the plan of
+        # millions of examples are per-rank memory.
+        self._src_len = np.diff(cache.src_offsets).astype(np.int32)
         if kind == "lm":
             self._too_long = 0
         else:
             longest = self._src_len
             if cache.tgt_offsets is not None:
-                longest = np.maximum(longest, np.diff(cache.tgt_offsets))
-            fits = longest <= data_cfg.max_len
-            self._keep = np.flatnonzero(fits)
-            self._too_long = len(fits) - len(self._keep)
+                longest = np.maximum(longest, np.diff(cache.tgt_offsets).astype(np.int32))
+            self._keep = np.flatnonzero(longest <= data_cfg.max_len).astype(np.int32)
+            self._too_long = len(longest) - len(self._keep)
             # Every row gains one special token (eos, or bos for tgt_in).
-            self._width = (longest + 1).astype(np.int32)
+            self._width = longest + 1
+            del longest
         self._fingerprint = {
             "loader": LOADER,
             "cache": cache.digest,
