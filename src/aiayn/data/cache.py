@@ -253,7 +253,7 @@ def ensure_cache(
             shutil.rmtree(work, ignore_errors=True)
         return cache
     started = time.perf_counter()
-    _all_ok(sync, lambda: _start_build(cfg, split, tok, root, rebuild) if rank == 0 else None)
+    _all_ok(sync, lambda: _start_build(cfg, split, tok, root, work, rebuild) if rank == 0 else None)
     built = _all_ok(sync, lambda: _build_parts(cfg, split, tok, work, rank, world_size))
     _all_ok(sync, lambda: _merge(work, root, built, expected, cfg) if rank == 0 else None)
     cache = open_cache(root, expected, verify=False)  # just written and hashed
@@ -277,12 +277,13 @@ def _all_ok(sync: Sync, step: Callable[[], object]) -> list:
     return [r for r, _ in outcomes]
 
 
-def _start_build(cfg: Config, split: str, tok: Tokenizer, root: Path, rebuild: bool) -> None:
+def _start_build(
+    cfg: Config, split: str, tok: Tokenizer, root: Path, work: Path, rebuild: bool
+) -> None:
     """Invalidate the old cache (its manifest goes first) and make the work directory."""
     if rebuild and (root / MANIFEST).exists():
         log.info("rebuilding the token cache %s", root)
         (root / MANIFEST).unlink()
-    work = root.parent / f"{root.name}.partial"
     stamp = json.dumps(fingerprint(cfg, split, tok, hashes=True), indent=1, sort_keys=True)
     if work.is_dir() and _read_text(work / "build.json") != stamp:
         log.info("%s was left by a build from other settings: starting over", work)
@@ -391,17 +392,21 @@ def _merge(work: Path, root: Path, built: list[dict], expected: dict, cfg: Confi
         raise DataError(f"the data preparation lost its parts {missing[:3]}; run it again")
     with np.load(parts[0]) as first:
         names = sorted(k for k in first.files if k != "empty")
+        dtypes = {name: first[name].dtype for name in names}
     root.mkdir(parents=True, exist_ok=True)
+    # Sizes from the small arrays alone: a side's token count is the sum of its lengths, so
+    # the token arrays are read once, by the copy below.
     sizes = {name: 0 for name in names}
     empty = 0
     for path in parts:
         with np.load(path) as part:
             for name in names:
-                sizes[name] += len(part[name])
+                if not name.endswith("_tokens"):
+                    sizes[name] += len(part[name])
+            for side in (n.removesuffix("_lengths") for n in names if n.endswith("_lengths")):
+                sizes[f"{side}_tokens"] += int(part[f"{side}_lengths"].sum())
             empty += int(part["empty"])
     n = sizes["ids"]
-    with np.load(parts[0]) as first:
-        dtypes = {name: first[name].dtype for name in names}
     outputs = {}
     for name in names:
         if name.endswith("_lengths"):  # stored as offsets: n + 1 entries
