@@ -20,7 +20,14 @@ import torch
 
 from aiayn.checkpoint import CheckpointManager, load_checkpoint
 from aiayn.config import Config
-from aiayn.data import BatchLoader, CachedLoader, ensure_cache, make_loader, sample_sentences
+from aiayn.data import (
+    BatchLoader,
+    CachedLoader,
+    TokenCache,
+    ensure_cache,
+    make_loader,
+    sample_sentences,
+)
 from aiayn.dist import reshard
 from aiayn.dist.engine import LocalEngine, build_engine
 from aiayn.dist.env import DistEnv, setup, teardown
@@ -57,7 +64,9 @@ def prepare_tokenizer(cfg: Config, retrain: bool = False) -> Tokenizer:
     return train_tokenizer(cfg.tokenizer, sentences, path)
 
 
-def prepare_data(cfg: Config, env: DistEnv, rebuild: bool = False) -> tuple[Tokenizer, object]:
+def prepare_data(
+    cfg: Config, env: DistEnv, rebuild: bool = False
+) -> tuple[Tokenizer, TokenCache | None]:
     """The tokenizer (trained by rank 0 if missing) and, with data.cache, the training split's
     token cache (built by all ranks together if missing). Every rank calls it."""
     if env.is_main:  # one writer: the others wait, then load what it trained
