@@ -7,6 +7,7 @@ import io
 import itertools
 import json
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -114,7 +115,7 @@ def test_the_sorted_cut_equals_the_greedy_cut_batch_by_batch():
         expected = [0]
         for lo in range(0, n, window):
             expected += (budget_bounds(width[lo : lo + window], budget)[1:] + lo).tolist()
-        got = sorted_bounds(width, np.arange(n) // window * window, budget)
+        got = sorted_bounds(width, window, budget)
         assert got.tolist() == expected, f"trial {trial}"
 
 
@@ -167,6 +168,19 @@ def test_every_example_once_per_epoch_and_epochs_differ(tmp_path, corpus, tok):
             epochs[ld.epoch] += b.ids.tolist()
     assert all(sorted(ids) == list(range(300)) for ids in epochs.values())
     assert epochs[0] != epochs[1] != epochs[2]
+
+
+def test_the_next_epochs_plan_is_made_ahead_and_equals_a_fresh_one(tmp_path, corpus, tok):
+    cfg = s2s(tmp_path, corpus / "train")
+    ld = cached(cfg, tok)
+    it = iter(ld)
+    next(it)
+    assert any(t.name.startswith("aiayn-plan") for t in threading.enumerate())
+    while ld.epoch < 1:
+        next(it)
+    ahead, fresh = ld.plan(1), cached(cfg, tok).plan(1)
+    assert len(ahead) == len(fresh) > 1
+    assert all(ahead.batch(k).tolist() == fresh.batch(k).tolist() for k in range(len(fresh)))
 
 
 def test_lm_blocks_are_the_permuted_documents_joined_by_eos(tmp_path, lm_corpus, tok):

@@ -2,7 +2,9 @@
 
 Every rank computes the same global plan of an epoch from the cache's length index (plan.py)
 and builds only its own batches, global batches r, r + W, r + 2W, ... of the stream of epochs:
-what a rank reads and pads falls as 1/W. The plan costs one pass over the lengths per epoch.
+what a rank reads and pads falls as 1/W. The plan costs a few passes over the lengths per epoch,
+under a second for millions of examples; while training, the next epoch's plan is computed in a
+background thread (numpy releases the GIL), so the epoch boundary does not stall the loop.
 
 Position: (epoch, global batches of that epoch the group has consumed), a count that may run
 past the epoch's end into the next ones. It is the group's, not the rank's, so a checkpoint from
@@ -15,6 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -68,21 +71,24 @@ class CachedLoader:
         self._pos = {"epoch": 0, "done": 0}
         self._resume_pending = False
         self._plan_of: tuple[int, Plan | LmPlan] | None = None
+        self._ahead: tuple[int, Future] | None = None  # the next epoch's plan, while training
+        self._planner: ThreadPoolExecutor | None = None
         self._batches = 0
         # int32 throughout (examples < 2^31, a row < 2^31 tokens): the index and the plan of
-        # millions of examples are per-rank memory.
-        self._src_len = np.diff(cache.src_offsets).astype(np.int32)
+        # millions of examples are per-rank memory. Pairs keep only widths; rows read their
+        # lengths from the offsets of their own batch.
+        src_len = np.diff(cache.src_offsets).astype(np.int32)
         if kind == "lm":
-            self._too_long = 0
+            self._doc_len, self._too_long = src_len, 0
         else:
-            longest = self._src_len
+            longest = src_len
             if cache.tgt_offsets is not None:
-                longest = np.maximum(longest, np.diff(cache.tgt_offsets).astype(np.int32))
+                np.maximum(longest, np.diff(cache.tgt_offsets), out=longest, casting="unsafe")
             self._keep = np.flatnonzero(longest <= data_cfg.max_len).astype(np.int32)
             self._too_long = len(longest) - len(self._keep)
             # Every row gains one special token (eos, or bos for tgt_in).
-            self._width = longest + 1
-            del longest
+            longest += 1
+            self._width = longest
         self._fingerprint = {
             "loader": LOADER,
             "cache": cache.digest,
@@ -171,6 +177,8 @@ class CachedLoader:
             n = len(self.plan(epoch))
             if n == 0:
                 raise self._nothing_left()
+            if self.train:
+                self._plan_ahead(epoch + 1)
             for i in range(min(done, n), n):
                 yield epoch, i
             if not self.train:
@@ -180,16 +188,28 @@ class CachedLoader:
     def plan(self, epoch: int) -> Plan | LmPlan:
         """The global batches of `epoch` (computed once, kept while it is the current one)."""
         if self._plan_of is None or self._plan_of[0] != epoch:
-            rng = epoch_rng(self.seed, epoch) if self.train and self.cfg.shuffle_buffer else None
-            if self.kind == "lm":
-                size = self.cfg.max_len + 1
-                rows = self.max_tokens // self.cfg.max_len
-                plan = lm_plan(self._src_len, size, rows, rng)
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None and ahead[0] == epoch:
+                plan = ahead[1].result()
             else:
-                window = self.cfg.shuffle_buffer
-                plan = pair_plan(self._width, self._keep, self.max_tokens, window, rng)
+                plan = self._compute_plan(epoch)
             self._plan_of = (epoch, plan)
         return self._plan_of[1]
+
+    def _plan_ahead(self, epoch: int) -> None:
+        if self._ahead is not None and self._ahead[0] == epoch:
+            return
+        if self._planner is None:
+            self._planner = ThreadPoolExecutor(1, thread_name_prefix="aiayn-plan")
+        self._ahead = (epoch, self._planner.submit(self._compute_plan, epoch))
+
+    def _compute_plan(self, epoch: int) -> Plan | LmPlan:
+        rng = epoch_rng(self.seed, epoch) if self.train and self.cfg.shuffle_buffer else None
+        if self.kind == "lm":
+            rows = self.max_tokens // self.cfg.max_len
+            return lm_plan(self._doc_len, self.cfg.max_len + 1, rows, rng)
+        window = self.cfg.shuffle_buffer
+        return pair_plan(self._width, self._keep, self.max_tokens, window, rng)
 
     def _nothing_left(self) -> DataError:
         s = self.stats()
@@ -208,8 +228,8 @@ class CachedLoader:
         rows = plan.batch(k)
         c = self.cache
         ids = torch.from_numpy(np.asarray(c.ids[rows], dtype=np.int64))
-        start, length = c.src_offsets[rows], self._src_len[rows]
-        src = padded_rows(c.src_tokens, start, length, pad, eos=eos)
+        start = c.src_offsets[rows]
+        src = padded_rows(c.src_tokens, start, c.src_offsets[rows + 1] - start, pad, eos=eos)
         if self.kind == "classifier":
             labels = torch.from_numpy(np.asarray(c.labels[rows], dtype=np.int64))
             return Batch(ids=ids, n_tokens=len(rows), src=src, labels=labels)
@@ -226,7 +246,7 @@ class CachedLoader:
         inside = pos < plan.total
         j = np.minimum(np.searchsorted(plan.ends, pos, side="right"), len(plan.docs) - 1)
         doc = plan.docs[j]
-        length = self._src_len[doc]
+        length = self._doc_len[doc]
         within = pos - (plan.ends[j] - length - 1)
         at_eos = within >= length
         tokens = self.cache.src_tokens[self.cache.src_offsets[doc] + np.minimum(within, length - 1)]

@@ -24,16 +24,20 @@ import numpy as np
 
 @dataclass
 class Plan:
-    """The global batches of one epoch: batch k holds rows[bounds[k]:bounds[k + 1]]."""
+    """The global batches of one epoch: batch k holds rows[bounds[j]:bounds[j + 1]], with
+    j = order[k] (j = k when order is None). Shuffling batches through `order` rather than by
+    gathering rows keeps one array of rows per plan."""
 
     rows: np.ndarray
     bounds: np.ndarray
+    order: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.bounds) - 1
 
     def batch(self, k: int) -> np.ndarray:
-        return self.rows[self.bounds[k] : self.bounds[k + 1]]
+        j = k if self.order is None else int(self.order[k])
+        return self.rows[self.bounds[j] : self.bounds[j + 1]]
 
 
 def epoch_rng(seed: int, epoch: int) -> np.random.Generator:
@@ -57,9 +61,9 @@ def budget_bounds(width: np.ndarray, max_tokens: int) -> np.ndarray:
     return np.asarray(bounds, dtype=np.int64)
 
 
-def sorted_bounds(width: np.ndarray, window_start: np.ndarray, max_tokens: int) -> np.ndarray:
-    """budget_bounds for rows sorted by width within windows (batches never cross a window),
-    without a numpy call per batch.
+def sorted_bounds(width: np.ndarray, window: int, max_tokens: int) -> np.ndarray:
+    """budget_bounds for rows sorted by width within consecutive windows of `window` rows
+    (batches never cross a window), without a numpy call per batch.
 
     In an ascending run, a batch ending at row e fits iff its start s >= g(e) = e + 1 -
     max(1, max_tokens // width[e]) (a row wider than the budget stands alone), and g increases
@@ -67,8 +71,18 @@ def sorted_bounds(width: np.ndarray, window_start: np.ndarray, max_tokens: int) 
     have g above this window's rows: the batch from s ends at the last e with g(e) <= s.
     """
     n = len(width)
-    fits = np.maximum(max_tokens // np.maximum(width, 1), 1)
-    g = np.maximum(np.arange(1, n + 1) - fits, window_start)
+    # In place where it can be: for millions of rows each temporary is a plan's size. g is
+    # int64 because searchsorted on an int32 array with a Python int copies the array.
+    small = np.int32 if n < np.iinfo(np.int32).max else np.int64
+    g = np.maximum(width, 1).astype(np.int64)
+    np.floor_divide(max_tokens, g, out=g)
+    np.maximum(g, 1, out=g)  # rows that fit in a batch ending here
+    np.subtract(np.arange(1, n + 1, dtype=small), g, out=g)
+    window_start = np.arange(n, dtype=small)
+    window_start //= window
+    window_start *= window
+    np.maximum(g, window_start, out=g)
+    del window_start
     bounds, s = [0], 0
     while s < n:
         s = int(np.searchsorted(g, s, side="right"))
@@ -88,26 +102,18 @@ def pair_plan(
     rng None keeps the given order (evaluation) and does not shuffle batches; window 0 does not
     sort by width either.
     """
-    order = keep if rng is None else rng.permutation(keep)
+    # keep[permutation(n)] is permutation(keep), drawn faster: numpy shuffles int64 in place.
+    rows = keep.copy() if rng is None else keep[rng.permutation(len(keep))]
     if not window:
-        return Plan(order, budget_bounds(width[order], max_tokens))
-    pieces = []
-    for lo in range(0, len(order), window):
-        part = order[lo : lo + window]
+        return Plan(rows, budget_bounds(width[rows], max_tokens))
+    for lo in range(0, len(rows), window):
+        part = rows[lo : lo + window]
         # uint16 keys take numpy's radix sort: linear in the window.
         key = np.minimum(width[part], np.iinfo(np.uint16).max).astype(np.uint16)
-        pieces.append(part[np.argsort(key, kind="stable")])
-    rows = np.concatenate(pieces) if pieces else order
-    window_start = np.arange(len(rows)) // window * window
-    bounds = sorted_bounds(width[rows], window_start, max_tokens)
-    if rng is None:
-        return Plan(rows, bounds)
-    # Shuffle whole batches: permute the (start, length) pairs, then gather.
-    perm = rng.permutation(len(bounds) - 1)
-    starts, lengths = bounds[:-1][perm], np.diff(bounds)[perm]
-    new_bounds = np.concatenate([[0], np.cumsum(lengths)])
-    gather = np.repeat(starts - new_bounds[:-1], lengths) + np.arange(new_bounds[-1])
-    return Plan(rows[gather], new_bounds)
+        part[:] = part[np.argsort(key, kind="stable")]
+    bounds = sorted_bounds(width[rows], window, max_tokens)
+    order = None if rng is None else rng.permutation(len(bounds) - 1)
+    return Plan(rows, bounds, order)
 
 
 @dataclass
