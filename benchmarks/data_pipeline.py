@@ -3,13 +3,15 @@
     python benchmarks/data_pipeline.py             # Multi30k if ../shared/data/multi30k exists
     python benchmarks/data_pipeline.py --quick     # fewer steps and repeats: a smoke test
 
-Three rates, in target tokens/s (non-pad tokens of tgt_out), on a real corpus:
-  pipeline   the project's BatchLoader alone: stream -> SentencePiece -> length-bucketed token
-             batches, one pass over the training split, nothing else running;
-  in-memory  training on those batches already tokenised and held in a list: what the model
-             consumes when it never waits;
-  loader     training fed by a live BatchLoader (its read-ahead thread shares the CPU).
-Goals (issue 7): pipeline >= 10x the model's consumption, loader >= 0.98x in-memory.
+Rates in target tokens/s (non-pad tokens of tgt_out) on a real corpus, for each loader: the
+token cache's CachedLoader (data.cache=true, the default) and the streaming BatchLoader
+(data.cache=false):
+  pipeline   the loader alone, one pass over the training split, nothing else running (the
+             cache is built before, untimed: `aiayn data prepare`);
+  in-memory  training on the loader's first batches, held in a list: what the model consumes
+             when it never waits;
+  loader     training fed by the live loader, on the same batches.
+Goals (issues 7 and 16): pipeline >= 10x the model's consumption, loader >= 0.98x in-memory.
 
 The corpus is Multi30k (configs/multi30k_de_en.yaml) when ../shared/data/multi30k is present,
 else the generated numbers corpus (written under runs/bench/). The tokenizer (joint BPE) is
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,7 +42,7 @@ from _common import (
 
 from aiayn import demo_data
 from aiayn.config import Config, load_config
-from aiayn.data import make_loader
+from aiayn.data import ensure_cache, make_loader
 from aiayn.malloc import keep_freed_memory
 from aiayn.train import prepare_tokenizer
 
@@ -56,12 +59,14 @@ def bench_config(args) -> tuple[Config, str]:
     if MULTI30K.is_dir() and not args.numbers:
         over += [
             f"data.train={MULTI30K / 'train'}",
+            f"data.cache_dir={ROOT / 'runs/bench/cache_multi30k'}",
             "tokenizer.path=" + str(ROOT / "runs/bench/multi30k_bpe8k.model"),
         ]
         return load_config(ROOT / "configs/multi30k_de_en.yaml", over), "Multi30k de-en train"
     numbers = demo_data.write_numbers(ROOT / "runs/bench/numbers")
     over += [
         f"data.train={numbers / 'train'}",
+        f"data.cache_dir={ROOT / 'runs/bench/cache_numbers'}",
         "tokenizer.path=" + str(ROOT / "runs/bench/numbers_unigram200.model"),
         "model.max_len=256",
     ]
@@ -88,11 +93,14 @@ def main(argv: list[str] | None = None) -> None:
     tok = prepare_tokenizer(cfg)
     print(f"Machine: {machine()}\n")
 
-    def loader():
-        return make_loader(cfg, cfg.data.train, tok, train=True)
+    cache = ensure_cache(cfg, "train", tok)
+    loaders = {
+        "CachedLoader": lambda: make_loader(cfg, cfg.data.train, tok, train=True, cache=cache),
+        "BatchLoader": lambda: make_loader(cfg, cfg.data.train, tok, train=True),
+    }
 
-    # 1. The pipeline alone: one pass over the split (the loader's first epoch).
-    def one_pass() -> tuple[float, int, int]:
+    # 1. Each pipeline alone: one pass over the split (the loader's first epoch).
+    def one_pass(loader) -> tuple[float, int, int]:
         ld, tokens, batches = loader(), 0, 0
         start = time.perf_counter()
         it = iter(ld)
@@ -104,53 +112,63 @@ def main(argv: list[str] | None = None) -> None:
         it.close()
         return seconds, tokens, batches
 
-    passes = [one_pass() for _ in range(args.repeats)]
-    pass_tokens, pass_batches = passes[0][1], passes[0][2]
-    pipeline = [tokens / s for s, tokens, _ in passes]
+    passes = {name: [one_pass(ld) for _ in range(args.repeats)] for name, ld in loaders.items()}
+    pass_tokens, pass_batches = passes["CachedLoader"][0][1:]
 
-    # 2 and 3. Training from memory and from a live loader, on the same batches, interleaved.
+    # 2 and 3. Training from memory and from the live loader, on the same batches, interleaved.
     n = args.warmup + args.steps
-    batches = list(itertools.islice(loader(), n))
-    timed_tokens = sum(b.n_tokens for b in batches[args.warmup :])
     trainer = AiaynTrainer(cfg, tok.vocab_size)
 
-    def from_memory() -> float:
-        time_steps(trainer.step, batches[: args.warmup])
-        return timed_tokens / time_steps(trainer.step, batches[args.warmup :])
+    def from_memory(batches: list) -> Callable[[], float]:
+        timed_tokens = sum(b.n_tokens for b in batches[args.warmup :])
 
-    def from_loader() -> float:
-        it = iter(loader())
-        try:
-            time_steps(trainer.step, list(itertools.islice(it, args.warmup)))
-            start = time.perf_counter()
-            got = 0
-            for batch in itertools.islice(it, args.steps):
-                trainer.step(batch)
-                got += batch.n_tokens
-            return got / (time.perf_counter() - start)
-        finally:
-            it.close()
+        def rate() -> float:
+            time_steps(trainer.step, batches[: args.warmup])
+            return timed_tokens / time_steps(trainer.step, batches[args.warmup :])
 
-    rates = interleaved({"in-memory": from_memory, "loader": from_loader}, args.repeats)
-    consume = summary(rates["in-memory"])[0]
+        return rate
+
+    def from_loader(loader) -> Callable[[], float]:
+        def rate() -> float:
+            it = iter(loader())
+            try:
+                time_steps(trainer.step, list(itertools.islice(it, args.warmup)))
+                start = time.perf_counter()
+                got = 0
+                for batch in itertools.islice(it, args.steps):
+                    trainer.step(batch)
+                    got += batch.n_tokens
+                return got / (time.perf_counter() - start)
+            finally:
+                it.close()
+
+        return rate
+
+    contenders = {}
+    for name, loader in loaders.items():
+        contenders[f"{name} in-memory"] = from_memory(list(itertools.islice(loader(), n)))
+        contenders[f"{name} live"] = from_loader(loader)
+    rates = interleaved(contenders, args.repeats)
 
     rows = []
-    for label, values in (
-        ("stream -> SentencePiece -> batches (BatchLoader alone)", pipeline),
-        ("training on pre-tokenised in-memory batches (model consumption)", rates["in-memory"]),
-        ("training fed by a live BatchLoader (end to end)", rates["loader"]),
-    ):
-        med, lo, hi = summary(values)
-        rows.append([label, fmt(med), f"{fmt(lo)} - {fmt(hi)}", f"{med / consume:.2f}x"])
+    for name in loaders:
+        consume = summary(rates[f"{name} in-memory"])[0]
+        for label, values in (
+            (f"{name} alone, one pass", [t / s for s, t, _ in passes[name]]),
+            ("training on its batches in memory (model consumption)", rates[f"{name} in-memory"]),
+            (f"training fed by the live {name} (end to end)", rates[f"{name} live"]),
+        ):
+            med, lo, hi = summary(values)
+            rows.append([label, fmt(med), f"{fmt(lo)} - {fmt(hi)}", f"{med / consume:.2f}x"])
     m = cfg.model
     print(
-        f"### {corpus}: {pass_batches} batches, {pass_tokens} target tokens per pass; "
+        f"### {corpus}: {pass_batches} batches, {pass_tokens} target tokens per pass (cached); "
         f"vocab {tok.vocab_size}; model {args.preset} (d_model {m.d_model}, N {m.N}); "
         f"max_tokens {cfg.train.max_tokens}, shuffle_buffer {cfg.data.shuffle_buffer}; "
         f"training: {args.steps} steps after {args.warmup} warm-up, {args.repeats} repeats "
         "interleaved\n"
     )
-    header = ["what", "target tokens/s (median)", "min - max", "vs model consumption"]
+    header = ["what", "target tokens/s (median)", "min - max", "vs its in-memory training"]
     print(markdown_table(header, rows))
     print(
         "\nGoals: pipeline >= 10x model consumption; end to end >= 0.98x in-memory.",

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -33,6 +32,7 @@ from safetensors.torch import load_model, save_file
 from torch import nn
 
 from aiayn.errors import CheckpointError
+from aiayn.files import fsync_path, sha256_of, write_atomic
 from aiayn.tokenizer import check_contract
 
 log = logging.getLogger(__name__)
@@ -59,32 +59,6 @@ ARCHITECTURE_FIELDS = (
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def weights_snapshot(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
@@ -128,7 +102,7 @@ def read_manifest(ckpt: Path, verify: bool = True) -> dict[str, Any]:
         path = ckpt / name
         if not path.is_file() or path.stat().st_size != meta["bytes"]:
             raise CheckpointError(f"{path} is missing or truncated")
-        if verify and _sha256(path) != meta["sha256"]:
+        if verify and sha256_of(path) != meta["sha256"]:
             raise CheckpointError(f"{path} does not match its checksum: the file is corrupt")
     return manifest
 
@@ -301,16 +275,16 @@ class CheckpointManager:
             with open(path, "rb+") as fh:
                 os.fsync(fh.fileno())
             name = path.relative_to(tmp).as_posix()
-            files[name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+            files[name] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
         for folder in sorted({p.parent for p in tmp.rglob("*")}, reverse=True):
-            _fsync_dir(folder)
+            fsync_path(folder)
         manifest = {"format": FORMAT_VERSION, "step": step, "files": files, **meta}
-        _write_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1))
+        write_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1))
         if final.exists():  # a re-save of the same step (e.g. after a resume at the end)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(self.root)
-        _write_atomic(self.root / "latest", final.name + "\n")
+        fsync_path(self.root)
+        write_atomic(self.root / "latest", final.name + "\n")
         self._prune()
         log.info("saved %s in %.2fs", final, time.perf_counter() - started)
         return final

@@ -21,7 +21,6 @@ FILE.safetensors`.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -41,14 +40,12 @@ from aiayn.checkpoint import (
     MODEL_FILE,
     TOKENIZER_FILE,
     CheckpointManager,
-    _fsync_dir,
-    _sha256,
-    _write_atomic,
     read_manifest,
     resolve_checkpoint,
     step_of,
 )
 from aiayn.errors import CheckpointError
+from aiayn.files import fsync_path, sha256_of, write_atomic
 
 log = logging.getLogger("aiayn")
 
@@ -188,12 +185,12 @@ def average(sources: list[str | Path], output: str | Path, last: int | None = No
                 for c, m in manifests.items()
             ],
         }
-        _write_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1))
+        write_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1))
         os.replace(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(output.parent)
+    fsync_path(output.parent)
     return output
 
 
@@ -227,7 +224,7 @@ def export(source: str | Path, output: str | Path, dtype: str = "fp32") -> Path:
             "with tokenizer.path=... in the checkpoint's config, or restore the file"
         )
     os.replace(tmp_tok, tokenizer)
-    _write_atomic(config, yaml.safe_dump(manifest["config"], sort_keys=False))
+    write_atomic(config, yaml.safe_dump(manifest["config"], sort_keys=False))
     tensors = {
         k: t.to(EXPORT_DTYPES[dtype]) if t.is_floating_point() else t
         for k, t in load_file(ckpt / MODEL_FILE).items()
@@ -246,7 +243,7 @@ def export(source: str | Path, output: str | Path, dtype: str = "fp32") -> Path:
     with open(tmp, "rb+") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, weights)  # last: the weights' presence means the three are complete
-    _fsync_dir(weights.parent)
+    fsync_path(weights.parent)
     return weights
 
 
@@ -283,7 +280,7 @@ def _copy_tokenizer(ckpt: Path, manifest: dict[str, Any], dest: Path) -> bool:
     with contextlib.suppress(Exception):  # a config this version cannot read names no file
         candidates.append(config_from_dict(manifest["config"]).tokenizer_path)
     for path in candidates:
-        if path.is_file() and _file_sha256(path) == manifest["tokenizer"].get("sha256"):
+        if path.is_file() and sha256_of(path) == manifest["tokenizer"].get("sha256"):
             shutil.copyfile(path, dest)
             with open(dest, "rb+") as fh:
                 os.fsync(fh.fileno())
@@ -292,15 +289,11 @@ def _copy_tokenizer(ckpt: Path, manifest: dict[str, Any], dest: Path) -> bool:
     return False
 
 
-def _file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _seal(tmp: Path, names: list[str]) -> dict[str, dict[str, Any]]:
     """fsync the files of a checkpoint being written; their sizes and checksums."""
     files = {}
     for name in names:
         with open(tmp / name, "rb+") as fh:
             os.fsync(fh.fileno())
-        files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+        files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_of(tmp / name)}
     return files

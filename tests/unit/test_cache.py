@@ -3,7 +3,6 @@ resume, and the errors a stale or damaged cache gives."""
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
 import os
@@ -13,37 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from batch_checks import check_pair_rows, lines, roundtrip, same, take
 
 from aiayn.config import Config, DataConfig, ModelConfig, TokenizerConfig, TrainConfig
-from aiayn.data import Batch, CachedLoader, ensure_cache, make_loader
+from aiayn.data import CachedLoader, ensure_cache, make_loader
 from aiayn.data.cache import MANIFEST, cache_dir
 from aiayn.data.plan import budget_bounds, pair_plan, sorted_bounds
-from aiayn.demo_data import write_classify, write_lm, write_numbers
+from aiayn.demo_data import write_classify
 from aiayn.errors import DataError
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
+from aiayn.tokenizer import EOS_ID, PAD_ID, train_tokenizer
 
 # ---- fixtures and helpers ----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_numbers(tmp_path_factory.mktemp("numbers"), n_train=300, n_valid=20, n_test=10)
-
-
-@pytest.fixture(scope="module")
-def lm_corpus(tmp_path_factory) -> Path:
-    return write_lm(tmp_path_factory.mktemp("lm"), n_train=80, n_valid=10, n_test=10)
-
-
-@pytest.fixture(scope="module")
-def tok(corpus, lm_corpus, tmp_path_factory):
-    sents = [
-        line
-        for path in (corpus / "train.en", corpus / "train.de", lm_corpus / "train.txt")
-        for line in path.read_text().splitlines()
-    ]
-    out = tmp_path_factory.mktemp("tok") / "spm.model"
-    return train_tokenizer(TokenizerConfig(vocab_size=150), sents, out)
 
 
 def s2s(run_dir: Path, prefix: Path, kind="seq2seq", fmt="parallel", **data) -> Config:
@@ -71,31 +50,6 @@ def cached(cfg: Config, tok, train=True, rank=0, world_size=1) -> CachedLoader:
     return make_loader(
         cfg, cfg.data.train, tok, train=train, rank=rank, world_size=world_size, cache=cache
     )
-
-
-def take(it, n: int) -> list[Batch]:
-    return [next(it) for _ in range(n)]
-
-
-def same(a: Batch, b: Batch) -> bool:
-    fields = ("ids", "src", "tgt_in", "tgt_out", "labels")
-    tensors = all(
-        (getattr(a, f) is None and getattr(b, f) is None)
-        or torch.equal(getattr(a, f), getattr(b, f))
-        for f in fields
-    )
-    return tensors and a.n_tokens == b.n_tokens
-
-
-def roundtrip(state: dict) -> dict:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
-def lines(path: Path) -> list[str]:
-    return path.read_text(encoding="utf-8").splitlines()
 
 
 def cache_bytes(root: Path) -> dict[str, bytes]:
@@ -139,13 +93,7 @@ def test_seq2seq_rows_are_the_tokenized_pairs_with_eos_and_bos(tmp_path, corpus,
     src, tgt = lines(corpus / "train.en"), lines(corpus / "train.de")
     seen = []
     for b in cached(s2s(tmp_path, corpus / "train"), tok, train=False):
-        for row, i in enumerate(b.ids.tolist()):
-            s, t = tok.encode([src[i], tgt[i]])
-            assert b.src[row, : len(s) + 1].tolist() == s + [EOS_ID]
-            assert (b.src[row, len(s) + 1 :] == PAD_ID).all()
-            assert b.tgt_in[row, : len(t) + 1].tolist() == [BOS_ID] + t
-            assert b.tgt_out[row, : len(t) + 1].tolist() == t + [EOS_ID]
-        assert b.n_tokens == int((b.tgt_out != PAD_ID).sum())
+        check_pair_rows(b, src, tgt, tok)
         seen += b.ids.tolist()
     assert sorted(seen) == list(range(300))
 
@@ -276,14 +224,16 @@ def test_a_position_saved_on_two_ranks_resumes_on_three_and_on_one(tmp_path, cor
     assert all(same(x, y) for x, y in zip(take(iter(three), 5), single[28:43:3], strict=True))
 
 
-def test_a_streaming_position_or_other_settings_are_refused(tmp_path, corpus, tok):
+def test_the_other_loaders_position_or_other_settings_are_refused(tmp_path, corpus, tok):
     cfg = s2s(tmp_path, corpus / "train")
     streamed = make_loader(cfg, cfg.data.train, tok, train=True)
     take(iter(streamed), 2)
-    with pytest.raises(DataError, match="streaming loader's .data.cache=false."):
+    with pytest.raises(DataError, match="streaming loader's .data.cache=false.: resume with"):
         cached(cfg, tok).load_state_dict(streamed.state_dict())
     ld = cached(cfg, tok)
     take(iter(ld), 2)
+    with pytest.raises(DataError, match="token cache's: resume with data.cache=true"):
+        make_loader(cfg, cfg.data.train, tok, train=True).load_state_dict(ld.state_dict())
     cfg.train.max_tokens = 300
     with pytest.raises(DataError, match="max_tokens: checkpoint 200, now 300"):
         cached(cfg, tok).load_state_dict(ld.state_dict())

@@ -4,7 +4,6 @@ the errors a bad corpus gives."""
 from __future__ import annotations
 
 import gzip
-import io
 import itertools
 import json
 import threading
@@ -14,35 +13,15 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from batch_checks import check_pair_rows, lines, roundtrip, same, take
 
-from aiayn.config import DataConfig, TokenizerConfig
+from aiayn.config import DataConfig
 from aiayn.data import Batch, BatchLoader, open_split, sample_sentences
-from aiayn.demo_data import write_classify, write_lm, write_numbers
+from aiayn.demo_data import write_classify
 from aiayn.errors import DataError
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
+from aiayn.tokenizer import EOS_ID, PAD_ID
 
 # ---- fixtures and helpers ----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_numbers(tmp_path_factory.mktemp("numbers"), n_train=300, n_valid=60, n_test=10)
-
-
-@pytest.fixture(scope="module")
-def lm_corpus(tmp_path_factory) -> Path:
-    return write_lm(tmp_path_factory.mktemp("lm"), n_train=80, n_valid=10, n_test=10)
-
-
-@pytest.fixture(scope="module")
-def tok(corpus, lm_corpus, tmp_path_factory):
-    sents = [
-        line
-        for path in (corpus / "train.en", corpus / "train.de", lm_corpus / "train.txt")
-        for line in path.read_text().splitlines()
-    ]
-    out = tmp_path_factory.mktemp("tok") / "spm.model"
-    return train_tokenizer(TokenizerConfig(vocab_size=150), sents, out)
 
 
 def s2s_cfg(prefix: Path, **kw) -> DataConfig:
@@ -61,35 +40,9 @@ def loader(cfg, tok, kind="seq2seq", max_tokens=200, seed=1, train=True, **kw) -
     )
 
 
-def take(it, n: int) -> list[Batch]:
-    return [next(it) for _ in range(n)]
-
-
 def with_epochs(ld: BatchLoader, n: int) -> list[tuple[int, Batch]]:
     it = iter(ld)
     return [(ld.epoch, b) for b in (next(it) for _ in range(n))]
-
-
-def same(a: Batch, b: Batch) -> bool:
-    fields = ("ids", "src", "tgt_in", "tgt_out", "labels")
-    tensors = all(
-        (getattr(a, f) is None and getattr(b, f) is None)
-        or torch.equal(getattr(a, f), getattr(b, f))
-        for f in fields
-    )
-    return tensors and a.n_tokens == b.n_tokens
-
-
-def lines(path: Path) -> list[str]:
-    return path.read_text(encoding="utf-8").splitlines()
-
-
-def roundtrip(state: dict) -> dict:
-    """Through torch.save/torch.load(weights_only=True), as a checkpoint would."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 # ---- batch content ---------------------------------------------------------------------------
@@ -100,14 +53,7 @@ def test_seq2seq_rows_hold_source_plus_eos_and_target_shifted_by_bos(corpus, tok
     seen = 0
     for b in loader(s2s_cfg(corpus / "train"), tok, train=False):
         assert b.src.dtype == b.tgt_in.dtype == b.ids.dtype == torch.int64
-        for row, i in enumerate(b.ids.tolist()):
-            s, t = tok.encode([src[i], tgt[i]])
-            assert b.src[row, : len(s) + 1].tolist() == s + [EOS_ID]
-            assert (b.src[row, len(s) + 1 :] == PAD_ID).all()
-            assert b.tgt_in[row, : len(t) + 1].tolist() == [BOS_ID] + t
-            assert b.tgt_out[row, : len(t) + 1].tolist() == t + [EOS_ID]
-            assert (b.tgt_out[row, len(t) + 1 :] == PAD_ID).all()
-        assert b.n_tokens == int((b.tgt_out != PAD_ID).sum())
+        check_pair_rows(b, src, tgt, tok)
         seen += b.size
     assert seen == 300
 

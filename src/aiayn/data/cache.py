@@ -46,6 +46,7 @@ from aiayn.config import Config
 from aiayn.data.prefetch import prefetch
 from aiayn.data.sources import open_split, source_files
 from aiayn.errors import AiaynError, DataError
+from aiayn.files import fsync_path, sha256_of, write_atomic
 from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,6 @@ log = logging.getLogger(__name__)
 CACHE_VERSION = 1
 MANIFEST = "manifest.json"
 _CHUNK = 16_384  # records per part: large enough that one encode call keeps every thread busy
-_HASH_BLOCK = 1 << 24
 
 Sync = Callable[[object], list]
 """Every rank calls it with a value and gets every rank's value, in rank order (DistEnv.gather)."""
@@ -123,7 +123,7 @@ def open_cache(root: Path, expected: dict, verify: bool = True) -> TokenCache:
         if size != meta["bytes"]:
             found = "missing" if size is None else f"{size} bytes"
             raise _damaged(root, f"{name} is {found}, the manifest says {meta['bytes']} bytes")
-        if verify and _sha256(path) != meta["sha256"]:
+        if verify and sha256_of(path) != meta["sha256"]:
             raise _damaged(root, f"{name} does not match the sha256 its manifest records")
         # A plain ndarray view of the map: np.memmap's indexing runs Python code per call
         # (16 us), several times per batch.
@@ -180,7 +180,7 @@ def _file_diffs(saved: list[dict], now: list[dict]) -> list[str]:
     for old, new in zip(saved, now, strict=True):
         if old["bytes"] != new["bytes"]:
             diffs.append(f"{new['path']}: cache {old['bytes']} bytes, now {new['bytes']} bytes")
-        elif old["mtime_ns"] != new["mtime_ns"] and old["sha256"] != _sha256(Path(new["path"])):
+        elif old["mtime_ns"] != new["mtime_ns"] and old["sha256"] != sha256_of(Path(new["path"])):
             # Only a changed modification time costs a hash: a copy or `touch` is not a change.
             diffs.append(f"{new['path']}: its content changed since the cache was built")
     return diffs
@@ -218,16 +218,8 @@ def fingerprint(cfg: Config, split: str, tok: Tokenizer, hashes: bool = False) -
 def _file_entry(path: Path, with_hash: bool) -> dict:
     st = path.stat()
     entry = {"path": str(path.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
-    entry["sha256"] = _sha256(path) if with_hash else None
+    entry["sha256"] = sha256_of(path) if with_hash else None
     return entry
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(_HASH_BLOCK):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ---- building ------------------------------------------------------------------------------
@@ -295,7 +287,7 @@ def _start_build(
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "build.json").is_file():
-        _write_atomic(work / "build.json", stamp.encode())
+        write_atomic(work / "build.json", stamp.encode())
 
 
 def _read_text(path: Path) -> str | None:
@@ -479,9 +471,9 @@ def _merge(work: Path, root: Path, built: list[dict], expected: dict, cfg: Confi
             at += len(chunk)
         arr.flush()
         del arr
-        _fsync(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
-        files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        files[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
     counts = {
         "records_read": n + empty,
         "examples": n,
@@ -502,30 +494,8 @@ def _merge(work: Path, root: Path, built: list[dict], expected: dict, cfg: Confi
         "counts": counts,
         "files": files,
     }
-    _write_atomic(root / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    write_atomic(root / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
     shutil.rmtree(work)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a power loss
-    finally:
-        os.close(dir_fd)
 
 
 def _log_built(cache: TokenCache, seconds: float, world_size: int) -> None:

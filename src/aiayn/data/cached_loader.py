@@ -14,7 +14,6 @@ reading any token.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,13 +25,14 @@ from aiayn.config import DataConfig
 from aiayn.data.batch import Batch, padded_rows
 from aiayn.data.cache import TokenCache
 from aiayn.data.plan import LmPlan, Plan, epoch_rng, lm_plan, pair_plan
+from aiayn.data.position import check_loader_args, saved_position, saved_state
 from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-LOADER = "cache"  # the streaming loader's positions carry no such key
+LOADER = "cache"  # the fingerprint's "loader" (data/position.py)
 
 
 class CachedLoader:
@@ -60,10 +60,7 @@ class CachedLoader:
                 f"token cache {cache.root} holds {cache.kind} data, this model is {kind}; "
                 "set data.cache_dir to another directory"
             )
-        if max_tokens < 1:
-            raise DataError(f"max_tokens must be >= 1, got {max_tokens}; set train.max_tokens")
-        if not 0 <= rank < world_size:
-            raise DataError(f"rank {rank} is outside world size {world_size}")
+        check_loader_args(max_tokens, rank, world_size)
         self.cache, self.cfg, self.tok, self.kind = cache, data_cfg, tokenizer, kind
         self.max_tokens, self.seed, self.train = max_tokens, seed, train
         self.rank, self.world_size = rank, world_size
@@ -104,40 +101,12 @@ class CachedLoader:
     # ---- position ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Plain ints, strings and dicts: safe for torch.load(weights_only=True)."""
-        return {
-            "version": STATE_VERSION,
-            "fingerprint": dict(self._fingerprint),
-            "position": dict(self._pos),
-        }
+        return saved_state(STATE_VERSION, self._fingerprint, self._pos)
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from `state` at the next iter(); refuses a state made for other settings."""
-        saved = state.get("fingerprint", {})
-        if saved.get("loader") != LOADER:
-            raise DataError(
-                "the saved data position is the streaming loader's (data.cache=false): resume "
-                "with data.cache=false, or train in a new run_dir"
-            )
-        if state.get("version") != STATE_VERSION:
-            raise DataError(
-                f"data position has version {state.get('version')}, this code reads "
-                f"{STATE_VERSION}; resume with the aiayn version that wrote the checkpoint"
-            )
-        diffs = [
-            f"  - {key}: checkpoint {saved.get(key)!r}, now {value!r}"
-            for key, value in self._fingerprint.items()
-            if saved.get(key) != value
-        ]
-        if diffs:
-            raise DataError(
-                "the saved data position does not fit this loader:\n"
-                + "\n".join(diffs)
-                + "\nThe position is only meaningful for the same data, batching and tokenizer "
-                "(cache: the token cache's content): restore those settings, or train in a new "
-                "run_dir."
-            )
-        self._pos = copy.deepcopy(state["position"])
+        """Continue from `state` at the next iter(); refuses a state made for other settings
+        (the cache's content is in the fingerprint)."""
+        self._pos = saved_position(state, STATE_VERSION, self._fingerprint, "the token cache")
         self.epoch = self._pos["epoch"]
         self._resume_pending = True
 

@@ -20,7 +20,6 @@ avoids datasets' node splitting, which leaves ranks with unequal batch counts (N
 
 from __future__ import annotations
 
-import copy
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from aiayn.data.batch import Batch, padded_rows
 from aiayn.data.cache import TokenCache
 from aiayn.data.cached_loader import CachedLoader
 from aiayn.data.plan import budget_bounds
+from aiayn.data.position import check_loader_args, saved_position, saved_state
 from aiayn.data.prefetch import prefetch
 from aiayn.data.sources import KINDS, open_split
 from aiayn.errors import DataError
@@ -101,10 +101,7 @@ class BatchLoader:
     ):
         if kind not in KINDS:
             raise DataError(f"unknown model kind {kind!r}; choose from {KINDS}")
-        if max_tokens < 1:
-            raise DataError(f"max_tokens must be >= 1, got {max_tokens}; set train.max_tokens")
-        if not 0 <= rank < world_size:
-            raise DataError(f"rank {rank} is outside world size {world_size}")
+        check_loader_args(max_tokens, rank, world_size)
         self.cfg, self.split, self.tok, self.kind = data_cfg, split, tokenizer, kind
         self.max_tokens, self.seed, self.train = max_tokens, seed, train
         self.rank, self.world_size = rank, world_size
@@ -135,33 +132,11 @@ class BatchLoader:
         return {"epoch": epoch, "chunk": 0, "source": None, "read": 0, "next_id": 0, "done": 0}
 
     def state_dict(self) -> dict:
-        """Plain ints, strings, lists and dicts: safe for torch.load(weights_only=True)."""
-        return {
-            "version": STATE_VERSION,
-            "fingerprint": dict(self._fingerprint),
-            "position": copy.deepcopy(self._pos),
-        }
+        return saved_state(STATE_VERSION, self._fingerprint, self._pos)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state` at the next iter(); refuses a state made for other settings."""
-        if state.get("version") != STATE_VERSION:
-            raise DataError(
-                f"data position has version {state.get('version')}, this code reads "
-                f"{STATE_VERSION}; resume with the aiayn version that wrote the checkpoint"
-            )
-        diffs = [
-            f"  - {key}: checkpoint {state['fingerprint'].get(key)!r}, now {value!r}"
-            for key, value in self._fingerprint.items()
-            if state["fingerprint"].get(key) != value
-        ]
-        if diffs:
-            raise DataError(
-                f"the saved data position does not fit this loader of {self.split}:\n"
-                + "\n".join(diffs)
-                + "\nThe position is only meaningful for the same data, batching and tokenizer: "
-                "restore those settings, or train in a new run_dir."
-            )
-        self._pos = copy.deepcopy(state["position"])
+        self._pos = saved_position(state, STATE_VERSION, self._fingerprint, self.split)
         self.epoch = self._pos["epoch"]
         self._resume_pending = True
 

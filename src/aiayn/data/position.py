@@ -1,0 +1,59 @@
+"""What both loaders save: a version, a fingerprint of what the position means (data, batching,
+tokenizer), and the position itself; and the checks before a saved one is used."""
+
+from __future__ import annotations
+
+import copy
+
+from aiayn.errors import DataError
+
+# The fingerprint's "loader" key: absent from the streaming loader's (checkpoints written
+# before the token cache existed have none).
+_LOADER_NAMES = {None: "streaming loader's (data.cache=false)", "cache": "token cache's"}
+_LOADER_FIX = {None: "data.cache=false", "cache": "data.cache=true"}
+
+
+def check_loader_args(max_tokens: int, rank: int, world_size: int) -> None:
+    if max_tokens < 1:
+        raise DataError(f"max_tokens must be >= 1, got {max_tokens}; set train.max_tokens")
+    if not 0 <= rank < world_size:
+        raise DataError(f"rank {rank} is outside world size {world_size}")
+
+
+def saved_state(version: int, fingerprint: dict, position: dict) -> dict:
+    """Plain ints, strings, lists and dicts: safe for torch.load(weights_only=True)."""
+    return {
+        "version": version,
+        "fingerprint": dict(fingerprint),
+        "position": copy.deepcopy(position),
+    }
+
+
+def saved_position(state: dict, version: int, fingerprint: dict, what: str) -> dict:
+    """The position in `state`, if it was saved by this loader for these settings; else a
+    DataError naming what differs and how to fix it."""
+    saved = state.get("fingerprint", {})
+    wrote, reads = saved.get("loader"), fingerprint.get("loader")
+    if wrote != reads and wrote in _LOADER_NAMES:
+        raise DataError(
+            f"the saved data position is the {_LOADER_NAMES[wrote]}: resume with "
+            f"{_LOADER_FIX[wrote]}, or train in a new run_dir"
+        )
+    if state.get("version") != version:
+        raise DataError(
+            f"data position has version {state.get('version')}, this code reads {version}; "
+            "resume with the aiayn version that wrote the checkpoint"
+        )
+    diffs = [
+        f"  - {key}: checkpoint {saved.get(key)!r}, now {value!r}"
+        for key, value in fingerprint.items()
+        if saved.get(key) != value
+    ]
+    if diffs:
+        raise DataError(
+            f"the saved data position does not fit this loader of {what}:\n"
+            + "\n".join(diffs)
+            + "\nThe position is only meaningful for the same data, batching and tokenizer: "
+            "restore those settings, or train in a new run_dir."
+        )
+    return copy.deepcopy(state["position"])
