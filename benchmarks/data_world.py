@@ -13,8 +13,8 @@ Three tables:
   prepare   `ensure_cache` (what `aiayn data prepare` runs) on a corpus the size of WMT14
             en-de (4.5M pairs) made by repeating Multi30k under runs/bench/ (never committed),
             pinned to one core and then on all cores. Goal: at least 1.7x one core.
-  memory    resident memory of the index and the plans for that corpus, per rank: private
-            (lengths, plans) and mapped cache pages (shared page cache). Goal: at most 200 MB.
+  memory    for that corpus, per rank: the index's and the plans' arrays (live and peak), the
+            private resident memory, and the mapped cache pages read. Goal: at most 200 MB.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -160,10 +161,11 @@ def prepare_table(cfg, tok, pairs: int) -> tuple[str, object]:
 
 
 def memory_table(cfg, tok, cache) -> str:
-    """Private memory (the index's lengths, plans and their temporaries) and the mapped cache
-    pages this rank touched (page cache: shared by the ranks of a node, evictable), while rank 0
-    of 8 reads its first epoch. Opening (and verifying) the cache happened before: its hashing
-    reads through the page cache, not the heap."""
+    """Memory of rank 0 of 8 while it reads its first epoch: the index's and the plans' arrays
+    (live and peak, as numpy allocated them: tracemalloc), the private resident memory they
+    left (the allocator keeps some freed memory, per thread arena), and the mapped cache pages
+    the rank touched (page cache: shared by the ranks of a node, evictable). Opening (and
+    verifying) the cache happened before: its hashing reads through the page cache."""
 
     def status() -> dict[str, int]:
         with open("/proc/self/status") as fh:
@@ -171,12 +173,13 @@ def memory_table(cfg, tok, cache) -> str:
             return {f[0][:-1]: int(f[1]) * 1024 for f in fields if len(f) == 3 and f[2] == "kB"}
 
     before = status()
+    tracemalloc.start()
 
     def row(what: str) -> list[str]:
-        now = status()
+        now, (live, peak) = status(), tracemalloc.get_traced_memory()
         private = now["RssAnon"] - before["RssAnon"]
         mapped = now["RssFile"] - before["RssFile"]
-        return [what, fmt(private / 1e6, 1), fmt(mapped / 1e6, 1), fmt((private + mapped) / 1e6, 1)]
+        return [what] + [fmt(x / 1e6, 1) for x in (live, peak, private, mapped)]
 
     ld = make_loader(cfg, cfg.data.train, tok, train=True, rank=0, world_size=8, cache=cache)
     rows = [row("index: widths and kept examples")]
@@ -187,9 +190,8 @@ def memory_table(cfg, tok, cache) -> str:
         next(batches)
     time.sleep(1)  # epoch 2's plan, started at epoch 1's first batch, finishes
     rows.append(row("after epoch 0 (plans of epochs 1 and 2 held)"))
-    peak = status()["VmHWM"] - before["VmRSS"]
-    rows.append(["peak resident (VmHWM), private and mapped", "", "", fmt(peak / 1e6, 1)])
-    header = [f"rank 0 of 8, {fmt(len(cache))} pairs", "private MB", "mapped cache MB", "total MB"]
+    header = [f"rank 0 of 8, {fmt(len(cache))} pairs", "arrays MB", "arrays peak MB"]
+    header += ["private resident MB", "mapped cache MB"]
     return markdown_table(header, rows)
 
 

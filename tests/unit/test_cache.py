@@ -15,7 +15,7 @@ import torch
 from batch_checks import check_pair_rows, lines, roundtrip, same, take
 
 from aiayn.config import Config, DataConfig, ModelConfig, TokenizerConfig, TrainConfig
-from aiayn.data import CachedLoader, ensure_cache, make_loader
+from aiayn.data import CachedLoader, ensure_cache, make_loader, plan
 from aiayn.data.cache import MANIFEST, cache_dir
 from aiayn.data.plan import budget_bounds, pair_plan, sorted_bounds
 from aiayn.demo_data import write_classify
@@ -59,7 +59,9 @@ def cache_bytes(root: Path) -> dict[str, bytes]:
 # ---- plans -------------------------------------------------------------------------------
 
 
-def test_the_sorted_cut_equals_the_greedy_cut_batch_by_batch():
+@pytest.mark.parametrize("group_rows", [plan._GROUP_ROWS, 50])
+def test_the_sorted_cut_equals_the_greedy_cut_batch_by_batch(monkeypatch, group_rows):
+    monkeypatch.setattr(plan, "_GROUP_ROWS", group_rows)  # 50: windows cut in many groups
     for trial in range(300):
         r = np.random.default_rng(trial)
         n, window, budget = int(r.integers(1, 400)), int(r.integers(1, 90)), int(r.integers(1, 300))
@@ -71,6 +73,15 @@ def test_the_sorted_cut_equals_the_greedy_cut_batch_by_batch():
             expected += (budget_bounds(width[lo : lo + window], budget)[1:] + lo).tolist()
         got = sorted_bounds(width, window, budget)
         assert got.tolist() == expected, f"trial {trial}"
+
+
+def test_both_ways_of_permuting_give_numpys_permutation(monkeypatch):
+    keep = np.flatnonzero(np.random.default_rng(0).integers(0, 3, 5000)).astype(np.int32)
+    expected = np.random.default_rng([7, 1]).permutation(keep)
+    for group_rows in (1 << 20, 100):  # below it: gather by an int64 permutation; above: shuffle
+        monkeypatch.setattr(plan, "_GROUP_ROWS", group_rows)
+        got = plan._permuted(keep, np.random.default_rng([7, 1]))
+        assert got.dtype == keep.dtype and got.tolist() == expected.tolist()
 
 
 def test_a_plan_holds_every_kept_example_once_within_the_budget():
