@@ -623,6 +623,11 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value, "an integer"
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string; Python does not
+            try:
+                return True, float(value), ""
+            except ValueError:
+                return False, None, "a number"
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         return ok, float(value) if ok else None, "a number"
     if tp is str:

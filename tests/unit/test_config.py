@@ -43,6 +43,18 @@ def test_all_problems_are_reported_together():
     assert "model.norm must be one of post, pre" in text
 
 
+def test_a_float_written_without_a_dot_is_a_number_in_yaml_and_on_the_command_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "data:\n  train: x\nschedule:\n  factor: 1e-3\noptim:\n  betas: [9e-1, 98e-2]\n"
+    )
+    cfg = load_config(path, ["train.label_smoothing=5E-2", "optim.eps=1e-9"])
+    assert cfg.schedule.factor == 0.001 and cfg.optim.betas == [0.9, 0.98]
+    assert cfg.train.label_smoothing == 0.05 and cfg.optim.eps == 1e-9
+    with pytest.raises(ConfigError, match="schedule.factor must be a number, got 'fast'"):
+        load_config(path, ["schedule.factor=fast"])
+
+
 def test_values_are_range_checked():
     with pytest.raises(
         ConfigError, match=r"model.d_model \(100\) must be divisible by model.h \(8\)"
