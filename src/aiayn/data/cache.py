@@ -18,10 +18,10 @@ truncated or altered array is refused before training reads it.
 
 Building streams the source through `datasets` in chunks of _CHUNK records. Chunk c is
 tokenised by rank c mod W, in pieces over a pool of threads (SentencePiece's encode releases
-the GIL, so one process uses every core it is given), and written as a part file, atomically. Rank 0 then
-concatenates the parts in chunk order: the cache does not depend on the number of ranks. An
-interrupted build keeps its finished parts in `<split>.partial/` and the next build reuses them
-if they were made from the same fingerprint.
+the GIL, so one process uses every core it is given), and written as a part file, atomically.
+Rank 0 then concatenates the parts in chunk order: the cache does not depend on the number of
+ranks. An interrupted build keeps its finished parts in `<split>.partial/` and the next build
+reuses them if they were made from the same fingerprint.
 """
 
 from __future__ import annotations

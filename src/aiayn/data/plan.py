@@ -102,7 +102,7 @@ def _first_starts(width: np.ndarray, window: int, max_tokens: int) -> np.ndarray
 
 
 def _permuted(keep: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """rng.permutation(keep). numpy shuffles int64 faster than int32 (2x for 29k rows), and
+    """rng.permutation(keep). numpy shuffles int64 faster than int32 for small arrays, and
     keep[permutation(n)] is the same permutation; for millions of rows the speeds meet, and
     shuffling a copy in place saves an int64 temporary the size of the epoch."""
     if len(keep) < _GROUP_ROWS:
