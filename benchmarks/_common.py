@@ -25,8 +25,7 @@ from aiayn.data.batch import Batch  # noqa: E402
 from aiayn.dist.engine import LocalEngine  # noqa: E402
 from aiayn.loss import batch_loss  # noqa: E402
 from aiayn.model import build_model  # noqa: E402
-
-PAD, BOS, EOS = 0, 1, 2  # aiayn's fixed special ids (tokenizer.py)
+from aiayn.tokenizer import PAD_ID as PAD  # noqa: E402
 
 
 def run_config(preset: str, data: dict | None = None, **train) -> Config:

@@ -34,9 +34,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from _common import (
-    BOS,
-    EOS,
-    PAD,
     AiaynTrainer,
     fmt,
     machine,
@@ -52,6 +49,9 @@ from aiayn.config import ModelConfig
 from aiayn.data.batch import Batch
 from aiayn.flops import measure_matmul_peak, training_flops
 from aiayn.malloc import keep_freed_memory
+from aiayn.tokenizer import BOS_ID as BOS
+from aiayn.tokenizer import EOS_ID as EOS
+from aiayn.tokenizer import PAD_ID as PAD
 
 # ---- the batches --------------------------------------------------------------------------
 
