@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: install demo demo-lm demo-classify multi30k test test-fast lint format clean-demo bench
+.PHONY: install demo demo-lm demo-classify multi30k tinyshakespeare wikitext2 test test-fast lint format clean-demo bench
 
 install: $(STAMP)
 
@@ -41,6 +41,14 @@ demo-classify: install
 # averaging and test BLEU, then a table. 20-25 minutes on 2 CPU cores.
 multi30k: install
 	$(BIN)/python launch/multi30k.py
+
+# The language-model recipes (data in ../shared/data): split, tokenizer, training, whole-split
+# scores (bits per character; word-level perplexity), a sample. About 30 minutes each on 2 cores.
+tinyshakespeare: install
+	$(BIN)/python launch/lm_recipe.py tinyshakespeare
+
+wikitext2: install
+	$(BIN)/python launch/lm_recipe.py wikitext2
 
 test: install
 	$(BIN)/pytest -q

@@ -67,7 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="sample from a language model")
     _add_checkpoint(p)
-    p.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        help="prompt text (repeatable; \\n is a line break)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=50)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None)
@@ -218,29 +223,29 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    import torch
-
-    from aiayn.decode import generate
     from aiayn.errors import ConfigError
     from aiayn.evaluate import load_for_inference
+    from aiayn.lm_eval import sample_text
 
     cfg, model, tok, _ = load_for_inference(args.checkpoint, args.overrides, args.device)
     if cfg.model.kind != "lm":
         raise ConfigError(f"generate needs an lm checkpoint; this one is {cfg.model.kind}")
-    prompts = args.prompt or [""]
-    ids = [[tok.eos_id] + p for p in tok.encode(prompts)]  # eos separates documents in training
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(args.seed)
-    out = generate(
+    prompts = [p.replace("\\n", "\n") for p in args.prompt or [""]]
+    running_text = cfg.data.lm_order == "stream"
+    texts = sample_text(
         model,
-        ids,
+        tok,
+        prompts,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
-        eos_id=tok.eos_id,
-        generator=gen,
+        seed=args.seed,
+        running_text=running_text,
     )
-    for prompt, text in zip(prompts, tok.decode(out), strict=True):
-        print(f"{prompt}{' ' if prompt else ''}{text}")
+    for prompt, text in zip(prompts, texts, strict=True):
+        print(text if running_text else f"{prompt}{' ' if prompt else ''}{text}")
+        if running_text and len(prompts) > 1:
+            print("---")
     return 0
 
 

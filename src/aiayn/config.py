@@ -87,10 +87,16 @@ class ModelConfig:
 class TokenizerConfig:
     path: str | None = None
     """SentencePiece model file; default <run_dir>/tokenizer/spm.model. Trained if missing."""
-    type: Literal["bpe", "unigram"] = "bpe"
-    """SentencePiece model type."""
+    type: Literal["bpe", "unigram", "char"] = "bpe"
+    """SentencePiece model type; char: one piece per character (vocab_size is then an upper
+    bound: the vocabulary is the corpus's characters plus the four specials)."""
     vocab_size: int = 8000
     """Size of the one joint source+target vocabulary (§3.4 shares it between languages)."""
+    normalization: Literal["nmt_nfkc", "nfkc", "identity"] = "nmt_nfkc"
+    """SentencePiece's normalization rule. identity, with remove_extra_whitespaces false, makes
+    decode(encode(text)) == text, so that a score per character is a score of the exact text."""
+    remove_extra_whitespaces: bool = True
+    """Drop leading and trailing spaces and collapse runs of spaces before encoding."""
     character_coverage: float = 1.0
     """Share of characters covered by the vocabulary (0.9995 for scripts with many characters)."""
     sample_sentences: int = 1_000_000
@@ -153,6 +159,16 @@ class DataConfig:
     from their lengths and reads only its own, and the epoch is shuffled whole, bucketed in
     windows of shuffle_buffer. false: stream and tokenise while training (nothing written to
     disk; every rank reads and tokenises the whole stream)."""
+    lm_order: Literal["documents", "stream"] = "documents"
+    """How an lm reads its training split (token cache only). documents: one document per line,
+    empty lines dropped, documents shuffled each epoch. stream: the lines in corpus order form
+    one running text (eos marks each line break, empty lines included), cut into blocks at a
+    random offset each epoch, blocks shuffled: for books and articles, whose lines continue
+    each other."""
+    unit: Literal["tokens", "characters", "words"] = "tokens"
+    """What an lm's evaluation counts besides tokens, so that models with different tokenizers
+    compare: characters gives bits per character, words word-level perplexity (whitespace-
+    separated words, plus one per line for its end)."""
     cache_dir: str | None = None
     """Where token caches live, one folder per split; default <run_dir>/data_cache. Point runs
     on the same data and tokenizer at one directory to tokenise once for all of them."""
@@ -167,6 +183,11 @@ class DataConfig:
             errs.append(f"data.max_len must be >= 2, got {self.max_len}")
         if self.shuffle_buffer < 0:
             errs.append(f"data.shuffle_buffer must be >= 0, got {self.shuffle_buffer}")
+        if self.lm_order == "stream" and not self.cache:
+            errs.append(
+                "data.lm_order=stream plans the whole text's blocks and needs the token cache: "
+                "set data.cache=true (or data.lm_order=documents)"
+            )
         return errs
 
 
@@ -231,9 +252,16 @@ class TrainConfig:
     eval_every: int = 1000
     """Validate every this many optimizer steps (0: only at the end)."""
     eval_batches: int | None = None
-    """Validate on at most this many batches (None: the whole validation split)."""
+    """Validate on at most this many batches (None: the whole validation split). An lm scores
+    the first this many batches of windows, and then reports no per-character or per-word
+    figure, which needs the whole text."""
     eval_bleu: int = 200
     """Validation sentences translated for sacreBLEU at each validation (seq2seq); 0: none."""
+    eval_stride: int | None = None
+    """lm: validation and `aiayn evaluate` score the whole text in windows of data.max_len
+    tokens. None: non-overlapping windows; s: windows advance by s tokens and score their last
+    s, so each token has at least data.max_len - s tokens of context (slower by
+    data.max_len / s)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto picks CUDA when present."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -268,6 +296,8 @@ class TrainConfig:
             errs.append(f"train.eval_every must be >= 0, got {self.eval_every}")
         if self.eval_bleu < 0:
             errs.append(f"train.eval_bleu must be >= 0, got {self.eval_bleu}")
+        if self.eval_stride is not None and self.eval_stride < 1:
+            errs.append(f"train.eval_stride must be >= 1, got {self.eval_stride}")
         return errs
 
 
@@ -319,6 +349,8 @@ VALID_METRICS = {
     "valid/accuracy": True,
     "valid/bleu": True,
     "valid/bleu_lc": True,
+    "valid/bpc": False,
+    "valid/word_ppl": False,
 }
 
 
@@ -337,7 +369,8 @@ class CheckpointConfig:
     every_steps."""
     best_metric: str = "valid/loss"
     """What keep_best ranks by: valid/loss, valid/ppl, valid/accuracy, valid/bleu or
-    valid/bleu_lc (seq2seq with train.eval_bleu > 0)."""
+    valid/bleu_lc (seq2seq with train.eval_bleu > 0), valid/bpc or valid/word_ppl (lm with
+    data.unit characters or words)."""
     best_mode: Literal["auto", "min", "max"] = "auto"
     """min: lower is better; max: higher is better; auto: max for accuracy and BLEU, min for
     loss and perplexity."""
@@ -459,6 +492,12 @@ class Config:
                 "hooks gather and reduce inside the layers torch.compile would trace; set "
                 "train.compile=false or distributed.backend=ddp"
             )
+        stride = self.train.eval_stride
+        if stride is not None and stride > self.data.max_len:
+            errs.append(
+                f"train.eval_stride ({stride}) must be at most the window, data.max_len "
+                f"({self.data.max_len})"
+            )
         if self.data.max_len + 2 > self.model.max_len:
             errs.append(
                 f"data.max_len ({self.data.max_len}) + 2 special tokens exceeds model.max_len "
@@ -478,6 +517,12 @@ class Config:
                 f"checkpoint.keep_best ranks checkpoints by the validation at their step: "
                 f"train.eval_every ({train.eval_every}) must be a multiple of "
                 f"checkpoint.every_steps ({ckpt.every_steps})"
+            )
+        unit = {"valid/bpc": "characters", "valid/word_ppl": "words"}.get(ckpt.best_metric)
+        if unit and (self.model.kind != "lm" or self.data.unit != unit):
+            errs.append(
+                f"checkpoint.best_metric {ckpt.best_metric} needs model.kind lm and "
+                f"data.unit {unit}"
             )
         bleu = ckpt.best_metric in ("valid/bleu", "valid/bleu_lc")
         if bleu and (self.model.kind != "seq2seq" or not train.eval_bleu):

@@ -175,10 +175,11 @@ def generate(
     max_new_tokens: int,
     temperature: float = 1.0,
     top_k: int | None = None,
-    eos_id: int,
+    eos_id: int | None,
     generator: torch.Generator | None = None,
 ) -> list[list[int]]:
-    """Sample up to max_new_tokens after each prompt; returns the new tokens, without eos.
+    """Sample up to max_new_tokens after each prompt; returns the new tokens, without eos
+    (eos_id None: eos is an ordinary token and sampling runs to max_new_tokens).
 
     temperature 0 takes the argmax. Prompts of different lengths are batched without padding:
     all are fed up to the shortest prompt's length, then each row is fed its own prompt tokens
@@ -201,7 +202,8 @@ def generate(
             nxt = _sample(logits[:, -1], temperature, top_k, generator)  # (B,)
             in_prompt = pos < lens  # (B,)
             tokens[:, pos] = torch.where(in_prompt, tokens[:, pos], nxt)
-            done |= (~in_prompt & (nxt == eos_id)) | (pos + 1 >= lens + max_new_tokens)
+            ended = ~in_prompt & (nxt == eos_id) if eos_id is not None else False
+            done |= ended | (pos + 1 >= lens + max_new_tokens)
             pos += 1
             if bool(done.all()):
                 break
@@ -209,6 +211,8 @@ def generate(
     rows = tokens.tolist()
     return [
         _cut(row[n:pos][:max_new_tokens], eos_id)
+        if eos_id is not None
+        else row[n:pos][:max_new_tokens]
         for row, n in zip(rows, lens.tolist(), strict=True)
     ]
 

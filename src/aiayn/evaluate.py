@@ -21,6 +21,7 @@ from aiayn.data import make_loader, open_split
 from aiayn.data.batch import Batch
 from aiayn.decode import beam_search, greedy_search
 from aiayn.errors import CheckpointError
+from aiayn.lm_eval import lm_scores, sample_text
 from aiayn.loss import batch_loss
 from aiayn.model import build_model
 from aiayn.tokenizer import Tokenizer, check_contract
@@ -120,11 +121,16 @@ class Validation:
 
     def __init__(self, cfg: Config, tok: Tokenizer, env):
         self.cfg, self.tok = cfg, tok
-        loader = make_loader(
-            cfg, cfg.data.valid, tok, train=False, rank=env.rank, world_size=env.world_size
-        )
-        limit = cfg.train.eval_batches  # None: all
-        self.batches = list(itertools.islice(loader, limit))
+        self.batches: list[Batch] = []
+        self.lines: list[str] = []  # lm: the whole text, scored by lm_eval
+        if cfg.model.kind == "lm":
+            self.lines = split_lines(cfg, cfg.data.valid)
+        else:
+            loader = make_loader(
+                cfg, cfg.data.valid, tok, train=False, rank=env.rank, world_size=env.world_size
+            )
+            limit = cfg.train.eval_batches  # None: all
+            self.batches = list(itertools.islice(loader, limit))
         self.pairs: list[dict] = []
         if cfg.model.kind == "seq2seq" and cfg.train.eval_bleu:
             source = open_split(cfg.data, cfg.data.valid, "seq2seq")
@@ -137,9 +143,15 @@ class Validation:
         # The bare module: a DDP forward outside the training step would wait for its peers.
         # Under ZeRO-3 it is a gathered copy, whose forward needs no collective either.
         with engine.full_module() as module, engine.autocast():
-            result = validation_metrics(
-                module, self.batches, cfg.model.kind, self.tok.pad_id, device, env.sum
-            )
+            if self.lines:
+                limit = cfg.train.eval_batches
+                result = score_lines(module, self.tok, self.lines, cfg, device, env, limit)
+                if cfg.logging.samples and env.is_main:
+                    metrics.text("valid/samples", step, lm_samples(module, self.tok, cfg))
+            else:
+                result = validation_metrics(
+                    module, self.batches, cfg.model.kind, self.tok.pad_id, device, env.sum
+                )
             if self.pairs and env.is_main:
                 srcs, refs = [p["src"] for p in self.pairs], [p["tgt"] for p in self.pairs]
                 hyps = translate(module, self.tok, srcs, cfg.decode, device)
@@ -153,6 +165,54 @@ class Validation:
                 metrics.text("valid/samples", step, text)
         metrics.log("valid", step, result)
         return result
+
+
+def split_lines(cfg: Config, spec: str) -> list[str]:
+    """Every line of an lm's split, empty ones included: the text that is scored."""
+    return [rec["text"] for rec in open_split(cfg.data, spec, "lm")]
+
+
+def score_lines(
+    model: nn.Module,
+    tok: Tokenizer,
+    lines: list[str],
+    cfg: Config,
+    device,
+    env=None,
+    max_batches: int | None = None,
+) -> dict[str, float]:
+    """lm_eval's scores of `lines` with the run's window, stride, unit and batch size; with a
+    DistEnv, each rank scores its share of the windows and the sums are combined."""
+    window = cfg.data.max_len
+    rows = max(1, cfg.train.max_tokens // window)
+    return lm_scores(
+        model,
+        tok,
+        lines,
+        window=window,
+        stride=cfg.train.eval_stride,
+        unit=cfg.data.unit,
+        device=device,
+        rows=rows,
+        rank=env.rank if env else 0,
+        world_size=env.world_size if env else 1,
+        reduce=env.sum if env else lambda sums: sums,
+        max_windows=None if max_batches is None else max_batches * rows,
+    )
+
+
+def lm_samples(model: nn.Module, tok: Tokenizer, cfg: Config) -> str:
+    """Markdown of logging.samples texts sampled from nothing, for TensorBoard."""
+    texts = sample_text(
+        model,
+        tok,
+        [""] * cfg.logging.samples,
+        max_new_tokens=cfg.data.max_len,
+        seed=cfg.train.seed,
+        running_text=cfg.data.lm_order == "stream",
+    )
+    # Markdown: four leading spaces keep each sample's line breaks.
+    return "\n\n---\n\n".join("    " + t.replace("\n", "\n    ") for t in texts)
 
 
 def load_for_inference(
@@ -215,6 +275,10 @@ def evaluate(checkpoint: str | Path, split: str = "test", overrides: list[str] =
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("".join(h + "\n" for h in hyps))
         result["hypotheses_file"] = str(out)
+    elif kind == "lm":
+        result = score_lines(model, tok, split_lines(cfg, spec), cfg, device)
+        result["window"] = cfg.data.max_len
+        result["stride"] = cfg.train.eval_stride or cfg.data.max_len
     else:
         loader = make_loader(cfg, spec, tok, train=False)
         result = validation_metrics(model, list(loader), kind, tok.pad_id, device)

@@ -139,6 +139,15 @@ def train_tokenizer(cfg: TokenizerConfig, sentences: Iterable[str], out_path: Pa
             model_type=cfg.type,
             vocab_size=cfg.vocab_size,
             character_coverage=cfg.character_coverage,
+            normalization_rule_name=cfg.normalization,
+            remove_extra_whitespaces=cfg.remove_extra_whitespaces,
+            hard_vocab_limit=cfg.type != "char",
+            # A char model's dummy prefix would be one more token per line, and nothing to learn.
+            add_dummy_prefix=cfg.type != "char",
+            # A corpus may spell its own unknown word "<unk>" (WikiText): as a user symbol it
+            # needs SentencePiece's piece of that name renamed. Only then, so that every other
+            # tokenizer keeps its bytes.
+            **({"unk_piece": "<sp_unk>"} if "<unk>" in cfg.user_symbols else {}),
             user_defined_symbols=list(cfg.user_symbols),
             pad_id=PAD_ID,
             unk_id=UNK_ID,

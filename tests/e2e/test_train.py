@@ -1,5 +1,7 @@
 """End to end on one process: real training runs on generated corpora, real checkpoints."""
 
+import json
+import math
 import subprocess
 import sys
 
@@ -222,6 +224,51 @@ def test_the_language_model_learns_to_count(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) == 2 and lines[0].startswith("forty-one ") and lines[1].startswith("seven ")
+
+
+def test_a_running_text_lm_reports_bits_per_character_and_samples_line_breaks(tmp_path):
+    """data.lm_order stream with data.unit characters: validation and `aiayn evaluate` score
+    every character of the text (line breaks included) and agree; generation keeps going
+    through line breaks and prints them."""
+    corpus = demo_data.write_lm(tmp_path / "lm", n_train=400, n_valid=20, n_test=20)
+    text = [line for line in (corpus / "valid.txt").read_text().split("\n")[:-1]]
+    text[3:3] = ["", ""]  # empty lines are line breaks too
+    (corpus / "valid_text.txt").write_text("".join(line + "\n" for line in text))
+    cfg = load_config(
+        None,
+        small_model(
+            f"run_dir={tmp_path}/run", "model.kind=lm", "data.format=text", "data.max_len=48",
+            f"data.train={corpus}/train.txt", f"data.valid={corpus}/valid_text.txt",
+            f"data.test={corpus}/valid_text.txt", "data.lm_order=stream", "data.unit=characters",
+            "tokenizer.normalization=identity", "tokenizer.remove_extra_whitespaces=false",
+            "train.max_steps=40", "logging.samples=2",
+        ),
+    )  # fmt: skip
+    train(cfg)
+    bpc = scalars(tmp_path / "run", "valid/bpc")
+    assert bpc[-1][1] < 0.6 * bpc[0][1], bpc
+    chars = sum(len(line) + 1 for line in text)
+    results = {}
+    for stride in (None, 12):
+        extra = [] if stride is None else [f"train.eval_stride={stride}"]
+        proc = run_cli(
+            "evaluate", "--checkpoint", str(tmp_path / "run"), "--split", "test", "--json", *extra
+        )
+        assert proc.returncode == 0, proc.stderr
+        results[stride] = r = json.loads(proc.stdout)
+        assert r["characters"] == chars
+        assert r["bpc"] == pytest.approx(r["loss"] * r["tokens"] / (chars * math.log(2)), rel=1e-6)
+    assert results[None]["bpc"] == pytest.approx(bpc[-1][1], rel=1e-4)  # validation's scoring
+    assert results[12]["tokens"] == results[None]["tokens"]  # every token once, more context
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+    assert acc.Tensors("valid/samples/text_summary")
+    proc = run_cli(
+        "generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "forty-one\\nforty",
+        "--max-new-tokens", "60", "--temperature", "0",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("forty-one\nforty") and proc.stdout.count("\n") >= 3
 
 
 def test_the_classifier_learns_parity_and_reports_accuracy(tmp_path):

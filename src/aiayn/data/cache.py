@@ -365,7 +365,11 @@ def _tokenize_chunk(
     )
     n = len(records)
     side_lengths = {side: lengths[i * n : (i + 1) * n] for i, side in enumerate(fields)}
-    keep = np.minimum.reduce(list(side_lengths.values())) > 0  # an empty side: nothing to learn
+    # A pair or an example with an empty side has nothing to learn. An lm keeps its empty lines:
+    # in corpus order (data.lm_order stream) each is a line break of the text.
+    keep = np.minimum.reduce(list(side_lengths.values())) > 0
+    if kind == "lm":
+        keep[:] = True
     out = {"ids": read + np.flatnonzero(keep), "empty": np.array(int((~keep).sum()))}
     start = 0
     for side, side_len in side_lengths.items():
@@ -487,7 +491,9 @@ def _merge(work: Path, root: Path, built: list[dict], expected: dict, cfg: Confi
         "version": CACHE_VERSION,
         "fingerprint": json.loads((work / "build.json").read_text()),
         "filters": {
-            "empty": "an example with an empty side is dropped",
+            "empty": "an lm keeps its empty lines"
+            if cfg.model.kind == "lm"
+            else "an example with an empty side is dropped",
             "not_utf8": f"data.on_invalid_utf8={cfg.data.on_invalid_utf8}",
             "too_long": "kept here; the batch plan drops examples longer than data.max_len",
         },

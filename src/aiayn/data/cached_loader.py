@@ -75,6 +75,12 @@ class CachedLoader:
         # millions of examples are per-rank memory. Pairs keep only widths; rows read their
         # lengths from the offsets of their own batch.
         src_len = np.diff(cache.src_offsets).astype(np.int32)
+        if kind == "lm" and data_cfg.lm_order == "stream" and cache.counts()["dropped_empty"]:
+            raise DataError(
+                f"token cache {cache.root} was built by an older aiayn that dropped empty lines, "
+                "which data.lm_order=stream reads as line breaks; rebuild it with "
+                "`aiayn data prepare --config FILE --force`"
+            )
         if kind == "lm":
             self._doc_len, self._too_long = src_len, 0
         else:
@@ -97,6 +103,8 @@ class CachedLoader:
             "max_len": data_cfg.max_len,
             "tokenizer_sha256": tokenizer.sha256,
         }
+        if kind == "lm" and data_cfg.lm_order != "documents":  # older positions stay valid
+            self._fingerprint["lm_order"] = data_cfg.lm_order
 
     # ---- position ---------------------------------------------------------------------------
 
@@ -176,7 +184,7 @@ class CachedLoader:
         rng = epoch_rng(self.seed, epoch) if self.train and self.cfg.shuffle_buffer else None
         if self.kind == "lm":
             rows = self.max_tokens // self.cfg.max_len
-            return lm_plan(self._doc_len, self.cfg.max_len + 1, rows, rng)
+            return lm_plan(self._doc_len, self.cfg.max_len + 1, rows, rng, self.cfg.lm_order)
         window = self.cfg.shuffle_buffer
         return pair_plan(self._width, self._keep, self.max_tokens, window, rng)
 
@@ -211,14 +219,16 @@ class CachedLoader:
     def _lm_batch(self, plan: LmPlan, k: int) -> Batch:
         """Blocks of the epoch's stream (documents in plan order, each followed by eos)."""
         blocks = plan.blocks(k)
-        pos = blocks[:, None] * plan.size + np.arange(plan.size)[None, :]
+        pos = plan.offset + blocks[:, None] * plan.size + np.arange(plan.size)[None, :]
         inside = pos < plan.total
         j = np.minimum(np.searchsorted(plan.ends, pos, side="right"), len(plan.docs) - 1)
         doc = plan.docs[j]
         length = self._doc_len[doc]
         within = pos - (plan.ends[j] - length - 1)
         at_eos = within >= length
-        tokens = self.cache.src_tokens[self.cache.src_offsets[doc] + np.minimum(within, length - 1)]
+        # An empty document is a lone eos: its index is clamped to stay inside the array.
+        inner = np.maximum(np.minimum(within, length - 1), 0)
+        tokens = self.cache.src_tokens[self.cache.src_offsets[doc] + inner]
         out = np.where(at_eos, self.tok.eos_id, tokens).astype(np.int64)
         out[~inside] = self.tok.pad_id
         block = torch.from_numpy(out)

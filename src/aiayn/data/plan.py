@@ -11,8 +11,14 @@ shuffled order), cut into token-budget batches, and all the epoch's batches are 
 together. The whole-epoch permutation makes each window a sample of the whole corpus rather
 than of one stretch of the file; the window bounds how alike a batch's lengths are.
 
-Language modelling (`lm_plan`): documents, permuted whole, are joined by eos into one stream and
-cut into blocks of block_size tokens, `rows` blocks a batch, in order.
+Language modelling (`lm_plan`), two orders:
+- documents: the non-empty documents, permuted whole, are joined by eos into one stream, cut
+  into blocks of block_size tokens, `rows` blocks a batch, in order. For corpora of independent
+  documents.
+- stream: every line in corpus order (an empty one is a lone eos, so eos stands for the line
+  break) is one running text, as in char-rnn, nanoGPT and the WikiText baselines. Each epoch
+  starts it at a random offset below block_size, so block boundaries move from epoch to epoch,
+  and the blocks are shuffled across the epoch, so a batch samples the whole text.
 """
 
 from __future__ import annotations
@@ -140,33 +146,52 @@ def pair_plan(
 @dataclass
 class LmPlan:
     """One epoch of a language model: documents `docs` in this order, each followed by eos,
-    form one stream of `total` tokens; block b is stream[b * size : (b + 1) * size] (the last
-    block padded), and batch k holds blocks k * rows ... k * rows + rows - 1."""
+    form one stream of `total` tokens. Block b is stream[offset + b * size : ... + size] (the
+    last block padded); batch k holds blocks order[k * rows : (k + 1) * rows] (consecutive
+    blocks when order is None)."""
 
     docs: np.ndarray
     ends: np.ndarray  # cumulative stream length after each doc (eos included)
     total: int
     size: int
     rows: int
+    offset: int = 0
+    order: np.ndarray | None = None
 
     @property
     def n_blocks(self) -> int:
-        return -(-self.total // self.size)
+        return -(-(self.total - self.offset) // self.size)
 
     def __len__(self) -> int:
         return -(-self.n_blocks // self.rows)
 
     def blocks(self, k: int) -> np.ndarray:
-        return np.arange(k * self.rows, min((k + 1) * self.rows, self.n_blocks))
+        lo, hi = k * self.rows, min((k + 1) * self.rows, self.n_blocks)
+        return np.arange(lo, hi) if self.order is None else self.order[lo:hi]
 
 
 def lm_plan(
-    doc_lengths: np.ndarray, block_size: int, rows: int, rng: np.random.Generator | None
+    doc_lengths: np.ndarray,
+    block_size: int,
+    rows: int,
+    rng: np.random.Generator | None,
+    order: str = "documents",
 ) -> LmPlan:
-    n = len(doc_lengths)
-    docs = np.arange(n) if rng is None else rng.permutation(n)
+    if order == "stream":
+        docs = np.arange(len(doc_lengths))
+        offset = 0 if rng is None else int(rng.integers(block_size))
+    else:
+        docs = np.flatnonzero(doc_lengths > 0)  # an empty document has nothing to learn
+        if rng is not None:
+            docs = docs[rng.permutation(len(docs))]
+        offset = 0
     ends = np.cumsum(doc_lengths[docs] + 1)
-    total = int(ends[-1]) if n else 0
-    if total % block_size == 1:  # a last block of one token has no target: drop it
+    total = int(ends[-1]) if len(docs) else 0
+    if total - offset <= 1:
+        total, offset = 0, 0
+    if (total - offset) % block_size == 1:  # a last block of one token has no target: drop it
         total -= 1
-    return LmPlan(docs, ends, total, block_size, max(1, rows))
+    plan = LmPlan(docs, ends, total, block_size, max(1, rows), offset)
+    if order == "stream" and rng is not None:
+        plan.order = rng.permutation(plan.n_blocks)
+    return plan

@@ -179,15 +179,18 @@ def _text_examples(files: list[str], strict: bool) -> Iterator[dict]:
     for path in files:
         with _open_bytes(path) as fh:
             for lineno, line in enumerate(fh, start=1):
-                text = _decode(line, path, lineno, strict)
+                text = _decode(line, path, lineno, strict, strip=False)
                 if text is not None:
                     yield {"text": text}
 
 
-def _decode(line: bytes, path: str, lineno: int, strict: bool) -> str | None:
-    """The line as text, or None when it is not UTF-8 and such lines are skipped."""
+def _decode(line: bytes, path: str, lineno: int, strict: bool, strip: bool = True) -> str | None:
+    """The line as text, or None when it is not UTF-8 and such lines are skipped. strip=False
+    keeps its spaces (an lm's text is scored character for character) and drops only the line
+    break."""
     try:
-        return line.decode("utf-8").strip()
+        text = line.decode("utf-8")
+        return text.strip() if strip else text.rstrip("\r\n")
     except UnicodeDecodeError:
         if strict:
             raise _utf8_error(path, lineno) from None

@@ -1,0 +1,178 @@
+"""The language-model recipes on real text, end to end, and their tables.
+
+    make tinyshakespeare                  # or, in the venv:
+    make wikitext2                        #   python launch/lm_recipe.py NAME [key=value ...]
+
+NAME is tinyshakespeare or wikitext2. Stages, each the `aiayn` command a user would type
+(printed before it runs):
+  0. split      tinyshakespeare only: the first 90% of the characters of
+                ../shared/data/tinyshakespeare/input.txt.gz train and the last 10% validate,
+                as nanoGPT's shakespeare_char does (written to data/tinyshakespeare/)
+  1. tokenizer  `aiayn tokenizer train`
+  2. train      `aiayn train` (resumes where it stopped)
+  3. evaluate   `aiayn evaluate`: the whole scored split, in non-overlapping windows and with a
+                sliding window, in the units published figures use
+
+It then prints the wall time of each stage, the scores, the model's parameters and tokens/s,
+the validation curve (against minutes of training, from TensorBoard) and a sample.
+
+key=value overrides go to every stage (e.g. run_dir=runs/ts_try2 train.max_steps=1000).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import json
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiayn.config import load_config
+from aiayn.errors import AiaynError
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared" / "data"
+AIAYN = [sys.executable, "-m", "aiayn"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    config: str
+    split: str  # the split the goal is measured on
+    metric: str  # valid/<metric> in TensorBoard, <metric> in evaluate's JSON
+    goal: float
+    prompt: str
+
+
+RECIPES = {
+    "tinyshakespeare": Recipe("configs/tinyshakespeare_lm.yaml", "valid", "bpc", 2.12, "ROMEO:\\n"),
+    "wikitext2": Recipe("configs/wikitext2_lm.yaml", "test", "word_ppl", 130.0, " = Robert"),
+}
+
+
+def run(args: list[str], capture: bool = False) -> str:
+    print("+ aiayn " + shlex.join(args), flush=True)
+    done = subprocess.run(AIAYN + args, cwd=ROOT, check=True, text=True, capture_output=capture)
+    return done.stdout if capture else ""
+
+
+def split_tinyshakespeare(out: Path) -> None:
+    """train.txt: the first 90% of the characters; valid.txt: the rest (nanoGPT's split)."""
+    if (out / "valid.txt").exists():
+        print(f"{out} exists: kept")
+        return
+    source = SHARED / "tinyshakespeare" / "input.txt.gz"
+    if not source.exists():
+        raise AiaynError(f"Tiny Shakespeare not found at {source} (shared data beside the project)")
+    text = gzip.open(source, "rt", encoding="utf-8").read()
+    cut = int(len(text) * 0.9)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.txt").write_text(text[:cut], encoding="utf-8")
+    # Written last: its presence means the split is complete.
+    (out / "valid.txt").write_text(text[cut:], encoding="utf-8")
+    print(f"split {source}: {cut} train and {len(text) - cut} validation characters into {out}")
+
+
+def validation_curve(run_dir: Path, metric: str) -> list[tuple[float, int, float]]:
+    """(minutes since the first logged point, step, value) of valid/<metric> in TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    if f"valid/{metric}" not in tags:
+        return []
+    start = min(e.wall_time for tag in tags for e in acc.Scalars(tag))
+    return [((e.wall_time - start) / 60, e.step, e.value) for e in acc.Scalars(f"valid/{metric}")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("recipe", choices=sorted(RECIPES))
+    parser.add_argument("--config", default=None, help="default: the recipe's config")
+    parser.add_argument("--stride", type=int, default=None, help="sliding-window stride")
+    parser.add_argument("overrides", nargs="*", help="key=value, given to every stage")
+    args = parser.parse_args(argv)
+    recipe = RECIPES[args.recipe]
+    config = args.config or recipe.config
+
+    cfg = load_config(ROOT / config, args.overrides)  # validated before any stage runs
+    run_dir = ROOT / cfg.run_dir
+    common = ["--config", config, *args.overrides]
+    stride = args.stride or cfg.data.max_len // 2
+    times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def stage(name: str):
+        began = time.perf_counter()
+        yield
+        times[name] = time.perf_counter() - began
+
+    start = time.perf_counter()
+    if args.recipe == "tinyshakespeare":
+        with stage("split"):
+            split_tinyshakespeare(ROOT / Path(cfg.data.train).parent)
+    with stage("tokenizer"):
+        if cfg.tokenizer_path.exists():  # a resumed or re-scored run keeps its vocabulary
+            print(f"tokenizer {cfg.tokenizer_path} exists: kept")
+        else:
+            run(["tokenizer", "train", *common])
+    with stage("train"):
+        run(["train", *common])
+    with stage("evaluate"):
+        rows = []
+        for name, extra in (
+            ("non-overlapping windows", []),
+            (f"sliding window, stride {stride}", [f"train.eval_stride={stride}"]),
+        ):
+            out = run(
+                ["evaluate", "--checkpoint", str(run_dir), "--split", recipe.split, "--json"]
+                + args.overrides
+                + extra,
+                capture=True,
+            )
+            rows.append((name, json.loads(out)))
+    times["total"] = time.perf_counter() - start
+    sample = run(
+        ["generate", "--checkpoint", str(run_dir), "--prompt", recipe.prompt]
+        + ["--max-new-tokens", "300", "--temperature", "0.8"],
+        capture=True,
+    )
+    params = run(["params", "--config", config, *args.overrides], capture=True).strip()
+
+    unit = cfg.data.unit
+    print(f"\n{args.recipe}: {recipe.split} split ({config}, {run_dir})\n")
+    print("| stage | wall time |\n| --- | ---: |")
+    for name, seconds in times.items():
+        print(f"| {name} | {seconds / 60:.1f} min |")
+    print(
+        f"\n| scoring (window {cfg.data.max_len} tokens) | loss/token | {recipe.metric} "
+        f"| tokens | {unit} |\n| --- | ---: | ---: | ---: | ---: |"
+    )
+    for name, r in rows:
+        print(
+            f"| {name} | {r['loss']:.4f} | **{r[recipe.metric]:.3f}** | {r['tokens']} | {r[unit]} |"
+        )
+    best = min(r[recipe.metric] for _, r in rows)
+    verdict = "met" if best <= recipe.goal else f"not met, {best - recipe.goal:+.3f}"
+    print(f"\ngoal: {recipe.metric} <= {recipe.goal} ({verdict})")
+    print(f"\n{params}\n\nvalidation curve ({recipe.metric}, non-overlapping windows):\n")
+    print(f"| minutes | step | {recipe.metric} |\n| ---: | ---: | ---: |")
+    for minutes, step, value in validation_curve(run_dir, recipe.metric):
+        print(f"| {minutes:.1f} | {step} | {value:.3f} |")
+    print(f"\nsample (temperature 0.8):\n\n{sample}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except AiaynError as e:  # a bad config or override: named before any stage runs
+        sys.exit(f"lm_recipe: {e}")
+    except subprocess.CalledProcessError as e:  # the stage printed its own error above
+        sys.exit(f"lm_recipe: stopped, `aiayn {e.cmd[3]}` exited with {e.returncode}")

@@ -1,0 +1,88 @@
+"""The Tiny Shakespeare config on the real corpus, on 2 ranks: DDP and ZeRO-2 follow one process.
+
+One process accumulating two micro-batches takes the same global batches as two ranks taking
+one each (the token cache's plan is global), so the three loss curves agree up to float
+rounding, and so do the validation scores of the whole validation text.
+"""
+
+import gzip
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from aiayn.config import load_config
+from aiayn.data import sample_sentences
+from aiayn.tokenizer import train_tokenizer
+
+from procs import aiayn, run, torchrun
+
+ROOT = Path(__file__).resolve().parents[2]
+TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt.gz"
+pytestmark = [
+    pytest.mark.dist,
+    pytest.mark.skipif(
+        not TEXT.is_file(), reason=f"Tiny Shakespeare not found at {TEXT} (shared data)"
+    ),
+]
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shakespeare")
+    text = gzip.open(TEXT, "rt", encoding="utf-8").read()
+    cut = int(len(text) * 0.9)
+    (root / "train.txt").write_text(text[:cut], encoding="utf-8")
+    (root / "valid.txt").write_text(text[cut : cut + 20_000], encoding="utf-8")  # quicker
+    overrides = [
+        f"data.train={root}/train.txt", f"data.valid={root}/valid.txt",
+        f"tokenizer.path={root}/spm.model", "model.N=1", "model.d_model=64", "model.d_ff=128",
+        "model.max_len=66", "model.dropout=0.0", "data.max_len=64", "train.max_tokens=512",
+        f"train.max_steps={STEPS}", "train.eval_every=10", "checkpoint.every_steps=10",
+        "logging.every_steps=1", "schedule.warmup=10", "logging.samples=1",
+    ]  # fmt: skip
+    config = ROOT / "configs" / "tinyshakespeare_lm.yaml"
+    cfg = load_config(config, overrides)
+    sents = sample_sentences(cfg.data, "lm", 50_000, 1)
+    train_tokenizer(cfg.tokenizer, sents, cfg.tokenizer_path)
+    return root, config, overrides
+
+
+def scalars(run_dir: Path, tag: str) -> dict[int, float]:
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+def test_ddp_and_zero2_follow_one_process_on_tiny_shakespeare(setup):
+    root, config, overrides = setup
+    runs = {
+        "one": [sys.executable] + aiayn(config, root / "one", *overrides, "train.grad_accum=2"),
+        "ddp": torchrun(2) + aiayn(config, root / "ddp", *overrides),
+        "zero2": torchrun(2)
+        + aiayn(
+            config,
+            root / "zero2",
+            *overrides,
+            "distributed.backend=deepspeed",
+            "distributed.zero_stage=2",
+        ),  # fmt: skip
+    }
+    for cmd in runs.values():
+        run(cmd, timeout=900)
+    ref = scalars(root / "one", "train/loss")
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    assert ref[STEPS] < 0.75 * ref[1]  # it learns: ln(68) = 4.2 at the start
+    ref_bpc = scalars(root / "one", "valid/bpc")
+    assert sorted(ref_bpc) == [10, 20] and ref_bpc[20] < ref_bpc[10] < 6.1
+    for name in ("ddp", "zero2"):
+        got = scalars(root / name, "train/loss")
+        worst = max(abs(got[s] - ref[s]) / ref[s] for s in ref)
+        assert worst <= 1e-4, f"{name}: loss curve differs from one process's by {worst:.3g}"
+        bpc = scalars(root / name, "valid/bpc")
+        assert bpc == pytest.approx(ref_bpc, rel=1e-4)  # the windows split over both ranks
+    log = (root / "ddp" / "train.log").read_text()
+    assert "x 2 ranks per step" in log and os.path.isdir(root / "ddp" / "data_cache")
