@@ -173,17 +173,22 @@ def sample_text(
             row += line + [tok.eos_id]
         ids.append(row[:-1] if prompt else row)  # a prompt goes on from its last token
     device = next(model.parameters()).device
-    out = generate(
-        model,
-        ids,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        eos_id=None if running_text else tok.eos_id,
-        generator=torch.Generator(device=device).manual_seed(seed),
-    )
+    gen = torch.Generator(device=device).manual_seed(seed)
+    sample = dict(temperature=temperature, top_k=top_k, generator=gen)
     if not running_text:
+        out = generate(model, ids, max_new_tokens=max_new_tokens, eos_id=tok.eos_id, **sample)
         return tok.decode(out)
+    # A running text may go on past the position table: in rounds, each continuing from the
+    # last half-window of what came before.
+    limit, keep = model.cfg.max_len, model.cfg.max_len // 2
+    out = [[] for _ in ids]
+    context = [row[-keep:] for row in ids]
+    while len(out[0]) < max_new_tokens:
+        n = min(max_new_tokens - len(out[0]), limit - max(map(len, context)))
+        new = generate(model, context, max_new_tokens=n, eos_id=None, **sample)
+        for row, ctx, more in zip(out, context, new, strict=True):
+            row += more
+            ctx[:] = (ctx + more)[-keep:]
     texts = []
     for prompt_ids, row in zip(ids, out, strict=True):
         lines, line = [], []

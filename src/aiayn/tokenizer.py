@@ -139,15 +139,7 @@ def train_tokenizer(cfg: TokenizerConfig, sentences: Iterable[str], out_path: Pa
             model_type=cfg.type,
             vocab_size=cfg.vocab_size,
             character_coverage=cfg.character_coverage,
-            normalization_rule_name=cfg.normalization,
-            remove_extra_whitespaces=cfg.remove_extra_whitespaces,
-            hard_vocab_limit=cfg.type != "char",
-            # A char model's dummy prefix would be one more token per line, and nothing to learn.
-            add_dummy_prefix=cfg.type != "char",
-            # A corpus may spell its own unknown word "<unk>" (WikiText): as a user symbol it
-            # needs SentencePiece's piece of that name renamed. Only then, so that every other
-            # tokenizer keeps its bytes.
-            **({"unk_piece": "<sp_unk>"} if "<unk>" in cfg.user_symbols else {}),
+            **_non_default_options(cfg),
             user_defined_symbols=list(cfg.user_symbols),
             pad_id=PAD_ID,
             unk_id=UNK_ID,
@@ -177,6 +169,26 @@ def train_tokenizer(cfg: TokenizerConfig, sentences: Iterable[str], out_path: Pa
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return Tokenizer(out_path)
+
+
+def _non_default_options(cfg: TokenizerConfig) -> dict:
+    """SentencePiece options that differ from its defaults, and only those: an option passed
+    even at its default value changes the model file's bytes (and sha256), so every tokenizer
+    trained before these options existed keeps its bytes."""
+    options = {}
+    if cfg.normalization != "nmt_nfkc":
+        options["normalization_rule_name"] = cfg.normalization
+    if not cfg.remove_extra_whitespaces:
+        options["remove_extra_whitespaces"] = False
+    if cfg.type == "char":
+        # vocab_size is an upper bound, and a dummy prefix would be one more token per line
+        # with nothing to learn.
+        options.update(hard_vocab_limit=False, add_dummy_prefix=False)
+    if "<unk>" in cfg.user_symbols:
+        # A corpus may spell its own unknown word "<unk>" (WikiText): as a user symbol it
+        # needs SentencePiece's piece of that name renamed.
+        options["unk_piece"] = "<sp_unk>"
+    return options
 
 
 def _training_error(cfg: TokenizerConfig, n: int, message: str) -> TokenizerError:

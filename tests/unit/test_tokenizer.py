@@ -112,3 +112,18 @@ def test_a_file_that_is_not_a_model_is_refused(tmp_path):
     bad.write_bytes(b"not a model")
     with pytest.raises(TokenizerError, match="is not a SentencePiece model"):
         Tokenizer(bad)
+
+
+def test_default_options_pass_nothing_new_to_sentencepiece():
+    """An option passed at its default value still changes the model's bytes: tokenizers
+    trained before normalization / char / <unk> existed must keep their sha256."""
+    from aiayn.tokenizer import _non_default_options
+
+    assert _non_default_options(TokenizerConfig()) == {}
+    char = TokenizerConfig(type="char", normalization="identity", remove_extra_whitespaces=False)
+    assert _non_default_options(char) == {
+        "normalization_rule_name": "identity",
+        "remove_extra_whitespaces": False,
+        "hard_vocab_limit": False,
+        "add_dummy_prefix": False,
+    }
