@@ -77,7 +77,7 @@ def test_ddp_and_zero2_follow_one_process_on_tiny_shakespeare(setup):
     assert sorted(ref) == list(range(1, STEPS + 1))
     assert ref[STEPS] < 0.85 * ref[1]  # it learns (7.0 -> 5.6 nats per BPE token seen)
     ref_bpc = scalars(root / "one", "valid/bpc")
-    assert sorted(ref_bpc) == [10, 20] and ref_bpc[20] < ref_bpc[10]
+    assert sorted(ref_bpc) == [10, 20] and ref_bpc[20] < 6.2  # ln(512)/ln(2)/0.49 = 18 at first
     for name in ("ddp", "zero2"):
         got = scalars(root / name, "train/loss")
         worst = max(abs(got[s] - ref[s]) / ref[s] for s in ref)
