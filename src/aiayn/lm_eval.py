@@ -33,10 +33,14 @@ log = logging.getLogger(__name__)
 
 def text_stream(tok: Tokenizer, lines: list[str]) -> torch.Tensor:
     """(N + 1,) int64: eos, then each line's tokens followed by eos."""
-    ids = [tok.eos_id]
-    for line in tok.encode(lines):
+    return _joined(tok.encode(lines), tok.eos_id)
+
+
+def _joined(encoded: list[list[int]], eos_id: int) -> torch.Tensor:
+    ids = [eos_id]
+    for line in encoded:
         ids.extend(line)
-        ids.append(tok.eos_id)
+        ids.append(eos_id)
     return torch.tensor(ids, dtype=torch.long)
 
 
@@ -119,7 +123,8 @@ def lm_scores(
     """Loss per token, perplexity and, for unit characters or words, bits per character or
     word-level perplexity of the whole text `lines`. `reduce` sums over data-parallel ranks.
     max_windows scores only the first windows: loss and perplexity only, of a part."""
-    stream = text_stream(tok, lines)
+    encoded = tok.encode(lines)  # once: the stream and the round-trip check share it
+    stream = _joined(encoded, tok.eos_id)
     sums = score_stream(
         model, stream, window, stride, tok.pad_id, device, rows, rank, world_size, max_windows
     )
@@ -135,7 +140,7 @@ def lm_scores(
             out["bpc"] = nll / (max(units, 1) * math.log(2))
         else:
             out["word_ppl"] = math.exp(min(nll / max(units, 1), 50.0))
-    lossy = sum(a != b for a, b in zip(tok.decode(tok.encode(lines)), lines, strict=True))
+    lossy = sum(a != b for a, b in zip(tok.decode(encoded), lines, strict=True))
     if lossy and unit != "tokens":
         log.warning(
             "%d of %d lines do not decode back to themselves: the tokenizer normalises the text, "
