@@ -8,6 +8,7 @@ measured up to 5e-6) and the final weights to 5e-3 (measured up to 6e-4). bf16 a
 other operations in DeepSpeed (its own torch_autocast) than in DDP: loss curve within 1e-2.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -168,3 +169,22 @@ def test_accelerate_launch_use_deepspeed(setup, ddp_run):
     assert "from accelerate launch: distributed.backend=deepspeed distributed.zero_stage=3" in out
     assert "backend deepspeed, ZeRO stage 3" in (run_dir / "train.log").read_text()
     assert_same_curve(run_dir, ddp_run, rtol=1e-4)
+
+
+def test_a_dead_op_build_stops_the_launch_with_the_fix_instead_of_hanging(setup, tmp_path):
+    """torch waits forever on a lock a killed op build left; the run says which file to delete."""
+    root, config = setup
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    proc = subprocess.run(
+        [sys.executable, *aiayn(config, root / "dead_build", *DS)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**ENV, "TORCH_EXTENSIONS_DIR": str(tmp_path)},
+    )
+    assert proc.returncode != 0
+    assert f"rm {lock}" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr

@@ -256,9 +256,10 @@ class DeepSpeedEngine:
         _join_single_process_group(env)
         import deepspeed  # here, so a DDP run never pays for (or depends on) importing it
 
-        from aiayn.dist import deepspeed_config
+        from aiayn.dist import deepspeed_config, op_builds
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
+        op_builds.wait_for_op_builds()  # deepspeed.initialize compiles ops on first use
         self.ds_config = deepspeed_config.build(cfg, env.world_size, env.device.type)
         _checkpoint_layers(model, cfg)
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
