@@ -54,7 +54,7 @@ test: install
 	$(BIN)/pytest -q
 
 test-fast: install
-	$(BIN)/pytest -q -m "not slow and not dist and not slurm"
+	$(BIN)/pytest -q -m "not slow and not distributed and not slurm"
 
 lint: install
 	$(BIN)/ruff format --check src tests benchmarks launch

@@ -108,7 +108,7 @@ def cmd_train(args) -> int:
     import os
 
     from aiayn.config import load_config
-    from aiayn.dist.launcher import accelerate_overrides
+    from aiayn.distributed.launcher import accelerate_overrides
     from aiayn.preemption import REQUEUE_EXIT_CODE, Preempted
     from aiayn.train import train
 
@@ -145,7 +145,7 @@ def cmd_data(args) -> int:
     import time
 
     from aiayn.config import load_config
-    from aiayn.dist.env import setup, teardown
+    from aiayn.distributed.env import setup, teardown
     from aiayn.metrics import setup_logging
     from aiayn.train import prepare_data
 

@@ -223,7 +223,7 @@ def load_for_inference(
     `checkpoint`: a run_dir (its latest valid checkpoint), a step or averaged checkpoint
     directory, or a FILE.safetensors written by `aiayn export`.
     """
-    from aiayn.dist.env import pick_device
+    from aiayn.distributed.env import pick_device
 
     path = Path(checkpoint)
     if path.suffix == ".safetensors" and path.is_file():

@@ -28,10 +28,10 @@ from aiayn.data import (
     make_loader,
     sample_sentences,
 )
-from aiayn.dist import reshard
-from aiayn.dist.engine import LocalEngine, build_engine
-from aiayn.dist.env import DistEnv, setup, teardown
-from aiayn.dist.reshard import Topology
+from aiayn.distributed import reshard
+from aiayn.distributed.engine import LocalEngine, build_engine
+from aiayn.distributed.env import DistEnv, setup, teardown
+from aiayn.distributed.reshard import Topology
 from aiayn.errors import CheckpointError, TrainingError
 from aiayn.evaluate import Validation
 from aiayn.flops import device_peak_flops, training_flops
@@ -236,7 +236,7 @@ def _restore(ckpt: Path, cfg: Config, tok: Tokenizer, engine, loader, env: DistE
         if engine.loads_weights:
             load_checkpoint(ckpt, engine.module, verify=False, with_trainer_state=False)
         engine.load_state_dict(trainer_state["engine"], ckpt)
-    else:  # weights and optimizer state resharded by parameter name (dist/reshard.py)
+    else:  # weights and optimizer state resharded by parameter name (distributed/reshard.py)
         log.warning("checkpoint written by %s, resuming on %s: resharding its state", saved, here)
         names = [name for name, _ in reshard.trainable(engine.module)]
         engine.load_portable(reshard.read(ckpt, trainer_state, saved, names))

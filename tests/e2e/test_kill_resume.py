@@ -175,7 +175,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 def test_two_ddp_ranks_killed_and_resumed_end_bitwise_equal(tmp_path, numbers, config_file):
     def cmd(run_dir):
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from aiayn.dist import op_builds
+from aiayn.distributed import op_builds
 from aiayn.errors import TrainingError
 
 

@@ -1,6 +1,6 @@
-"""The topology-independent optimizer state (dist/reshard.py) without a second process: the
+"""The topology-independent optimizer state (distributed/reshard.py) without a second process: the
 torch optimizer's state round-trips through it exactly, and ZeRO partitions cut the way
-DeepSpeed cuts them merge back into whole tensors. Real DeepSpeed shards: tests/dist."""
+DeepSpeed cuts them merge back into whole tensors. Real DeepSpeed shards: tests/distributed."""
 
 import math
 from types import SimpleNamespace
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from aiayn.config import load_config
-from aiayn.dist import reshard
-from aiayn.dist.engine import DeepSpeedEngine, LocalEngine
+from aiayn.distributed import reshard
+from aiayn.distributed.engine import DeepSpeedEngine, LocalEngine
 from aiayn.errors import CheckpointError
 from aiayn.model import build_model
 

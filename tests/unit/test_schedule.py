@@ -3,7 +3,7 @@ import math
 import torch
 
 from aiayn.config import config_from_dict
-from aiayn.dist.engine import LocalEngine
+from aiayn.distributed.engine import LocalEngine
 from aiayn.schedule import learning_rate, noam_lr
 
 

@@ -16,7 +16,7 @@ from aiayn.tokenizer import Tokenizer
 
 from procs import ENV, aiayn, assert_close, final_weights, free_port, run, torchrun
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.distributed
 
 
 def test_two_ddp_ranks_equal_one_process_accumulating_two_micro_batches(setup, ddp_run):

@@ -21,7 +21,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from killing import kill_tree
 from procs import ENV, STEPS, aiayn, assert_close, final_weights, free_port, run, torchrun
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.distributed
 DS = ("distributed.backend=deepspeed",)
 
 
@@ -146,7 +146,7 @@ def test_killed_zero_run_resumes_bitwise(setup, stage):
 
 
 def test_accelerate_launch_use_deepspeed(setup, ddp_run):
-    """accelerate's --use_deepspeed/--zero_stage reach the run config (dist/launcher.py)."""
+    """accelerate's --use_deepspeed/--zero_stage reach the run config (distributed/launcher.py)."""
     root, config = setup
     exe = Path(sys.executable).parent / "accelerate"
     run_dir = root / "accelerate_zero3"

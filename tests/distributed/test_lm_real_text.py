@@ -22,7 +22,7 @@ from procs import aiayn, run, torchrun
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt.gz"
 pytestmark = [
-    pytest.mark.dist,
+    pytest.mark.distributed,
     pytest.mark.skipif(
         not TEXT.is_file(), reason=f"Tiny Shakespeare not found at {TEXT} (shared data)"
     ),

@@ -20,9 +20,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import LambdaLR
 
 from aiayn.config import Config
-from aiayn.dist import reshard
-from aiayn.dist.env import DistEnv
-from aiayn.dist.reshard import DEEPSPEED_DIR, Portable
+from aiayn.distributed import reshard
+from aiayn.distributed.env import DistEnv
+from aiayn.distributed.reshard import DEEPSPEED_DIR, Portable
 from aiayn.errors import CheckpointError, ConfigError, TrainingError
 from aiayn.model.layers import DecoderLayer, EncoderLayer
 from aiayn.schedule import learning_rate
@@ -186,7 +186,7 @@ class LocalEngine:
         self.skipped_steps = state.get("skipped_steps", 0)
 
     def load_portable(self, state: Portable) -> None:
-        """Restore from a checkpoint written on another topology (dist/reshard.py)."""
+        """Restore from a checkpoint written on another topology (distributed/reshard.py)."""
         params = reshard.trainable(self.module)
         with torch.no_grad():
             for name, p in params:
@@ -256,7 +256,7 @@ class DeepSpeedEngine:
         _join_single_process_group(env)
         import deepspeed  # here, so a DDP run never pays for (or depends on) importing it
 
-        from aiayn.dist import deepspeed_config, op_builds
+        from aiayn.distributed import deepspeed_config, op_builds
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
         op_builds.wait_for_op_builds()  # deepspeed.initialize compiles ops on first use
@@ -282,7 +282,7 @@ class DeepSpeedEngine:
             if not isinstance(self.optimizer, torch.optim.Optimizer):
                 raise TrainingError(
                     f"DeepSpeed wrapped the stage-0 optimizer in {type(self.optimizer).__name__}; "
-                    "aiayn expected a torch optimizer to clip for (dist/deepspeed_config.py)"
+                    "aiayn expected a torch optimizer to clip for (distributed/deepspeed_config.py)"
                 )
 
             # DeepSpeed computes no norm here (and was told not to clip): clip as LocalEngine
@@ -377,8 +377,8 @@ class DeepSpeedEngine:
             raise CheckpointError(f"DeepSpeed could not load the shards in {checkpoint}")
 
     def load_portable(self, state: Portable) -> None:
-        """Restore from a checkpoint written on another topology (dist/reshard.py): every rank
-        holds the whole state and keeps its own partition of it."""
+        """Restore from a checkpoint written on another topology (distributed/reshard.py):
+        every rank holds the whole state and keeps its own partition of it."""
         if self.offload or "fp16" in self.ds_config:
             raise CheckpointError(
                 "resuming on another topology is not supported with DeepSpeed's CPU offload or "

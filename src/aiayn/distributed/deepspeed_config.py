@@ -20,11 +20,11 @@ from aiayn.errors import ConfigError
 
 def generate(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
     """The DeepSpeed config this run implies, before any user file is merged."""
-    dist, train, optim = cfg.distributed, cfg.train, cfg.optim
-    zero: dict[str, Any] = {"stage": dist.zero_stage}
-    if dist.offload_optimizer:
+    par, train, optim = cfg.distributed, cfg.train, cfg.optim
+    zero: dict[str, Any] = {"stage": par.zero_stage}
+    if par.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
-    if dist.offload_params:
+    if par.offload_params:
         zero["offload_param"] = {"device": "cpu"}
     ds: dict[str, Any] = {
         # Batches are measured in tokens, not sequences: DeepSpeed's "micro-batch" is one of
@@ -48,7 +48,7 @@ def generate(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
                 # DeepSpeed's "Adam" decouples weight decay unless told otherwise.
                 "adam_w_mode": optim.name == "adamw",
                 # FusedAdam needs CUDA; the CPU-offload optimizer is DeepSpeedCPUAdam anyway.
-                "torch_adam": device_type != "cuda" and not dist.offload_optimizer,
+                "torch_adam": device_type != "cuda" and not par.offload_optimizer,
             },
         },
         "zero_optimization": zero,

@@ -9,9 +9,9 @@ import pytest
 
 from aiayn import demo_data
 
-from procs import free_port  # tests/dist/procs.py, beside this file
+from procs import free_port  # tests/distributed/procs.py, beside this file
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
 
 

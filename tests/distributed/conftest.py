@@ -1,12 +1,12 @@
 import pytest
 
-import procs  # tests/dist/procs.py, beside this file
+import procs  # tests/distributed/procs.py, beside this file
 
 
 @pytest.fixture(scope="session")
 def setup(tmp_path_factory):
     """(root, config): the corpus, tokenizer and run config every distributed test shares."""
-    return procs.make_setup(tmp_path_factory.mktemp("dist"))
+    return procs.make_setup(tmp_path_factory.mktemp("distributed"))
 
 
 @pytest.fixture(scope="session")

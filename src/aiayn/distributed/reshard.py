@@ -55,16 +55,16 @@ class Topology:
 
     @classmethod
     def of(cls, cfg: Any, world_size: int) -> Topology:
-        dist = cfg.distributed
-        stage = dist.zero_stage if dist.backend == "deepspeed" else 0
-        return cls(dist.backend, stage, world_size)
+        par = cfg.distributed
+        stage = par.zero_stage if par.backend == "deepspeed" else 0
+        return cls(par.backend, stage, world_size)
 
     @classmethod
     def of_checkpoint(cls, manifest: dict[str, Any], trainer_state: dict[str, Any]) -> Topology:
         # Every rank's RNG state is saved, in rank order: their number is the world size.
-        dist = manifest["config"].get("distributed", {})
-        backend = dist.get("backend", "ddp")
-        stage = dist.get("zero_stage", 0) if backend == "deepspeed" else 0
+        par = manifest["config"].get("distributed", {})
+        backend = par.get("backend", "ddp")
+        stage = par.get("zero_stage", 0) if backend == "deepspeed" else 0
         return cls(backend, stage, len(trainer_state["rng"]))
 
 

@@ -16,10 +16,10 @@ import pytest
 from aiayn import demo_data
 from aiayn.data.cache import _CHUNK, MANIFEST
 
-import procs  # tests/dist/procs.py, beside this file
+import procs  # tests/distributed/procs.py, beside this file
 from killing import kill_tree  # tests/killing.py
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from procs import STEPS, aiayn, assert_close, final_weights, run, torchrun
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.distributed
 HALF = STEPS // 2
 COMMON = ("train.eval_every=0", "logging.record_ids=true", f"checkpoint.every_steps={HALF}")
 WEIGHTS_ATOL, LOSS_RTOL, FRESH_AT_LEAST = 1e-5, 1e-6, 1e-2
