@@ -29,7 +29,7 @@ from aiayn.data import (
     sample_sentences,
 )
 from aiayn.distributed import reshard
-from aiayn.distributed.engine import LocalEngine, build_engine
+from aiayn.distributed.engine import Engine, build_engine
 from aiayn.distributed.env import DistEnv, setup, teardown
 from aiayn.distributed.reshard import Topology
 from aiayn.errors import CheckpointError, TrainingError
@@ -132,7 +132,7 @@ class Run:
     cfg: Config
     env: DistEnv
     tok: Tokenizer
-    engine: LocalEngine
+    engine: Engine
     loader: BatchLoader | CachedLoader
     ckpts: CheckpointManager
     metrics: Metrics

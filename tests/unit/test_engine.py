@@ -13,6 +13,7 @@ from aiayn.distributed.launcher import accelerate_overrides
 from aiayn.errors import ConfigError
 from aiayn.loss import batch_loss
 from aiayn.model import build_model
+from aiayn.model.layers import FeedForward
 from aiayn.model.transformer import DecoderState
 
 from batches import padded_batch
@@ -176,16 +177,27 @@ def test_fp16_overflow_skips_the_step_and_the_schedule_then_training_goes_on():
     assert restored.loss_scale == engine.loss_scale and restored.skipped_steps == 1
 
 
-def test_activation_checkpointing_recomputes_the_same_gradients_with_dropout():
-    grads = []
-    for flag in ("false", "true"):
+def test_activation_checkpointing_recomputes_each_layer_and_the_same_gradients_with_dropout():
+    layers = 2  # TINY has N=1: one encoder and one decoder layer, each with one FFN
+    grads, names = [], []
+    for flag, backward_runs in (("false", 0), ("true", layers)):
         engine = engine_for("model.dropout=0.3", f"distributed.activation_checkpointing={flag}")
-        assert engine.module.encoder.checkpoint_layers is (flag == "true")
+        runs = []  # one entry per FFN forward: inside what is checkpointed
+        for m in engine.module.modules():
+            if isinstance(m, FeedForward):
+                m.register_forward_hook(lambda *_, runs=runs: runs.append(1))
         torch.manual_seed(1)
         batch = padded_batch()
         loss, _ = batch_loss(engine.model, batch, "seq2seq", 0.1, 0)
+        assert len(runs) == layers
         engine.backward(loss)
+        assert len(runs) == layers + backward_runs  # recomputed in the backward pass
+        with torch.no_grad():  # evaluation runs each layer once, checkpointing or not
+            batch_loss(engine.model, batch, "seq2seq", 0.1, 0)
+        assert len(runs) == 2 * layers + backward_runs
         grads.append([p.grad.clone() for p in engine.module.parameters()])
+        names.append([n for n, _ in engine.module.named_parameters()])
+    assert names[0] == names[1]  # checkpoints load with or without it
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 

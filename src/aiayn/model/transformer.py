@@ -6,7 +6,6 @@ import math
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from aiayn.config import ModelConfig
 from aiayn.model.attention import CrossAttention, KVCache, SelfAttention
@@ -42,14 +41,6 @@ def _final_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
 
 
-def _run_layer(stack: nn.Module, layer: nn.Module, *args):
-    """layer(*args), or with its activations recomputed in the backward pass instead of stored
-    (`checkpoint_layers`, set by the engine). RNG state is replayed, so dropout matches."""
-    if stack.checkpoint_layers and stack.training and torch.is_grad_enabled():
-        return checkpoint(layer, *args, use_reentrant=False)
-    return layer(*args)
-
-
 def _project(out: nn.Linear, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """The pre-softmax projection of decoder states x (B, T, D): logits (B, T, V), or (N, V) for
     the N positions keep (B, T) marks. Training passes the non-pad targets as keep, so the
@@ -63,8 +54,6 @@ def _project(out: nn.Linear, x: torch.Tensor, keep: torch.Tensor | None) -> torc
 class Encoder(nn.Module):
     """N identical layers of self-attention and FFN (§3.1)."""
 
-    checkpoint_layers = False
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.layers = nn.ModuleList(EncoderLayer(*_layer_args(cfg)) for _ in range(cfg.N))
@@ -72,7 +61,7 @@ class Encoder(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         for layer in self.layers:
-            x = _run_layer(self, layer, x, mask)  # (B, S, D)
+            x = layer(x, mask)  # (B, S, D)
         return self.norm(x)
 
 
@@ -93,8 +82,6 @@ class DecoderState:
 
 class Decoder(nn.Module):
     """decoder_layers (default N) layers of masked self-attention, cross-attention and FFN."""
-
-    checkpoint_layers = False
 
     def __init__(self, cfg: ModelConfig, cross: bool = True):
         super().__init__()
@@ -118,7 +105,7 @@ class Decoder(nn.Module):
             caches = (
                 (state.self_attn[i], state.cross_attn[i]) if state is not None else (None, None)
             )
-            x = _run_layer(self, layer, x, self_mask, is_causal, memory, src_mask, *caches)
+            x = layer(x, self_mask, is_causal, memory, src_mask, *caches)
         return self.norm(x)
 
 

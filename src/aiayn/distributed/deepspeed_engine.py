@@ -1,0 +1,232 @@
+"""DeepSpeed ZeRO stages 0-3, with optional CPU offload, as an `Engine` (distributed/engine.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from aiayn import parallelize
+from aiayn.config import Config
+from aiayn.distributed import deepspeed_config, op_builds, reshard
+from aiayn.distributed.engine import autocast, replicas_differ
+from aiayn.distributed.env import DistEnv
+from aiayn.distributed.reshard import DEEPSPEED_DIR, Portable
+from aiayn.errors import CheckpointError, ConfigError, TrainingError
+from aiayn.optim import clip_gradients, load_schedule, load_torch_adam, paper_schedule
+
+
+class DeepSpeedEngine:
+    """DeepSpeed ZeRO behind the `Engine` interface.
+
+    The DeepSpeed config comes from `deepspeed_config.build`, so the run config stays the one
+    source of truth. DeepSpeed owns clipping, the optimizer and stepping the schedule (we hand
+    it the paper's schedule as a callable); the loop keeps owning the accumulation boundary.
+    """
+
+    loads_weights = False  # the ZeRO shards hold the weights (partitioned in stage 3)
+
+    def __init__(self, model: nn.Module, cfg: Config, env: DistEnv, rebuild):
+        if cfg.train.precision == "fp16" and env.device.type != "cuda":
+            raise ConfigError(
+                "train.precision=fp16 with DeepSpeed needs a CUDA device; use bf16 or fp32 on CPU"
+            )
+        _join_single_process_group(env)
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        op_builds.wait_for_op_builds()  # deepspeed.initialize compiles ops on first use
+        self.ds_config = deepspeed_config.build(cfg, env.world_size, env.device.type)
+        parallelize.apply(model, cfg)
+        self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model,
+            model_parameters=[p for _, p in reshard.trainable(model)],
+            config=self.ds_config,
+            lr_scheduler=lambda optimizer: paper_schedule(optimizer, cfg),
+            dist_init_required=False,
+        )
+        self.module = self.model.module
+        self.device = env.device
+        self.precision = cfg.train.precision
+        self.world_size = env.world_size
+        self.zero_stage = cfg.distributed.zero_stage
+        self.offload = cfg.distributed.offload_optimizer or cfg.distributed.offload_params
+        self.rebuild = rebuild  # a plain model of the same architecture, for ZeRO-3 gathers
+        self._gathered = deepspeed.zero.GatheredParameters
+        self._grad_norm: torch.Tensor | None = None
+        if deepspeed_config.plain_optimizer(cfg):
+            if not isinstance(self.optimizer, torch.optim.Optimizer):
+                raise TrainingError(
+                    f"DeepSpeed wrapped the stage-0 optimizer in {type(self.optimizer).__name__}; "
+                    "aiayn expected a torch optimizer to clip for (distributed/deepspeed_config.py)"
+                )
+
+            # DeepSpeed computes no norm here (and was told not to clip): clip as LocalEngine
+            # does, when its step has all-reduced the gradients and calls the optimizer.
+            def clip(optimizer, args, kwargs) -> None:
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                self._grad_norm = clip_gradients(params, cfg.train.clip_norm)
+
+            self.optimizer.register_step_pre_hook(clip)
+
+    @property
+    def lr(self) -> float:
+        return self.model.get_lr()[0]
+
+    @property
+    def loss_scale(self) -> float:
+        return (
+            float(self.model._get_optimizer_loss_scale() or 1.0)
+            if "fp16" in self.ds_config
+            else 1.0
+        )
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.model.skipped_steps
+
+    def autocast(self):
+        # DeepSpeed's forward applies torch_autocast itself; validation calls the bare module.
+        return autocast(self.device, self.precision)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # As for DDP: the loop already divided by the step's tokens on all ranks, and
+        # DeepSpeed averages over ranks; its own division by the accumulation steps is off.
+        self.model.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def accumulating(self, last: bool):
+        return contextlib.nullcontext()  # managed_gradient_accumulation=false: step() reduces
+
+    def replicas_differ(self, env: DistEnv) -> bool:
+        if self.zero_stage == 3:
+            return False  # each rank holds its own partition: nothing is replicated
+        return replicas_differ(self.module, env)
+
+    def step(self) -> torch.Tensor:
+        self.model.step()
+        if self._grad_norm is not None:
+            norm, self._grad_norm = self._grad_norm, None
+            return norm.detach()
+        norm = self.model.get_global_grad_norm()
+        return torch.as_tensor(float("nan") if norm is None else norm).detach()
+
+    def train(self, mode: bool = True) -> None:
+        self.module.train(mode)
+
+    @contextlib.contextmanager
+    def full_module(self):
+        if self.zero_stage < 3:
+            yield self.module  # stages 0-2 keep whole parameters on every rank
+            return
+        # Gathered one tensor at a time into a plain copy, so the peak is one extra model, and
+        # the copy's forward needs no collectives (rank 0 decodes alone during validation).
+        with torch.random.fork_rng(devices=[]):  # building it must not move the dropout RNG
+            plain = self.rebuild().to(self.device)
+        with torch.no_grad():
+            for p, q in zip(self.module.parameters(), plain.parameters(), strict=True):
+                with self._gathered([p]):
+                    q.copy_(p.data)
+        plain.train(self.module.training)
+        yield plain
+
+    def save_shards(self, directory: Path) -> None:
+        # Every rank writes its ZeRO partition; this is a collective.
+        self.model.save_checkpoint(str(directory), tag=DEEPSPEED_DIR, save_latest=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # optimizer, schedule and loss scale are in the DeepSpeed shards
+
+    def load_state_dict(self, state: dict[str, Any], checkpoint: Path) -> None:
+        if not (checkpoint / DEEPSPEED_DIR).is_dir():
+            raise CheckpointError(
+                f"{checkpoint} was not written by a DeepSpeed run (no {DEEPSPEED_DIR}/ shards): "
+                "resume it with the backend it was trained with, or start a new run_dir"
+            )
+        # The manifest's checksums of these files were verified before we got here.
+        path, _ = self.model.load_checkpoint(
+            str(checkpoint),
+            tag=DEEPSPEED_DIR,
+            load_module_strict=True,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+        )
+        if path is None:
+            raise CheckpointError(f"DeepSpeed could not load the shards in {checkpoint}")
+
+    def load_portable(self, state: Portable) -> None:
+        """Restore from a checkpoint written on another topology (distributed/reshard.py):
+        every rank holds the whole state and keeps its own partition of it."""
+        if self.offload or "fp16" in self.ds_config:
+            raise CheckpointError(
+                "resuming on another topology is not supported with DeepSpeed's CPU offload or "
+                "fp16 optimizer (their optimizers keep state in other forms): resume without "
+                "distributed.offload_* and with train.precision fp32 or bf16, then change them "
+                "at a later resume on the same topology"
+            )
+        params = reshard.trainable(self.module)
+        self._load_weights(params, state.weights)
+        zero = self.model.optimizer
+        if self.zero_stage == 0:  # DeepSpeed runs the torch optimizer on the module itself
+            load_torch_adam(zero, params, state)
+        else:
+            from deepspeed.utils import lazy_init_hp_params_optimizer_state
+            from deepspeed.utils import safe_set_full_optimizer_state as set_state
+
+            # Adam creates its state at the first step; create it here, on this rank's flat
+            # fp32 partitions, then write each parameter's share through DeepSpeed's
+            # tensor-fragment API, which knows every stage's partitioning.
+            flats = (
+                zero.fp32_partitioned_groups_flat
+                if self.zero_stage == 3
+                else zero.single_partition_of_fp32_groups
+            )
+            for flat in flats:
+                zero.optimizer.state[flat] = {
+                    "step": torch.tensor(float(state.step)),
+                    **{k: torch.zeros_like(flat) for k in reshard.MOMENTS},
+                }
+            if self.zero_stage < 3:  # link each parameter to its slice of the new state
+                for group, flat in zip(zero.bit16_groups, flats, strict=True):
+                    lazy_init_hp_params_optimizer_state(group, flat, zero.optimizer.state)
+                zero._hp_optimizer_states_linked = True
+            for name, p in params:
+                for key, value in state.moments.get(name, {}).items():
+                    set_state(p, value.to(self.device), key)
+        load_schedule(self.scheduler, state)
+        # DeepSpeed's own counters: steps taken (skipped ones included) and samples seen.
+        self.model.skipped_steps = state.skipped_steps
+        self.model.global_steps = state.scheduler["last_epoch"] + state.skipped_steps
+        self.model.global_samples = self.model.global_steps * self.model.train_batch_size()
+
+    def _load_weights(self, params, weights: dict[str, torch.Tensor]) -> None:
+        """Module weights, then the optimizer's fp32 master copies from them."""
+        with torch.no_grad():
+            for name, p in params:
+                # ZeRO-3 keeps only a partition: gather, write the whole tensor, re-partition.
+                with (
+                    self._gathered([p], modifier_rank=0)
+                    if self.zero_stage == 3
+                    else contextlib.nullcontext()
+                ):
+                    p.data.copy_(weights[name].to(p.device, p.dtype).view_as(p.data))
+        if self.zero_stage > 0:
+            self.model.optimizer.refresh_fp32_params()
+
+
+def _join_single_process_group(env: DistEnv) -> None:
+    """DeepSpeed needs a process group even for one process; torchrun's would be there."""
+    if dist.is_initialized():
+        return
+    for name, value in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
+        os.environ.setdefault(name, str(value))  # DeepSpeed's sanity check reads them
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if env.device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
