@@ -250,6 +250,28 @@ def test_the_other_loaders_position_or_other_settings_are_refused(tmp_path, corp
         cached(cfg, tok).load_state_dict(ld.state_dict())
 
 
+def test_a_corpus_moved_elsewhere_resumes_and_changed_text_is_refused(tmp_path, corpus, tok):
+    """A job that stages its data under another path (a node's local disk) resumes: the
+    position names the cache by its tokens, not by where the corpus lay."""
+    cfg = s2s(tmp_path / "a", corpus / "train")
+    ref = take(iter(cached(cfg, tok)), 12)
+    ld = cached(cfg, tok)
+    take(iter(ld), 8)
+    state = roundtrip(ld.state_dict())
+    moved = tmp_path / "staged"
+    moved.mkdir()
+    for side in ("en", "de"):
+        (moved / f"train.{side}").write_bytes((corpus / f"train.{side}").read_bytes())
+    fresh = cached(s2s(tmp_path / "b", moved / "train"), tok)
+    fresh.load_state_dict(state)
+    assert all(same(x, y) for x, y in zip(take(iter(fresh), 4), ref[8:12], strict=True))
+
+    text = (moved / "train.de").read_text().splitlines()
+    (moved / "train.de").write_text("\n".join(["ein anderer satz", *text[1:]]) + "\n")
+    with pytest.raises(DataError, match="cache: checkpoint"):
+        cached(s2s(tmp_path / "c", moved / "train"), tok).load_state_dict(state)
+
+
 # ---- a cache you can trust -------------------------------------------------------------
 
 

@@ -94,7 +94,16 @@ class TokenCache:
 
     @property
     def digest(self) -> str:
-        """Identifies the cache's content (its manifest holds every array's sha256)."""
+        """Identifies the cache's content: every array's size and sha256. The same tokens give
+        the same digest wherever the corpus lies (a job that stages its data to a local disk
+        under another path resumes), and a cache rebuilt from changed text another one."""
+        arrays = json.dumps(self.manifest["files"], sort_keys=True)
+        return hashlib.sha256(arrays.encode()).hexdigest()
+
+    @property
+    def manifest_digest(self) -> str:
+        """The digest in positions saved by aiayn before it named caches by content: the whole
+        manifest's, corpus paths and modification times included."""
         return hashlib.sha256(json.dumps(self.manifest, sort_keys=True).encode()).hexdigest()
 
     def counts(self) -> dict[str, int]:

@@ -114,6 +114,9 @@ class CachedLoader:
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state` at the next iter(); refuses a state made for other settings
         (the cache's content is in the fingerprint)."""
+        saved = state.get("fingerprint", {})
+        if saved.get("cache") == self.cache.manifest_digest:  # saved by an earlier aiayn
+            state = {**state, "fingerprint": {**saved, "cache": self.cache.digest}}
         self._pos = saved_position(state, STATE_VERSION, self._fingerprint, "the token cache")
         self.epoch = self._pos["epoch"]
         self._resume_pending = True
