@@ -73,11 +73,17 @@ def interleaved(
     names = list(contenders)
     results: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeats):
-        for n in names[r % len(names) :] + names[: r % len(names)]:
+        for n in rotated(names, r):
             results[n].append(contenders[n]())
         if between is not None:
             between()
     return results
+
+
+def rotated(names: list[str], k: int) -> list[str]:
+    """`names` starting from the k-th (mod their number): the order of one round of calls."""
+    k %= len(names)
+    return names[k:] + names[:k]
 
 
 def summary(values: list[float]) -> tuple[float, float, float]:

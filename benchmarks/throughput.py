@@ -25,6 +25,7 @@ The peers are optional (`pip install .[bench]`); a missing one gives a "skipped"
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import multiprocessing as mp
 import traceback
@@ -38,6 +39,7 @@ from _common import (
     fmt,
     machine,
     markdown_table,
+    rotated,
     run_config,
     set_threads,
     summary,
@@ -46,12 +48,16 @@ from _common import (
 from torch import nn
 
 from aiayn.config import ModelConfig
-from aiayn.data.batch import Batch
+from aiayn.data.batch import Batch, padded_rows
+from aiayn.data.plan import budget_bounds
 from aiayn.flops import measure_matmul_peak, training_flops
 from aiayn.malloc import keep_freed_memory
 from aiayn.tokenizer import BOS_ID as BOS
 from aiayn.tokenizer import EOS_ID as EOS
 from aiayn.tokenizer import PAD_ID as PAD
+from aiayn.tokenizer import UNK_ID
+
+FIRST_PIECE = max(PAD, UNK_ID, BOS, EOS) + 1  # the first id that is not a special token
 
 # ---- the batches --------------------------------------------------------------------------
 
@@ -59,44 +65,36 @@ from aiayn.tokenizer import PAD_ID as PAD
 def synthetic_batches(
     n_batches: int, max_tokens: int, vocab: int, seed: int = 0, mean_len: float = 14.0
 ) -> list[Batch]:
-    """Padded batches as aiayn's loader makes them: sentences sorted by length and cut so that
-    rows * (longest + 1) <= max_tokens, then shuffled. Lengths are log-normal around mean_len
-    tokens (Multi30k with an 8k joint BPE: ~13 source, ~14 target tokens, long tail to ~40);
-    token ids are uniform (their values do not change the work)."""
+    """Padded batches as aiayn's loader makes them: sentences sorted by length and cut by the
+    loader's own token-budget rule (data/plan.py), rows built by its own padding
+    (data/batch.py), then shuffled. Lengths are log-normal around mean_len tokens (Multi30k
+    with an 8k joint BPE: ~13 source, ~14 target tokens, long tail to ~40); token ids are
+    uniform (their values do not change the work)."""
     rng = np.random.default_rng(seed)
     n = max(4 * n_batches * max_tokens // int(mean_len), 1000)
     tgt_len = np.clip(np.round(rng.lognormal(math.log(mean_len), 0.35, n)), 2, 100).astype(int)
     src_len = np.clip(np.round(tgt_len * rng.lognormal(0.0, 0.15, n)), 2, 100).astype(int)
     width = np.maximum(src_len, tgt_len) + 1
     order = np.argsort(width, kind="stable")
-    groups, start = [], 0
-    for i in range(1, len(order) + 1):
-        if i == len(order) or (i - start + 1) * width[order[i]] > max_tokens:
-            groups.append(order[start:i])
-            start = i
+    bounds = budget_bounds(width[order], max_tokens).tolist()
+    groups = [order[a:b] for a, b in itertools.pairwise(bounds)]
     picks = rng.permutation(len(groups))[:n_batches]
-    return [
-        _batch([src_len[j] for j in groups[k]], [tgt_len[j] for j in groups[k]], vocab, rng)
-        for k in picks
-    ]
+    return [_batch(src_len[groups[k]], tgt_len[groups[k]], vocab, rng) for k in picks]
 
 
-def _batch(src_len: list[int], tgt_len: list[int], vocab: int, rng) -> Batch:
-    B, S, T = len(src_len), max(src_len) + 1, max(tgt_len) + 1
-    src = np.full((B, S), PAD)
-    tgt_in, tgt_out = np.full((B, T), PAD), np.full((B, T), PAD)
-    for i, (s, t) in enumerate(zip(src_len, tgt_len, strict=True)):
-        src[i, :s], src[i, s] = rng.integers(3, vocab, s), EOS
-        y = rng.integers(3, vocab, t)
-        tgt_in[i, 0], tgt_in[i, 1 : t + 1] = BOS, y
-        tgt_out[i, :t], tgt_out[i, t] = y, EOS
-    as_t = torch.from_numpy
+def _batch(src_len: np.ndarray, tgt_len: np.ndarray, vocab: int, rng) -> Batch:
+    def rows(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # (flat ids, row starts)
+        flat = rng.integers(FIRST_PIECE, vocab, int(lengths.sum()))
+        return flat, np.concatenate([[0], np.cumsum(lengths)[:-1]])
+
+    src, src_start = rows(src_len)
+    tgt, tgt_start = rows(tgt_len)
     return Batch(
-        ids=torch.arange(B),
-        n_tokens=int(sum(tgt_len)) + B,
-        src=as_t(src),
-        tgt_in=as_t(tgt_in),
-        tgt_out=as_t(tgt_out),
+        ids=torch.arange(len(src_len)),
+        n_tokens=int(tgt_len.sum()) + len(tgt_len),
+        src=padded_rows(src, src_start, src_len, PAD, eos=EOS),
+        tgt_in=padded_rows(tgt, tgt_start, tgt_len, PAD, bos=BOS),
+        tgt_out=padded_rows(tgt, tgt_start, tgt_len, PAD, eos=EOS),
     )
 
 
@@ -365,16 +363,23 @@ class Process:
 
 
 def bench_preset(preset: str, args, peak: list[float]) -> str:
-    cfg = run_config(preset, max_tokens=args.max_tokens, seed=1)
-    m, vocab = cfg.model, args.vocab
-    batches = synthetic_batches(args.batches + args.warmup, args.max_tokens, vocab)
+    """The table of one preset: every trainer in its own process, timed step by step."""
+    batches = synthetic_batches(args.batches + args.warmup, args.max_tokens, args.vocab)
     timed = range(args.warmup, len(batches))
-    tokens = sum(batches[i].n_tokens for i in timed)
-    flops = sum(training_flops(m, vocab, batches[i]) for i in timed)
-    # The peers run the output projection on every padded target position too.
-    pad_rows = sum(batches[i].tgt_out.numel() - batches[i].n_tokens for i in timed)
-    peer_flops = flops + 3 * 2 * pad_rows * m.d_model * vocab
+    procs, skipped = start_trainers(preset, args)
+    try:
+        calls = {row: (proc, "step") for row, proc in procs.items()}
+        if not args.no_ceiling:
+            calls[CEILING] = (procs["aiayn"], CEILING)
+        seconds = time_interleaved(calls, timed, args.repeats, peak)
+    finally:
+        for proc in procs.values():
+            proc.stop()
+    return results_table(preset, args, batches, timed, procs, skipped, seconds, max(peak))
 
+
+def start_trainers(preset: str, args) -> tuple[dict[str, Process], list[list[str]]]:
+    """One process per trainer, warmed up; the rows of trainers that are not installed."""
     procs: dict[str, Process] = {}  # row -> process; started one by one, all kept alive
     skipped: list[list[str]] = []
     try:
@@ -389,29 +394,40 @@ def bench_preset(preset: str, args, peak: list[float]) -> str:
             procs[c.row] = proc
             for i in range(args.warmup):
                 proc.seconds("step", i)
-        calls = {row: (proc, "step") for row, proc in procs.items()}
-        if not args.no_ceiling:
-            calls[CEILING] = (procs["aiayn"], CEILING)
-
-        # Interleaved step by step, in rotated order: a slow phase of a busy machine then falls
-        # on all contenders alike, and each repeat gives paired timings. One process runs at a
-        # time; the others wait on their pipes.
-        names = list(calls)
-        seconds: dict[str, list[float]] = {n: [] for n in names}
-        for r in range(args.repeats):
-            spent = dict.fromkeys(names, 0.0)
-            for j, i in enumerate(timed):
-                k = (r * len(timed) + j) % len(names)
-                for n in names[k:] + names[:k]:
-                    proc, what = calls[n]
-                    spent[n] += proc.seconds(what, i)
-            for n in names:
-                seconds[n].append(spent[n])
-            peak.append(measure_matmul_peak(torch.device("cpu"), torch.float32))
-    finally:
+    except BaseException:
         for proc in procs.values():
             proc.stop()
-    best_peak = max(peak)
+        raise
+    return procs, skipped
+
+
+def time_interleaved(calls: dict, timed: range, repeats: int, peak: list[float]) -> dict:
+    """Seconds per repeat of each call over the timed batches, interleaved step by step in
+    rotated order: a slow phase of a busy machine then falls on all of them alike, and each
+    repeat gives paired timings. One process runs at a time; the others wait on their pipes.
+    The matmul peak is measured after each repeat."""
+    names = list(calls)
+    seconds: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        spent = dict.fromkeys(names, 0.0)
+        for j, i in enumerate(timed):
+            for n in rotated(names, r * len(timed) + j):
+                proc, what = calls[n]
+                spent[n] += proc.seconds(what, i)
+        for n in names:
+            seconds[n].append(spent[n])
+        peak.append(measure_matmul_peak(torch.device("cpu"), torch.float32))
+    return seconds
+
+
+def results_table(preset, args, batches, timed, procs, skipped, seconds, best_peak) -> str:
+    """Tokens/s, GFLOP/s and the ratios against the peers, as markdown with its title."""
+    m, vocab = run_config(preset, max_tokens=args.max_tokens, seed=1).model, args.vocab
+    tokens = sum(batches[i].n_tokens for i in timed)
+    flops = sum(training_flops(m, vocab, batches[i]) for i in timed)
+    # The peers run the output projection on every padded target position too.
+    pad_rows = sum(batches[i].tgt_out.numel() - batches[i].n_tokens for i in timed)
+    peer_flops = flops + 3 * 2 * pad_rows * m.d_model * vocab
     n_params = procs["aiayn"].detail
 
     def faster(rows: list[str], r: int) -> float:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from aiayn.config import load_config
 from aiayn.errors import AiaynError
+from aiayn.metric_names import tag
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "data"
@@ -85,10 +86,10 @@ def validation_curve(run_dir: Path, metric: str) -> list[tuple[float, int, float
     acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
     acc.Reload()
     tags = acc.Tags()["scalars"]
-    if f"valid/{metric}" not in tags:
+    if tag(metric) not in tags:
         return []
-    start = min(e.wall_time for tag in tags for e in acc.Scalars(tag))
-    return [((e.wall_time - start) / 60, e.step, e.value) for e in acc.Scalars(f"valid/{metric}")]
+    start = min(e.wall_time for name in tags for e in acc.Scalars(name))
+    return [((e.wall_time - start) / 60, e.step, e.value) for e in acc.Scalars(tag(metric))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -250,7 +250,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_average(args) -> int:
-    from aiayn.checkpoint_tools import average
+    from aiayn.checkpoint.tools import average
     from aiayn.metrics import setup_logging
 
     setup_logging(None)
@@ -260,7 +260,7 @@ def cmd_average(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from aiayn.checkpoint_tools import export, export_paths
+    from aiayn.checkpoint.tools import export, export_paths
     from aiayn.metrics import setup_logging
 
     setup_logging(None)

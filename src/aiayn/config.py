@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
+from aiayn import metric_names
 from aiayn.errors import ConfigError
 
 # Table 3 of the paper, plus small presets that train on a laptop CPU in minutes.
@@ -28,53 +29,100 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field accepts, declared with it (`bounded`) and checked at load."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low itself is refused
+    high_open: bool = False
+
+    def admits(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        if self.high is not None and (value >= self.high if self.high_open else value > self.high):
+            return False
+        return True
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low}"
+        if not (self.low_open or self.high_open):
+            return f"{self.low}..{self.high}"
+        left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        return f"in {left}{self.low}, {self.high}{right}"
+
+
+def bounded(
+    default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING, **bounds
+) -> Any:
+    """A dataclass field whose value must lie in Range(**bounds); None always passes."""
+    return field(
+        default=default, default_factory=default_factory, metadata={"range": Range(**bounds)}
+    )
+
+
+class Section:
+    """A config section. Field ranges are declared with the fields (`bounded`) and checked for
+    every section at once; `validate` adds the checks that involve several fields."""
+
+    def validate(self) -> list[str]:
+        return []
+
+
+def range_errors(section: Any, name: str) -> list[str]:
+    """Every declared bound `section` (the config section called `name`) breaks."""
+    errs = []
+    for f in dataclasses.fields(section):
+        bound, value = f.metadata.get("range"), getattr(section, f.name)
+        if bound is None or value is None:
+            continue
+        values = value if isinstance(value, list) else [value]
+        if not all(bound.admits(v) for v in values):
+            errs.append(f"{name}.{f.name} must be {str(bound)}, got {value}")
+    return errs
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     kind: Literal["seq2seq", "lm", "classifier"] = "seq2seq"
     """seq2seq: encoder-decoder (translation); lm: decoder only; classifier: encoder + head."""
     preset: str | None = None
     """Name from MODEL_PRESETS; its values apply unless a key is set explicitly."""
-    N: int = 6
+    N: int = bounded(6, low=1)
     """Layers in the encoder, and in the decoder unless decoder_layers is set (§3.1)."""
-    decoder_layers: int | None = None
+    decoder_layers: int | None = bounded(None, low=1)
     """Decoder layers when they differ from N."""
-    d_model: int = 512
+    d_model: int = bounded(512, low=1)
     """Width of every sublayer's input and output, and of the embeddings (§3.1)."""
-    d_ff: int = 2048
+    d_ff: int = bounded(2048, low=1)
     """Inner width of the position-wise feed-forward network (§3.3)."""
-    h: int = 8
+    h: int = bounded(8, low=1)
     """Attention heads; d_k = d_v = d_model / h (§3.2.2)."""
-    dropout: float = 0.1
+    dropout: float = bounded(0.1, low=0, high=1, high_open=True)
     """Residual and embedding dropout, P_drop (§5.4)."""
-    attention_dropout: float = 0.0
+    attention_dropout: float = bounded(0.0, low=0, high=1, high_open=True)
     """Dropout on attention weights (not in the paper; tensor2tensor uses it)."""
     positions: Literal["sinusoidal", "learned"] = "sinusoidal"
     """Sinusoidal encodings (§3.5) or learned position embeddings."""
     norm: Literal["post", "pre"] = "post"
     """post: LayerNorm(x + Sublayer(x)) as in the paper; pre: x + Sublayer(LayerNorm(x))."""
-    max_len: int = 1024
+    max_len: int = bounded(1024, low=1)
     """Longest sequence (in tokens) the position table covers."""
     share_embeddings: Literal["all", "decoder", "none"] = "all"
     """all: source, target and output share one matrix (needs the joint vocabulary, §3.4);
     decoder: target embedding and output projection; none: three separate matrices.
     An lm has no source side, so all means decoder there."""
-    num_classes: int = 2
+    num_classes: int = bounded(2, low=1)
     """Output classes (classifier only)."""
     pooling: Literal["mean", "first"] = "mean"
     """How the classifier pools encoder states: mean over non-pad tokens, or the first token."""
 
     def validate(self) -> list[str]:
         errs = []
-        for name in ("N", "d_model", "d_ff", "h", "max_len", "num_classes"):
-            if getattr(self, name) < 1:
-                errs.append(f"model.{name} must be >= 1, got {getattr(self, name)}")
-        if self.decoder_layers is not None and self.decoder_layers < 1:
-            errs.append(f"model.decoder_layers must be >= 1, got {self.decoder_layers}")
         if self.h >= 1 and self.d_model % self.h:
             errs.append(f"model.d_model ({self.d_model}) must be divisible by model.h ({self.h})")
-        for name in ("dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                errs.append(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.preset is not None and self.preset not in MODEL_PRESETS:
             errs.append(
                 f"model.preset {self.preset!r} is not a preset; choose from "
@@ -84,43 +132,31 @@ class ModelConfig:
 
 
 @dataclass
-class TokenizerConfig:
+class TokenizerConfig(Section):
     path: str | None = None
     """SentencePiece model file; default <run_dir>/tokenizer/spm.model. Trained if missing."""
     type: Literal["bpe", "unigram", "char"] = "bpe"
     """SentencePiece model type; char: one piece per character (vocab_size is then an upper
     bound: the vocabulary is the corpus's characters plus the four specials)."""
-    vocab_size: int = 8000
+    vocab_size: int = bounded(8000, low=8)
     """Size of the one joint source+target vocabulary (§3.4 shares it between languages)."""
     normalization: Literal["nmt_nfkc", "nfkc", "identity"] = "nmt_nfkc"
     """SentencePiece's normalization rule. identity, with remove_extra_whitespaces false, makes
     decode(encode(text)) == text, so that a score per character is a score of the exact text."""
     remove_extra_whitespaces: bool = True
     """Drop leading and trailing spaces and collapse runs of spaces before encoding."""
-    character_coverage: float = 1.0
+    character_coverage: float = bounded(1.0, low=0, low_open=True, high=1)
     """Share of characters covered by the vocabulary (0.9995 for scripts with many characters)."""
-    sample_sentences: int = 1_000_000
+    sample_sentences: int = bounded(1_000_000, low=1)
     """At most this many sentences, read from the training stream, train the tokenizer."""
     user_symbols: list[str] = field(default_factory=list)
     """Extra symbols that are never split (e.g. language tags)."""
     seed: int = 1
     """Seed of the sentence sample; the same seed gives the same tokenizer."""
 
-    def validate(self) -> list[str]:
-        errs = []
-        if self.vocab_size < 8:
-            errs.append(f"tokenizer.vocab_size must be >= 8, got {self.vocab_size}")
-        if not 0.0 < self.character_coverage <= 1.0:
-            errs.append(
-                f"tokenizer.character_coverage must be in (0, 1], got {self.character_coverage}"
-            )
-        if self.sample_sentences < 1:
-            errs.append(f"tokenizer.sample_sentences must be >= 1, got {self.sample_sentences}")
-        return errs
-
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     format: Literal["parallel", "tsv", "jsonl", "parquet", "text", "hub"] = "parallel"
     """parallel: PREFIX.SRC + PREFIX.TGT line-aligned files (gzip allowed); tsv/jsonl/parquet:
     one file (or glob) per split; text: one document per line (lm); hub: a hub dataset name."""
@@ -146,9 +182,9 @@ class DataConfig:
     """Hub dataset name for format hub, e.g. bentrevett/multi30k or wmt14."""
     hub_config: str | None = None
     """Hub dataset configuration, e.g. de-en."""
-    max_len: int = 256
+    max_len: int = bounded(256, low=2)
     """Examples with more tokens than this on either side are dropped and counted."""
-    shuffle_buffer: int = 10_000
+    shuffle_buffer: int = bounded(10_000, low=0)
     """Examples bucketed by length together (streamed: also read and shuffled together); 0
     keeps the stream order."""
     on_invalid_utf8: Literal["skip", "error"] = "skip"
@@ -179,10 +215,6 @@ class DataConfig:
             errs.append("data.train is required (a file prefix, path, or hub split name)")
         if self.format == "hub" and not self.hub_name:
             errs.append("data.hub_name is required when data.format is hub")
-        if self.max_len < 2:
-            errs.append(f"data.max_len must be >= 2, got {self.max_len}")
-        if self.shuffle_buffer < 0:
-            errs.append(f"data.shuffle_buffer must be >= 0, got {self.shuffle_buffer}")
         if self.lm_order == "stream" and not self.cache:
             errs.append(
                 "data.lm_order=stream plans the whole text's blocks and needs the token cache: "
@@ -192,72 +224,59 @@ class DataConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Section):
     name: Literal["adam", "adamw"] = "adam"
     """Adam as in §5.3; adamw decouples weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    betas: list[float] = bounded(default_factory=lambda: [0.9, 0.98], low=0, high=1, high_open=True)
     """Adam beta_1, beta_2 (§5.3)."""
-    eps: float = 1e-9
+    eps: float = bounded(1e-9, low=0, low_open=True)
     """Adam epsilon (§5.3)."""
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, low=0)
     """L2 (adam) or decoupled (adamw) weight decay."""
 
     def validate(self) -> list[str]:
-        errs = []
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            errs.append(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
-        if self.eps <= 0:
-            errs.append(f"optim.eps must be > 0, got {self.eps}")
-        if self.weight_decay < 0:
-            errs.append(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
-        return errs
+        if len(self.betas) != 2:
+            return [f"optim.betas must be two numbers (beta_1, beta_2), got {self.betas}"]
+        return []
 
 
 @dataclass
-class ScheduleConfig:
+class ScheduleConfig(Section):
     kind: Literal["noam", "constant"] = "noam"
     """noam: factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (§5.3); constant: lr."""
-    warmup: int = 4000
+    warmup: int = bounded(4000, low=1)
     """Optimizer steps of linear warmup (§5.3)."""
-    factor: float = 1.0
+    factor: float = bounded(1.0, low=0, low_open=True)
     """Multiplier on the noam rate (the paper uses 1)."""
-    lr: float = 1e-4
+    lr: float = bounded(1e-4, low=0, low_open=True)
     """Learning rate of the constant schedule."""
-
-    def validate(self) -> list[str]:
-        errs = []
-        if self.warmup < 1:
-            errs.append(f"schedule.warmup must be >= 1, got {self.warmup}")
-        if self.factor <= 0 or self.lr <= 0:
-            errs.append("schedule.factor and schedule.lr must be > 0")
-        return errs
 
 
 @dataclass
-class TrainConfig:
-    max_steps: int = 100_000
+class TrainConfig(Section):
+    max_steps: int = bounded(100_000, low=1)
     """Optimizer steps to train for."""
-    max_epochs: int | None = None
+    max_epochs: int | None = bounded(None, low=1)
     """Stop after this many passes over the training data, if earlier than max_steps."""
     seed: int = 1
     """Seeds parameters, dropout and data order."""
-    max_tokens: int = 4096
+    max_tokens: int = bounded(4096, low=1)
     """Tokens per micro-batch (padding included), like fairseq --max-tokens."""
-    grad_accum: int = 1
+    grad_accum: int = bounded(1, low=1)
     """Micro-batches per optimizer step; the schedule steps once per optimizer step."""
-    clip_norm: float = 0.0
+    clip_norm: float = bounded(0.0, low=0)
     """Clip the global gradient norm to this; 0 disables clipping."""
-    label_smoothing: float = 0.1
+    label_smoothing: float = bounded(0.1, low=0, high=1, high_open=True)
     """epsilon_ls of §5.4."""
-    eval_every: int = 1000
+    eval_every: int = bounded(1000, low=0)
     """Validate every this many optimizer steps (0: only at the end)."""
     eval_batches: int | None = None
     """Validate on at most this many batches (None: the whole validation split). An lm scores
     the first this many batches of windows, and then reports no per-character or per-word
     figure, which needs the whole text."""
-    eval_bleu: int = 200
+    eval_bleu: int = bounded(200, low=0)
     """Validation sentences translated for sacreBLEU at each validation (seq2seq); 0: none."""
-    eval_stride: int | None = None
+    eval_stride: int | None = bounded(None, low=1)
     """lm: validation and `aiayn evaluate` score the whole text in windows of data.max_len
     tokens. None: non-overlapping windows; s: windows advance by s tokens and score their last
     s, so each token has at least data.max_len - s tokens of context (slower by
@@ -272,40 +291,21 @@ class TrainConfig:
     """torch intra-op threads on CPU (None: torch's default)."""
     malloc: Literal["keep", "system"] = "keep"
     """Training on CPU, keep: freed host memory stays in the process for the next step's
-    tensors instead of going back to the OS and being page-faulted in again (glibc only; 2-23%
-    more tokens/s on `small` in three runs, see benchmarks/README.md); system: the C library's
-    own policy, which returns memory between steps."""
+    tensors instead of going back to the OS and being page-faulted in again (glibc only; faster,
+    see "Measurements behind defaults" in benchmarks/README.md); system: the C library's own
+    policy, which returns memory between steps."""
     compile: bool = False
     """torch.compile each encoder and decoder layer (TorchInductor), fusing its norms,
-    residuals, dropout and activations. For GPUs: on a 2-core CPU it was slower (0.7-0.8x,
-    benchmarks/README.md). The first steps compile for a minute or more, and a new
-    batch shape recompiles once before torch marks the shapes dynamic."""
-
-    def validate(self) -> list[str]:
-        errs = []
-        for name in ("max_steps", "max_tokens", "grad_accum"):
-            if getattr(self, name) < 1:
-                errs.append(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_epochs is not None and self.max_epochs < 1:
-            errs.append(f"train.max_epochs must be >= 1, got {self.max_epochs}")
-        if self.clip_norm < 0:
-            errs.append(f"train.clip_norm must be >= 0, got {self.clip_norm}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            errs.append(f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if self.eval_every < 0:
-            errs.append(f"train.eval_every must be >= 0, got {self.eval_every}")
-        if self.eval_bleu < 0:
-            errs.append(f"train.eval_bleu must be >= 0, got {self.eval_bleu}")
-        if self.eval_stride is not None and self.eval_stride < 1:
-            errs.append(f"train.eval_stride must be >= 1, got {self.eval_stride}")
-        return errs
+    residuals, dropout and activations. For GPUs: on a 2-core CPU it was slower
+    (benchmarks/README.md). The first steps compile for a minute or more, and a new batch shape
+    recompiles once before torch marks the shapes dynamic."""
 
 
 @dataclass
-class DistributedConfig:
+class DistributedConfig(Section):
     backend: Literal["ddp", "deepspeed"] = "ddp"
     """ddp: PyTorch DistributedDataParallel (also the single-process path); deepspeed: ZeRO."""
-    zero_stage: int = 0
+    zero_stage: int = bounded(0, low=0, high=3)
     """DeepSpeed ZeRO stage: 0 none, 1 optimizer states, 2 also gradients, 3 also parameters
     are partitioned across data-parallel ranks."""
     offload_optimizer: bool = False
@@ -320,8 +320,6 @@ class DistributedConfig:
 
     def validate(self) -> list[str]:
         errs = []
-        if not 0 <= self.zero_stage <= 3:
-            errs.append(f"distributed.zero_stage must be 0..3, got {self.zero_stage}")
         if self.backend == "ddp":
             used = [
                 f"distributed.{name}"
@@ -343,27 +341,19 @@ class DistributedConfig:
 
 
 # Validation metrics a checkpoint records (TensorBoard tags), and whether higher is better.
-VALID_METRICS = {
-    "valid/loss": False,
-    "valid/ppl": False,
-    "valid/accuracy": True,
-    "valid/bleu": True,
-    "valid/bleu_lc": True,
-    "valid/bpc": False,
-    "valid/word_ppl": False,
-}
+VALID_METRICS = metric_names.VALID_TAGS
 
 
 @dataclass
-class CheckpointConfig:
-    every_steps: int = 1000
+class CheckpointConfig(Section):
+    every_steps: int = bounded(1000, low=1)
     """Save every this many optimizer steps (and at the end)."""
-    keep_last: int = 5
+    keep_last: int = bounded(5, low=1)
     """Keep this many most recent checkpoints."""
-    keep_every: int = 0
+    keep_every: int = bounded(0, low=0)
     """Also keep every checkpoint whose step is a multiple of this, e.g. for averaging or to go
     further back than keep_last; 0: off. A multiple of every_steps."""
-    keep_best: int = 0
+    keep_best: int = bounded(0, low=0)
     """Also keep this many checkpoints with the best best_metric; 0: off. Only checkpoints saved
     at a validation step record the metric, so train.eval_every must be a multiple of
     every_steps."""
@@ -390,13 +380,7 @@ class CheckpointConfig:
 
     def validate(self) -> list[str]:
         errs = []
-        if self.every_steps < 1:
-            errs.append(f"checkpoint.every_steps must be >= 1, got {self.every_steps}")
-        if self.keep_last < 1:
-            errs.append(f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
-        if self.keep_every < 0 or self.keep_best < 0:
-            errs.append("checkpoint.keep_every and checkpoint.keep_best must be >= 0 (0: off)")
-        elif self.keep_every and self.every_steps >= 1 and self.keep_every % self.every_steps:
+        if self.keep_every > 0 and self.every_steps >= 1 and self.keep_every % self.every_steps:
             errs.append(
                 f"checkpoint.keep_every ({self.keep_every}) must be a multiple of "
                 f"checkpoint.every_steps ({self.every_steps}): no other step is saved"
@@ -410,50 +394,36 @@ class CheckpointConfig:
 
 
 @dataclass
-class LoggingConfig:
-    every_steps: int = 50
+class LoggingConfig(Section):
+    every_steps: int = bounded(50, low=1)
     """Console and TensorBoard scalars every this many optimizer steps."""
     tensorboard: bool = True
     """Write TensorBoard events into <run_dir>/tb."""
-    samples: int = 3
+    samples: int = bounded(3, low=0)
     """Source / reference / hypothesis triples shown at each validation (seq2seq)."""
     record_ids: bool = False
     """Append the example ids of every batch each rank trains on to
     <run_dir>/consumed/rank_<r>.jsonl (to audit what a run has seen, e.g. across a resume)."""
-    peak_tflops: float | None = None
+    peak_tflops: float | None = bounded(None, low=0, low_open=True)
     """The device's peak TFLOP/s for MFU. None: a GPU's data sheet, or a matmul measured at start
     on CPU (and on GPUs without a known figure)."""
 
-    def validate(self) -> list[str]:
-        errs = []
-        if self.every_steps < 1:
-            errs.append(f"logging.every_steps must be >= 1, got {self.every_steps}")
-        if self.samples < 0:
-            errs.append(f"logging.samples must be >= 0, got {self.samples}")
-        if self.peak_tflops is not None and self.peak_tflops <= 0:
-            errs.append(f"logging.peak_tflops must be > 0, got {self.peak_tflops}")
-        return errs
-
 
 @dataclass
-class DecodeConfig:
-    beam: int = 4
+class DecodeConfig(Section):
+    beam: int = bounded(4, low=1)
     """Beam size; 1 is greedy search (§6.1 uses 4)."""
     alpha: float = 0.6
     """Length penalty ((5 + len) / 6)^alpha (§6.1)."""
-    max_len_b: int = 50
+    max_len_b: int = bounded(50, low=1)
     """Hypotheses stop at source length + max_len_b tokens (§6.1)."""
-    batch_size: int = 64
+    batch_size: int = bounded(64, low=1)
     """Sentences decoded together."""
     bleu_tokenize: str = "13a"
     """sacreBLEU tokenizer: 13a (WMT standard), intl, char (for one-word targets), none."""
 
     def validate(self) -> list[str]:
         errs = []
-        if self.beam < 1:
-            errs.append(f"decode.beam must be >= 1, got {self.beam}")
-        if self.max_len_b < 1 or self.batch_size < 1:
-            errs.append("decode.max_len_b and decode.batch_size must be >= 1")
         if self.bleu_tokenize not in ("13a", "intl", "char", "none", "zh", "ja-mecab", "flores200"):
             errs.append(f"decode.bleu_tokenize {self.bleu_tokenize!r} is not a sacreBLEU tokenizer")
         return errs
@@ -479,7 +449,7 @@ class Config:
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section):
-                errs += section.validate()
+                errs += range_errors(section, f.name) + section.validate()
         if self.model.kind != "seq2seq" and self.data.format == "parallel":
             errs.append(
                 f"data.format parallel is for model.kind seq2seq; a {self.model.kind} model "
@@ -518,13 +488,14 @@ class Config:
                 f"train.eval_every ({train.eval_every}) must be a multiple of "
                 f"checkpoint.every_steps ({ckpt.every_steps})"
             )
-        unit = {"valid/bpc": "characters", "valid/word_ppl": "words"}.get(ckpt.best_metric)
+        units = {metric_names.tag(name): unit for name, unit in metric_names.UNIT.items()}
+        unit = units.get(ckpt.best_metric)
         if unit and (self.model.kind != "lm" or self.data.unit != unit):
             errs.append(
                 f"checkpoint.best_metric {ckpt.best_metric} needs model.kind lm and "
                 f"data.unit {unit}"
             )
-        bleu = ckpt.best_metric in ("valid/bleu", "valid/bleu_lc")
+        bleu = ckpt.best_metric in map(metric_names.tag, (metric_names.BLEU, metric_names.BLEU_LC))
         if bleu and (self.model.kind != "seq2seq" or not train.eval_bleu):
             errs.append(
                 f"checkpoint.best_metric {ckpt.best_metric} needs model.kind seq2seq and "

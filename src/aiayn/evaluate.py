@@ -15,7 +15,7 @@ from safetensors.torch import load_model
 from torch import nn
 
 from aiayn.checkpoint import TOKENIZER_FILE, load_checkpoint, read_manifest, resolve_checkpoint
-from aiayn.checkpoint_tools import read_export
+from aiayn.checkpoint.tools import read_export
 from aiayn.config import Config, DecodeConfig, apply_override, config_from_dict
 from aiayn.data import make_loader, open_split
 from aiayn.data.batch import Batch
@@ -23,6 +23,7 @@ from aiayn.decode import beam_search, greedy_search
 from aiayn.errors import CheckpointError
 from aiayn.lm_eval import lm_scores, sample_text
 from aiayn.loss import batch_loss
+from aiayn.metric_names import ACCURACY, BLEU, BLEU_LC, LOSS, PPL, PREFIX, tag
 from aiayn.model import build_model
 from aiayn.tokenizer import Tokenizer, check_contract
 
@@ -54,9 +55,9 @@ def validation_metrics(
     model.train(was_training)
     loss_sum, correct, n = reduce([loss_sum, correct, n])
     loss = loss_sum / max(n, 1)
-    result = {"loss": loss, "accuracy": correct / max(n, 1)}
+    result = {LOSS: loss, ACCURACY: correct / max(n, 1)}
     if kind != "classifier":
-        result["ppl"] = math.exp(min(loss, 50.0))
+        result[PPL] = math.exp(min(loss, 50.0))
     return result
 
 
@@ -105,9 +106,9 @@ def bleu_scores(hyps: list[str], refs: list[str], tokenize: str = "13a") -> dict
     cased = sacrebleu.metrics.BLEU(tokenize=tokenize)
     lower = sacrebleu.metrics.BLEU(tokenize=tokenize, lowercase=True)
     return {
-        "bleu": cased.corpus_score(hyps, [refs]).score,
+        BLEU: cased.corpus_score(hyps, [refs]).score,
         "bleu_signature": str(cased.get_signature()),
-        "bleu_lc": lower.corpus_score(hyps, [refs]).score,
+        BLEU_LC: lower.corpus_score(hyps, [refs]).score,
         "bleu_lc_signature": str(lower.get_signature()),
         "exact_match": sum(h.strip() == r.strip() for h, r in zip(hyps, refs, strict=True))
         / max(len(refs), 1),
@@ -147,7 +148,7 @@ class Validation:
                 limit = cfg.train.eval_batches
                 result = score_lines(module, self.tok, self.lines, cfg, device, env, limit)
                 if cfg.logging.samples and env.is_main:
-                    metrics.text("valid/samples", step, lm_samples(module, self.tok, cfg))
+                    metrics.text(tag("samples"), step, lm_samples(module, self.tok, cfg))
             else:
                 result = validation_metrics(
                     module, self.batches, cfg.model.kind, self.tok.pad_id, device, env.sum
@@ -156,14 +157,14 @@ class Validation:
                 srcs, refs = [p["src"] for p in self.pairs], [p["tgt"] for p in self.pairs]
                 hyps = translate(module, self.tok, srcs, cfg.decode, device)
                 scores = bleu_scores(hyps, refs, cfg.decode.bleu_tokenize)
-                result.update(bleu=scores["bleu"], bleu_lc=scores["bleu_lc"])
+                result.update({name: scores[name] for name in (BLEU, BLEU_LC)})
                 samples = zip(srcs[: cfg.logging.samples], refs, hyps, strict=False)
                 text = "\n\n".join(
                     f"**source:** {s}  \n**reference:** {r}  \n**hypothesis:** {h}"
                     for s, r, h in samples
                 )
-                metrics.text("valid/samples", step, text)
-        metrics.log("valid", step, result)
+                metrics.text(tag("samples"), step, text)
+        metrics.log(PREFIX, step, result)
         return result
 
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from aiayn.data.batch import Batch
 from aiayn.loss import batch_loss
+from aiayn.metric_names import ACCURACY, BPC, LOSS, PPL, WORD_PPL
 from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -130,16 +131,16 @@ def lm_scores(
     )
     nll, correct, n = reduce(list(sums))
     loss = nll / max(n, 1)
-    out = {"loss": loss, "accuracy": correct / max(n, 1), "ppl": math.exp(min(loss, 50.0))}
+    out = {LOSS: loss, ACCURACY: correct / max(n, 1), PPL: math.exp(min(loss, 50.0))}
     out["tokens"] = int(n)
     if unit != "tokens" and max_windows is None:
         units = count_units(lines, unit)
         out[unit] = units
         out["tokens_per_" + unit[:-1]] = (len(stream) - 1) / max(units, 1)
         if unit == "characters":
-            out["bpc"] = nll / (max(units, 1) * math.log(2))
+            out[BPC] = nll / (max(units, 1) * math.log(2))
         else:
-            out["word_ppl"] = math.exp(min(nll / max(units, 1), 50.0))
+            out[WORD_PPL] = math.exp(min(nll / max(units, 1), 50.0))
     lossy = sum(a != b for a, b in zip(tok.decode(encoded), lines, strict=True))
     if lossy and unit != "tokens":
         log.warning(

@@ -3,9 +3,9 @@
 glibc serves every allocation above its mmap threshold (at most 32 MiB) with a fresh mmap and
 unmaps it on free, and trims the top of its heap back to the OS. A CPU training step allocates
 and frees the same large activations, gradients and logits every step, so each step
-page-faults all of them in again. On this project's 2-core KVM machine a fresh 115 MB tensor
-costs 5x the time of the same operation into memory already touched, and `small` trained 2-23%
-faster with freed memory kept in three runs (benchmarks/README.md). Intel's PyTorch launcher
+page-faults all of them in again: an operation into a fresh large tensor costs several times
+one into memory already touched, and training is faster with freed memory kept
+(benchmarks/README.md, "Measurements behind defaults"). Intel's PyTorch launcher
 gets the same effect by preloading jemalloc or tcmalloc; glibc's own switches need no extra
 library.
 """

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from aiayn.checkpoint import CheckpointManager, load_checkpoint
+from aiayn.checkpoint import CheckpointManager, Progress
 from aiayn.config import Config
 from aiayn.data import (
     BatchLoader,
@@ -28,11 +28,9 @@ from aiayn.data import (
     make_loader,
     sample_sentences,
 )
-from aiayn.distributed import reshard
 from aiayn.distributed.engine import Engine, build_engine
 from aiayn.distributed.env import DistEnv, setup, teardown
-from aiayn.distributed.reshard import Topology
-from aiayn.errors import CheckpointError, TrainingError
+from aiayn.errors import TrainingError
 from aiayn.evaluate import Validation
 from aiayn.flops import device_peak_flops, training_flops
 from aiayn.loss import batch_loss
@@ -40,7 +38,7 @@ from aiayn.malloc import keep_freed_memory
 from aiayn.metrics import Metrics, ProgressBar, memory_bytes, setup_logging
 from aiayn.model import build_model, count_parameters
 from aiayn.preemption import REQUEUE_EXIT_CODE, Preempted, StopFlag
-from aiayn.seeding import load_rng_state, rng_state, seed_everything
+from aiayn.seeding import seed_everything
 from aiayn.tokenizer import Tokenizer, train_tokenizer
 
 log = logging.getLogger("aiayn")
@@ -95,15 +93,6 @@ def prepare_data(
         rebuild=rebuild,
     )
     return tok, cache
-
-
-@dataclass
-class Progress:
-    """Counters that survive a restart."""
-
-    step: int = 0
-    tokens: int = 0
-    wall_seconds: float = 0.0
 
 
 @dataclass
@@ -163,7 +152,7 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
     if env.device.type == "cpu" and cfg.train.malloc == "keep":
         keep_freed_memory()
     ckpts = CheckpointManager.from_config(run_dir, cfg.checkpoint, env.is_main)
-    resume_from = _resume_point(cfg, ckpts)
+    resume_from = ckpts.resume_point(cfg.checkpoint.resume)  # before any work: may refuse
     tok, cache = prepare_data(cfg, env)
     seed_everything(cfg.train.seed)  # the same initial parameters on every rank
     model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
@@ -175,9 +164,8 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
     loader = make_loader(
         cfg, cfg.data.train, tok, train=True, rank=env.rank, world_size=env.world_size, cache=cache
     )
-    progress = Progress()
-    if resume_from is not None:
-        progress = _restore(resume_from, cfg, tok, engine, loader, env)
+    ckpts.track(cfg, tok, engine, loader, env)
+    progress = ckpts.restore(resume_from) if resume_from is not None else Progress()
     if env.is_main:  # after the checks a resume makes: a refused config never replaces it
         cfg.save(run_dir / "config.yaml")
     # Events an interrupted run logged after its last checkpoint are dropped from the curves.
@@ -207,71 +195,6 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
             os.environ.get("SLURM_RESTART_COUNT", "0"),
         )
     return Run(cfg, env, tok, engine, loader, ckpts, metrics, progress, peak, stop)
-
-
-def _resume_point(cfg: Config, ckpts: CheckpointManager) -> Path | None:
-    existing = ckpts.checkpoints()
-    if cfg.checkpoint.resume == "never":
-        if existing:
-            raise CheckpointError(
-                f"{cfg.run_dir} already holds checkpoints ({existing[-1].name}) and "
-                "checkpoint.resume=never: choose a new run_dir, or delete the old run first"
-            )
-        return None
-    latest = ckpts.latest()
-    if existing and latest is None:
-        raise CheckpointError(
-            f"{ckpts.root} holds checkpoints but none is valid; move them away to start over"
-        )
-    return latest
-
-
-def _restore(ckpt: Path, cfg: Config, tok: Tokenizer, engine, loader, env: DistEnv) -> Progress:
-    # verify=False: _resume_point found it through latest(), which verified it.
-    trainer_state, manifest = load_checkpoint(
-        ckpt, None, expect_model=cfg.model, tokenizer=tok, verify=False
-    )
-    saved, here = Topology.of_checkpoint(manifest, trainer_state), Topology.of(cfg, env.world_size)
-    if saved.same_layout(here):  # the engine reads its own format: a bitwise resume
-        if engine.loads_weights:
-            load_checkpoint(ckpt, engine.module, verify=False, with_trainer_state=False)
-        engine.load_state_dict(trainer_state["engine"], ckpt)
-    else:  # weights and optimizer state resharded by parameter name (distributed/reshard.py)
-        log.warning("checkpoint written by %s, resuming on %s: resharding its state", saved, here)
-        names = [name for name, _ in reshard.trainable(engine.module)]
-        engine.load_portable(reshard.read(ckpt, trainer_state, saved, names))
-    loader.load_state_dict(trainer_state["data"])  # the position of all ranks together
-    rngs = trainer_state["rng"]
-    if len(rngs) == env.world_size:
-        load_rng_state(rngs[env.rank])
-    else:  # another world size: fresh, distinct streams, derived from the step
-        log.warning(
-            "checkpoint has RNG states of %d ranks, this run has %d: dropout reseeded",
-            len(rngs),
-            env.world_size,
-        )
-        seed_everything(cfg.train.seed + 1_000_003 * env.rank + trainer_state["progress"]["step"])
-    log.info("resuming from %s", ckpt)
-    return Progress(**trainer_state["progress"])
-
-
-def _save(run: Run, step: int, valid: dict[str, float] | None = None) -> None:
-    if run.engine.replicas_differ(run.env):
-        raise TrainingError(
-            f"parameters differ between data-parallel ranks at step {step}: not saving. This is "
-            "a bug (a rank stepped without the others); please report it with train.log."
-        )
-    state = {
-        "engine": run.engine.state_dict(),
-        "data": run.loader.state_dict(),  # the same on every rank: the group's position
-        "rng": run.env.gather(rng_state()),  # every rank's dropout stream, in rank order
-        "progress": vars(run.progress).copy(),
-    }
-    meta = {"config": run.cfg.to_dict(), "tokenizer": run.tok.contract()}
-    if valid:  # in the manifest, so that keeping the best survives restarts
-        meta["metrics"] = {f"valid/{k}": v for k, v in valid.items()}
-    run.ckpts.save(step, run.engine, state, meta, run.env)
-    run.metrics.flush()  # the curves up to a checkpoint survive a crash with it
 
 
 def _loop(run: Run) -> dict[str, float]:
@@ -316,14 +239,12 @@ def _train_until_done(run: Run, batches) -> dict[str, float]:
         if validation and ((cfg.train.eval_every and step % cfg.train.eval_every == 0) or last):
             last_eval = valid = validation.run(engine, run.metrics, step, run.env)
         if run.ckpts.due(step) or last:
-            _check_finite(window, step, run.ckpts, run.env)
-            _save(run, step, valid)
+            _save(run, window, step, valid)
             saved_step = step
         if window.tokens == 0:  # tokens/s measures training, not validation or saving
             window.started = time.perf_counter()
     if progress.step != saved_step:  # stopped early by max_epochs
-        _check_finite(window, progress.step, run.ckpts, run.env)
-        _save(run, progress.step)
+        _save(run, window, progress.step)
     run.ckpts.wait(run.env)  # a background write of the last checkpoint
     bar.close()
     _log_data(loader, f"training done at step {progress.step}, epoch {loader.epoch}")
@@ -361,8 +282,7 @@ def _train_step(run: Run, micro: list, window: Window) -> tuple[torch.Tensor, bo
 
 def _stop(run: Run, window: Window, step: int) -> None:
     """Preemption: every rank saves this step, then raises Preempted (exit code 75)."""
-    _check_finite(window, step, run.ckpts, run.env)
-    _save(run, step)
+    _save(run, window, step)
     run.ckpts.wait(run.env)
     waited = time.monotonic() - run.stop.received_at if run.stop.requested else 0.0
     source = f"{waited:.2f}s after the signal" if run.stop.requested else "signal on another rank"
@@ -410,7 +330,6 @@ def _log_window(run: Run, window: Window, grad_norm, console: bool) -> dict[str,
             "or use train.precision=fp32, then re-run: it resumes from the last good checkpoint."
         )
     elapsed = max(time.perf_counter() - window.started, 1e-9)
-    progress.wall_seconds += elapsed
     loss = loss_sum / max(tokens, 1)
     scalars = {
         "loss": loss,
@@ -431,11 +350,13 @@ def _log_window(run: Run, window: Window, grad_norm, console: bool) -> dict[str,
     return {k: scalars[k] for k in ("loss", "lr", "tokens_per_s")}
 
 
-def _check_finite(window: Window, step: int, ckpts: CheckpointManager, env: DistEnv) -> None:
-    """Never write a checkpoint from weights a non-finite loss has touched (on any rank)."""
-    if not math.isfinite(env.sum([float(window.loss)])[0]):
-        latest = ckpts.latest()
+def _save(run: Run, window: Window, step: int, valid: dict[str, float] | None = None) -> None:
+    """Checkpoint `step`, never from weights a non-finite loss has touched (on any rank)."""
+    if not math.isfinite(run.env.sum([float(window.loss)])[0]):
+        latest = run.ckpts.latest()
         raise TrainingError(
             f"non-finite training loss before step {step}; not saving. The last good checkpoint "
             f"is {latest or 'none'}. Lower schedule.factor or set train.clip_norm, then re-run."
         )
+    run.ckpts.save_step(step, run.progress, valid)
+    run.metrics.flush()  # the curves up to a checkpoint survive a crash with it

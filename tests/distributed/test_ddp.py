@@ -5,7 +5,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from aiayn.config import load_config
 from aiayn.data import ensure_cache, make_loader
 from aiayn.tokenizer import Tokenizer
 
+from processes import logged, wait_until  # tests/processes.py
 from procs import ENV, aiayn, assert_close, final_weights, free_port, run, torchrun
 
 pytestmark = pytest.mark.distributed
@@ -155,10 +155,7 @@ def test_a_signal_to_one_rank_stops_all_ranks_after_the_same_step(setup):
     )
     log = run_dir / "train.log"
     try:
-        deadline = time.time() + 120
-        while not (log.is_file() and "train step 4 |" in log.read_text()):
-            assert proc.poll() is None and time.time() < deadline, "training did not get going"
-            time.sleep(0.05)
+        wait_until(proc, logged(log, "train step 4 |"), 120, "training step 4", interval=0.05)
         workers = [
             p
             for p in psutil.Process(proc.pid).children(recursive=True)

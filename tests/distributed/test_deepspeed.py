@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from killing import kill_tree
+from processes import kill_tree, logged, wait_until  # tests/processes.py
 from procs import ENV, STEPS, aiayn, assert_close, final_weights, free_port, run, torchrun
 
 pytestmark = pytest.mark.distributed
@@ -119,10 +119,7 @@ def test_killed_zero_run_resumes_bitwise(setup, stage):
     log = killed / "train.log"
     job = start(torchrun(2) + aiayn(config, killed, *options))
     try:
-        deadline = time.time() + 300
-        while not (log.is_file() and "train step 12 |" in log.read_text()):
-            assert job.poll() is None and time.time() < deadline, "the run did not get going"
-            time.sleep(0.01)
+        wait_until(job, logged(log, "train step 12 |"), 300, "training step 12")
     finally:
         kill_tree(job)
     during_save = None
@@ -130,9 +127,8 @@ def test_killed_zero_run_resumes_bitwise(setup, stage):
         stale = saves_in_progress(killed)
         job = start(torchrun(2) + aiayn(config, killed, *options))
         try:
-            deadline = time.time() + 300
-            while not saves_in_progress(killed) - stale:  # busy: a save lasts ~0.1 s
-                assert job.poll() is None and time.time() < deadline, "no save caught"
+            # Busy: a save lasts ~0.1 s.
+            wait_until(job, lambda s=stale: saves_in_progress(killed) - s, 300, "save", interval=0)
         finally:
             kill_tree(job)
         if caught := saves_in_progress(killed) - stale:

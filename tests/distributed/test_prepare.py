@@ -17,7 +17,7 @@ from aiayn import demo_data
 from aiayn.data.cache import _CHUNK, MANIFEST
 
 import procs  # tests/distributed/procs.py, beside this file
-from killing import kill_tree  # tests/killing.py
+from processes import kill_tree, wait_until  # tests/processes.py
 
 pytestmark = pytest.mark.distributed
 
@@ -82,9 +82,8 @@ def test_a_prepare_killed_at_random_moments_leaves_nothing_read_then_completes(b
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 120
-        while not work.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)  # the build starts once the interpreter has imported everything
+        # The build starts once the interpreter has imported everything.
+        wait_until(proc, work.exists, 120, "cache build")
         time.sleep(rng.uniform(0.0, 1.2))  # the build takes about a second here
         kill_tree(proc)
         if (root / MANIFEST).exists():  # it finished first: what it wrote must be whole

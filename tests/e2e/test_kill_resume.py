@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import tiny  # tests/e2e/tiny.py, beside this file
-from killing import kill_tree  # tests/killing.py
+from processes import kill_tree, wait_until  # tests/processes.py
 
 STEPS = 40
 # One thread per process: the same reduction order in every run, and the runs leave the other
@@ -76,11 +76,7 @@ def temporary_dirs(run_dir: Path) -> set[str]:
 
 
 def kill_after_steps(proc: subprocess.Popen, run_dir: Path, since: int, n: int, delay: float):
-    deadline = time.time() + 180
-    while steps_logged(run_dir, since) < n:
-        assert proc.poll() is None, "the run ended before it could be killed"
-        assert time.time() < deadline, "training did not get going"
-        time.sleep(0.01)
+    wait_until(proc, lambda: steps_logged(run_dir, since) >= n, 180, f"{n} steps logged")
     time.sleep(delay)
     kill_tree(proc)  # torchrun and every rank at once
     return f"killed {delay:.3f}s after its {n}th step was logged"
@@ -89,10 +85,8 @@ def kill_after_steps(proc: subprocess.Popen, run_dir: Path, since: int, n: int, 
 def kill_during_save(proc: subprocess.Popen, run_dir: Path, stale: set[str]) -> str:
     """Kill when a new temporary checkpoint directory appears. Returns "RETRY" when the save
     finished before the kill landed: only what a kill leaves behind proves it hit a save."""
-    deadline = time.time() + 180
-    while not (new := temporary_dirs(run_dir) - stale):  # busy: a tiny save lasts milliseconds
-        assert proc.poll() is None, "the run ended before a kill landed inside a save"
-        assert time.time() < deadline, "no save was caught in progress"
+    # Busy: a tiny save lasts milliseconds.
+    new = wait_until(proc, lambda: temporary_dirs(run_dir) - stale, 180, "save", interval=0)
     kill_tree(proc)
     if temporary_dirs(run_dir) - stale:
         return f"killed during a save ({sorted(new)[0]})"

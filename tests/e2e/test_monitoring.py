@@ -5,7 +5,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from aiayn.config import load_config
 from aiayn.train import train
 
 import tiny  # tests/e2e/tiny.py, beside this file
+from processes import logged, wait_until  # tests/processes.py
 
 TRAIN_TAGS = {
     "loss",
@@ -100,10 +100,7 @@ def test_a_run_killed_and_resumed_has_no_duplicated_steps(tmp_path, numbers):
     )
     log = run_dir / "train.log"
     try:
-        deadline = time.time() + 120
-        while not (log.is_file() and "train step 13 |" in log.read_text()):
-            assert proc.poll() is None and time.time() < deadline, "training did not get going"
-            time.sleep(0.05)
+        wait_until(proc, logged(log, "train step 13 |"), 120, "training step 13", interval=0.05)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     finally:
@@ -162,21 +159,21 @@ def test_the_tensorboard_server_serves_what_was_logged(tmp_path, numbers):
     )
     base = f"http://127.0.0.1:{port}/data/plugin/scalars"
     try:
-        deadline, tags = time.time() + 90, {}
-        while "train/loss" not in tags.get(".", {}):
-            assert server.poll() is None, "tensorboard exited"
-            assert time.time() < deadline, f"tensorboard never served the tags: {tags}"
+
+        def served_tags():
             try:
                 tags = get_json(f"{base}/tags")
-            except OSError:
-                pass
-            time.sleep(0.5)
+            except OSError:  # not listening yet
+                return None
+            return tags if "train/loss" in tags.get(".", {}) else None
+
+        tags = wait_until(server, served_tags, 90, "tags served by tensorboard", interval=0.5)
         assert {f"train/{t}" for t in TRAIN_TAGS} <= set(tags["."])
         assert "valid/bleu" in tags["."]
         series = get_json(f"{base}/scalars?run=.&tag=train/loss")
-        logged = events(tmp_path / "run").Scalars("train/loss")
-        assert [row[1] for row in series] == [e.step for e in logged] == [2, 4, 6]
-        assert [row[2] for row in series] == pytest.approx([e.value for e in logged])
+        written = events(tmp_path / "run").Scalars("train/loss")
+        assert [row[1] for row in series] == [e.step for e in written] == [2, 4, 6]
+        assert [row[2] for row in series] == pytest.approx([e.value for e in written])
     finally:
         server.send_signal(signal.SIGTERM)
         try:

@@ -3,7 +3,6 @@
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from aiayn.preemption import REQUEUE_EXIT_CODE
 from aiayn.train import train
 
 import tiny  # tests/e2e/tiny.py, beside this file
+from processes import logged, wait_until  # tests/processes.py
 
 
 def overrides(run_dir, corpus, *extra):
@@ -43,10 +43,7 @@ def test_a_signal_saves_exits_75_and_the_resumed_run_ends_bitwise_equal(tmp_path
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     log = run_dir / "train.log"
-    deadline = time.time() + 120
-    while not (log.is_file() and "train step 6 |" in log.read_text()):
-        assert proc.poll() is None and time.time() < deadline, "training did not get going"
-        time.sleep(0.05)
+    wait_until(proc, logged(log, "train step 6 |"), 120, "training step 6", interval=0.05)
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == REQUEUE_EXIT_CODE, err

@@ -241,7 +241,7 @@ def test_a_failed_background_write_is_reported_and_keeps_the_previous_checkpoint
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("aiayn.checkpoint.save_file", disk_full)
+    monkeypatch.setattr("aiayn.checkpoint.manager.save_file", disk_full)
     save(manager, 2)  # returns at once; the write fails in the background
     with pytest.raises(CheckpointError, match="background checkpoint write failed.*No space"):
         manager.wait()

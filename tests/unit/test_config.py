@@ -1,3 +1,4 @@
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,32 @@ def test_missing_and_malformed_files_are_named(tmp_path):
 def test_every_shipped_config_loads(path):
     cfg = load_config(path)
     assert isinstance(cfg, Config)
+
+
+def bounded_fields():
+    defaults = Config()
+    for section in dataclasses.fields(Config):
+        values = getattr(defaults, section.name)
+        for f in dataclasses.fields(values) if dataclasses.is_dataclass(values) else ():
+            if "range" in f.metadata:
+                yield section.name, f.name, f.metadata["range"]
+
+
+@pytest.mark.parametrize("section, name, bound", list(bounded_fields()))
+def test_every_declared_range_refuses_the_value_past_each_end(section, name, bound):
+    outside = []
+    if bound.low is not None:
+        outside.append(bound.low if bound.low_open else bound.low - 1)
+    if bound.high is not None:
+        outside.append(bound.high if bound.high_open else bound.high + 1)
+    default = getattr(getattr(Config(), section), name)
+    for value in outside:
+        raw_value = [value, value] if isinstance(default, list) else value
+        with pytest.raises(ConfigError, match=rf"{section}\.{name} must be .*, got"):
+            config_from_dict({"data": {"train": "x"}, section: {name: raw_value}})
+
+
+def test_the_ranges_are_declared_on_the_fields():
+    declared = {f"{s}.{n}" for s, n, _ in bounded_fields()}
+    assert {"model.dropout", "optim.betas", "schedule.factor", "distributed.zero_stage"} <= declared
+    assert len(declared) == 40  # every numeric field with a bound

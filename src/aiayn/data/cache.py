@@ -134,8 +134,8 @@ def open_cache(root: Path, expected: dict, verify: bool = True) -> TokenCache:
             raise _damaged(root, f"{name} is {found}, the manifest says {meta['bytes']} bytes")
         if verify and sha256_of(path) != meta["sha256"]:
             raise _damaged(root, f"{name} does not match the sha256 its manifest records")
-        # A plain ndarray view of the map: np.memmap's indexing runs Python code per call
-        # (16 us), several times per batch.
+        # A plain ndarray view of the map: np.memmap's indexing runs Python code on every
+        # call, several times per batch (benchmarks/README.md).
         arrays[name.removesuffix(".npy")] = np.load(path, mmap_mode="r").view(np.ndarray)
     cache = TokenCache(root, manifest, **arrays)
     _check_index(cache)

@@ -123,8 +123,8 @@ def _parallel_source(cfg: DataConfig, split: str) -> Source:
     pairs = _parallel_files(split, cfg.src_lang, cfg.tgt_lang)
     skipped = _check_lines(pairs, split, cfg.on_invalid_utf8)
     kwargs = {"pairs": [list(p) for p in pairs], "strict": cfg.on_invalid_utf8 == "error"}
-    # No `features=`: datasets would re-encode every example through them, ~15 us each, more
-    # than ten times the cost of reading it. The generator yields plain strings anyway.
+    # No `features=`: datasets would re-encode every example through them, at many times the
+    # cost of reading it (benchmarks/README.md). The generator yields plain strings anyway.
     make = partial(IterableDataset.from_generator, _parallel_examples, gen_kwargs=kwargs)
     return Source(split, make, normalize=lambda rec: rec, invalid_utf8=skipped)
 

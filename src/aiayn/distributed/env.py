@@ -20,8 +20,7 @@ from aiayn.errors import ConfigError
 class DistEnv:
     rank: int
     world_size: int
-    local_rank: int
-    device: torch.device
+    device: torch.device  # this node's GPU LOCAL_RANK, or the CPU
 
     @property
     def is_main(self) -> bool:
@@ -79,7 +78,7 @@ def setup(device_choice: str) -> DistEnv:
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(minutes=30))
-    return DistEnv(rank, world_size, local_rank, device)
+    return DistEnv(rank, world_size, device)
 
 
 def teardown() -> None:

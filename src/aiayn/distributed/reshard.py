@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from aiayn.checkpoint import MODEL_FILE
+from aiayn.checkpoint.format import MODEL_FILE
 from aiayn.errors import CheckpointError
 
 DEEPSPEED_DIR = "deepspeed"  # where every rank's `save_checkpoint` writes (engine.py)
@@ -61,11 +61,12 @@ class Topology:
 
     @classmethod
     def of_checkpoint(cls, manifest: dict[str, Any], trainer_state: dict[str, Any]) -> Topology:
-        # Every rank's RNG state is saved, in rank order: their number is the world size.
         par = manifest["config"].get("distributed", {})
         backend = par.get("backend", "ddp")
         stage = par.get("zero_stage", 0) if backend == "deepspeed" else 0
-        return cls(backend, stage, len(trainer_state["rng"]))
+        # Checkpoints written before the manifest held the world size saved one RNG state
+        # per rank: their number is the world size.
+        return cls(backend, stage, manifest.get("world_size", len(trainer_state["rng"])))
 
 
 @dataclass

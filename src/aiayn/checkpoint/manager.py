@@ -1,22 +1,15 @@
-"""The checkpoint manager: layout, atomic writes, manifest, retention, resume.
+"""The checkpoint manager: when to save, what a save holds, where a run resumes, retention.
 
-Layout of a run directory:
-
-    run_dir/checkpoints/step_00001000/
-        model.safetensors   weights (tied matrices stored once); loads without unpickling code
-        trainer.pt          optimizer, schedule, data position, RNG states, counters
-        manifest.json       step, sizes and sha256 of the files above, config, tokenizer contract
-    run_dir/checkpoints/latest   name of the newest complete checkpoint
-
-A checkpoint is written into a hidden temporary directory, flushed and fsynced, then renamed
-into place; only then does `latest` move. A crash at any moment leaves the previous
-checkpoint loadable, and a directory without a valid manifest is never loaded.
+The loop says "save at this step" (`save_step`) and "restore" (`restore`); the manager builds
+the state from what it tracks (engine, data loader, RNG streams, counters), writes it
+atomically, and on a restart decides which checkpoint to resume from and how: in the engine's
+own format when the topology is unchanged (bitwise), or resharded by parameter name when it
+changed (distributed/reshard.py). The files themselves are checkpoint/format.py's.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import logging
 import math
@@ -24,102 +17,57 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_file
-from torch import nn
+from safetensors.torch import save_file
 
-from aiayn.errors import CheckpointError
+from aiayn import metric_names
+from aiayn.checkpoint.format import (
+    CHECKPOINTS_DIR,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    MODEL_FILE,
+    TRAINER_FILE,
+    checkpoints_in,
+    latest_valid,
+    load_checkpoint,
+    step_dir_name,
+    step_of,
+    weights_snapshot,
+)
+from aiayn.distributed import reshard  # as a module: reshard imports checkpoint.format
+from aiayn.errors import CheckpointError, TrainingError
 from aiayn.files import fsync_path, sha256_of, write_atomic
-from aiayn.tokenizer import check_contract
+from aiayn.seeding import load_rng_state, rng_state, seed_everything
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-MODEL_FILE, TRAINER_FILE, MANIFEST_FILE = "model.safetensors", "trainer.pt", "manifest.json"
-# A copy of the SentencePiece model, in checkpoints made by averaging (self-contained).
-TOKENIZER_FILE = "tokenizer.model"
-# Fields that decide tensor shapes or meaning: a checkpoint differing in any cannot be loaded.
-ARCHITECTURE_FIELDS = (
-    "kind",
-    "N",
-    "decoder_layers",
-    "d_model",
-    "d_ff",
-    "h",
-    "positions",
-    "norm",
-    "share_embeddings",
-    "num_classes",
-    "pooling",
-)
+
+@dataclass
+class Progress:
+    """Counters that survive a restart."""
+
+    step: int = 0
+    tokens: int = 0
+
+    @classmethod
+    def from_state(cls, saved: dict[str, Any]) -> Progress:
+        # Older checkpoints also hold wall_seconds, which nothing reads.
+        return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})
 
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
+@dataclass
+class Tracked:
+    """What a training checkpoint holds the state of (`CheckpointManager.track`)."""
 
-
-def weights_snapshot(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
-    """A host copy of `module`'s weights for safetensors, each tensor once, and its metadata.
-
-    Tied names (the same tensor under several names) keep the first in sorted order, with the
-    others recorded in the metadata, as `safetensors.torch.save_model` does, so `load_model`
-    restores the tie. Unlike save_model this also works when a sharded optimizer keeps the
-    parameters as views of one flat buffer (ZeRO 1/2): each tensor is copied out of it.
-    """
-    state = module.state_dict()
-    groups: dict[tuple, list[str]] = {}
-    for name, t in state.items():
-        groups.setdefault((t.data_ptr(), t.dtype, tuple(t.shape)), []).append(name)
-    tensors, metadata = {}, {}
-    for names in groups.values():
-        keep, *tied = sorted(names)
-        tensors[keep] = state[keep].detach().to("cpu", copy=True).contiguous()
-        metadata.update({name: keep for name in tied})
-    return tensors, metadata or None
-
-
-def _host_copy(obj: Any) -> Any:
-    """`obj` with every tensor copied to host memory: what the next step will not change."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _host_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_host_copy(v) for v in obj)
-    return copy.deepcopy(obj)
-
-
-def read_manifest(ckpt: Path, verify: bool = True) -> dict[str, Any]:
-    """The manifest of a complete checkpoint; CheckpointError if it is incomplete or corrupt."""
-    try:
-        manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{ckpt} has no readable {MANIFEST_FILE} ({exc})") from None
-    for name, meta in manifest.get("files", {}).items():
-        path = ckpt / name
-        if not path.is_file() or path.stat().st_size != meta["bytes"]:
-            raise CheckpointError(f"{path} is missing or truncated")
-        if verify and sha256_of(path) != meta["sha256"]:
-            raise CheckpointError(f"{path} does not match its checksum: the file is corrupt")
-    return manifest
-
-
-def check_architecture(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
-    """Raise if the checkpoint was written by a model of another shape."""
-    diffs = [
-        f"model.{k}: checkpoint {saved.get(k)!r}, config {current.get(k)!r}"
-        for k in ARCHITECTURE_FIELDS
-        if saved.get(k) != current.get(k)
-    ]
-    if diffs:
-        raise CheckpointError(
-            f"{where} was written by a different model:\n  "
-            + "\n  ".join(diffs)
-            + "\nUse the config the checkpoint was trained with, or a new run_dir."
-        )
+    cfg: Any  # Config
+    tok: Any  # Tokenizer
+    engine: Any  # distributed.engine.Engine
+    loader: Any  # BatchLoader | CachedLoader
+    env: Any  # DistEnv
 
 
 class CheckpointManager:
@@ -143,7 +91,7 @@ class CheckpointManager:
         higher_is_better: bool = False,
         async_save: bool = False,
     ):
-        self.root = Path(run_dir) / "checkpoints"
+        self.root = Path(run_dir) / CHECKPOINTS_DIR
         self.async_save = async_save
         self._writer: threading.Thread | None = None
         self._failure: BaseException | None = None
@@ -173,19 +121,97 @@ class CheckpointManager:
 
     def checkpoints(self) -> list[Path]:
         """Complete-looking checkpoint directories, oldest first."""
-        if not self.root.is_dir():
-            return []
-        return sorted(p for p in self.root.glob("step_*") if p.name[5:].isdigit() and p.is_dir())
+        return checkpoints_in(self.root)
 
     def latest(self) -> Path | None:
         """The newest checkpoint that validates; broken ones are skipped with a warning."""
-        for ckpt in reversed(self.checkpoints()):
-            try:
-                read_manifest(ckpt)
-                return ckpt
-            except CheckpointError as exc:
-                log.warning("skipping checkpoint %s: %s", ckpt.name, exc)
-        return None
+        return latest_valid(self.root)
+
+    # ---- a training run's checkpoints ----------------------------------------------------
+
+    def track(self, cfg, tok, engine, loader, env) -> None:
+        """The run whose state `save_step` saves and `restore` restores."""
+        self._run = Tracked(cfg, tok, engine, loader, env)
+
+    def resume_point(self, resume: str) -> Path | None:
+        """The checkpoint a run starts from: None for a new run (checkpoint.resume)."""
+        existing = self.checkpoints()
+        if resume == "never":
+            if existing:
+                raise CheckpointError(
+                    f"{self.root.parent} already holds checkpoints ({existing[-1].name}) and "
+                    "checkpoint.resume=never: choose a new run_dir, or delete the old run first"
+                )
+            return None
+        latest = self.latest()
+        if existing and latest is None:
+            raise CheckpointError(
+                f"{self.root} holds checkpoints but none is valid; move them away to start over"
+            )
+        return latest
+
+    def restore(self, ckpt: Path) -> Progress:
+        """Every rank restores the tracked run from `ckpt` (found by `resume_point`, which
+        verified its checksums) and gets back the counters to continue from."""
+        run = self._run
+        cfg, env, engine = run.cfg, run.env, run.engine
+        trainer_state, manifest = load_checkpoint(
+            ckpt, None, expect_model=cfg.model, tokenizer=run.tok, verify=False
+        )
+        saved = reshard.Topology.of_checkpoint(manifest, trainer_state)
+        here = reshard.Topology.of(cfg, env.world_size)
+        if saved.same_layout(here):  # the engine reads its own format: a bitwise resume
+            if engine.loads_weights:
+                load_checkpoint(ckpt, engine.module, verify=False, with_trainer_state=False)
+            engine.load_state_dict(trainer_state["engine"], ckpt)
+        else:  # weights and optimizer state resharded by parameter name
+            log.warning(
+                "checkpoint written by %s, resuming on %s: resharding its state", saved, here
+            )
+            names = [name for name, _ in reshard.trainable(engine.module)]
+            engine.load_portable(reshard.read(ckpt, trainer_state, saved, names))
+        run.loader.load_state_dict(trainer_state["data"])  # the position of all ranks together
+        progress = Progress.from_state(trainer_state["progress"])
+        rngs = trainer_state["rng"]
+        if len(rngs) == env.world_size:
+            load_rng_state(rngs[env.rank])
+        else:  # another world size: fresh, distinct streams, derived from the step
+            log.warning(
+                "checkpoint has RNG states of %d ranks, this run has %d: dropout reseeded",
+                len(rngs),
+                env.world_size,
+            )
+            seed_everything(cfg.train.seed + 1_000_003 * env.rank + progress.step)
+        log.info("resuming from %s", ckpt)
+        return progress
+
+    def save_step(
+        self, step: int, progress: Progress, valid: dict[str, float] | None = None
+    ) -> Path | None:
+        """Every rank saves the tracked run at `step`; `valid` (this step's validation
+        metrics) goes into the manifest, so that keeping the best survives restarts."""
+        run = self._run
+        if run.engine.replicas_differ(run.env):
+            raise TrainingError(
+                f"parameters differ between data-parallel ranks at step {step}: not saving. This "
+                "is a bug (a rank stepped without the others); please report it with train.log."
+            )
+        state = {
+            "engine": run.engine.state_dict(),
+            "data": run.loader.state_dict(),  # the same on every rank: the group's position
+            "rng": run.env.gather(rng_state()),  # every rank's dropout stream, in rank order
+            "progress": vars(progress).copy(),
+        }
+        meta = {
+            "config": run.cfg.to_dict(),
+            "tokenizer": run.tok.contract(),
+            "world_size": run.env.world_size,
+        }
+        if valid:
+            meta["metrics"] = {metric_names.tag(k): v for k, v in valid.items()}
+        return self.save(step, run.engine, state, meta, run.env)
+
+    # ---- writing ----------------------------------------------------------------------------
 
     def save(
         self,
@@ -195,7 +221,8 @@ class CheckpointManager:
         meta: dict[str, Any],
         env=None,
     ) -> Path | None:
-        """Write checkpoint `step` atomically; return its path (None on non-writers).
+        """Write checkpoint `step` of `engine` with `trainer_state` atomically; return its path
+        (None on non-writers). `save_step` calls it with the tracked run's state.
 
         Every rank must call it: a sharded engine (DeepSpeed ZeRO) writes each rank's
         partition into the same temporary directory before the writer adds the consolidated
@@ -322,68 +349,12 @@ class CheckpointManager:
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def step_of(ckpt: Path) -> int:
-    return int(ckpt.name.rsplit("_", 1)[1])
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or the latest valid one of a run directory; verified."""
-    path = Path(path)
-    if (path / MANIFEST_FILE).is_file():
-        read_manifest(path)  # a corrupt checkpoint named explicitly is an error, not a fallback
-        return path
-    for run_dir in (path, path.parent):  # a run_dir, or its checkpoints/ folder
-        found = CheckpointManager(run_dir, 1, 1, is_writer=False).latest()
-        if found is not None:
-            return found
-    raise CheckpointError(
-        f"no valid checkpoint at {path}: pass a run_dir holding checkpoints/ or a "
-        "checkpoints/step_XXXXXXXX directory"
-    )
-
-
-def load_checkpoint(
-    ckpt: Path,
-    model: nn.Module | None,
-    *,
-    expect_model: Any = None,
-    tokenizer: Any = None,
-    verify: bool = True,
-    with_trainer_state: bool = True,
-) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """Load weights into `model`; return (trainer_state, manifest). Never unpickles code.
-
-    `model=None` loads no weights: a sharded engine restores them from its own shards.
-
-    `expect_model` (a ModelConfig) and `tokenizer` are checked against what the checkpoint
-    recorded before any tensor is read, so a mismatch names its fields instead of a shape.
-    `verify=False` skips the checksums for a checkpoint that `CheckpointManager.latest` or
-    `resolve_checkpoint` has just verified: hashing the weights twice doubles the load time.
-    `with_trainer_state=False` (inference) reads no optimizer state and returns None for it;
-    averaged checkpoints have none.
-    """
-    manifest = read_manifest(ckpt, verify=verify)
-    if expect_model is not None:
-        check_architecture(manifest["config"]["model"], dataclasses.asdict(expect_model), str(ckpt))
-    if tokenizer is not None:
-        check_contract(manifest["tokenizer"], tokenizer, where=str(ckpt))
-    missing, unexpected = [], []
-    try:
-        if model is not None:
-            missing, unexpected = load_model(model, str(ckpt / MODEL_FILE), strict=False)
-    except RuntimeError as exc:  # shape mismatches
-        raise CheckpointError(f"{ckpt} does not fit this model: {exc}") from None
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{ckpt} does not fit this model: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}"
-        )
-    if not with_trainer_state:
-        return None, manifest
-    if TRAINER_FILE not in manifest["files"]:
-        raise CheckpointError(
-            f"{ckpt} holds weights only (an averaged checkpoint?): it can be translated and "
-            "evaluated, not resumed. Resume from a checkpoint the run saved."
-        )
-    trainer_state = torch.load(ckpt / TRAINER_FILE, map_location="cpu", weights_only=True)
-    return trainer_state, manifest
+def _host_copy(obj: Any) -> Any:
+    """`obj` with every tensor copied to host memory: what the next step will not change."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_host_copy(v) for v in obj)
+    return copy.deepcopy(obj)

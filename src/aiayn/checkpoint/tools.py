@@ -33,13 +33,14 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from aiayn.checkpoint import (
+from aiayn.checkpoint.format import (
     ARCHITECTURE_FIELDS,
+    CHECKPOINTS_DIR,
     FORMAT_VERSION,
     MANIFEST_FILE,
     MODEL_FILE,
     TOKENIZER_FILE,
-    CheckpointManager,
+    checkpoints_in,
     read_manifest,
     resolve_checkpoint,
     step_of,
@@ -64,8 +65,8 @@ def collect(sources: list[str | Path], last: int | None = None) -> list[Path]:
             read_manifest(source)  # named explicitly: a corrupt one is an error
             found[source.resolve()] = None
             continue
-        for run_dir in (source, source.parent):
-            ckpts = CheckpointManager(run_dir, 1, 1, is_writer=False).checkpoints()
+        for root in (source / CHECKPOINTS_DIR, source):  # a run_dir, or its checkpoints/
+            ckpts = checkpoints_in(root)
             if ckpts:
                 break
         else:

@@ -1,0 +1,191 @@
+"""What a checkpoint is on disk: its layout, manifest and checks, and loading one.
+
+Layout of a run directory:
+
+    run_dir/checkpoints/step_00001000/
+        model.safetensors   weights (tied matrices stored once); loads without unpickling code
+        trainer.pt          optimizer, schedule, data position, RNG states, counters
+        manifest.json       step, sizes and sha256 of the files above, config, tokenizer contract
+    run_dir/checkpoints/latest   name of the newest complete checkpoint
+
+A checkpoint is written into a hidden temporary directory, flushed and fsynced, then renamed
+into place; only then does `latest` move (checkpoint/manager.py). A crash at any moment leaves
+the previous checkpoint loadable, and a directory without a valid manifest is never loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_model
+from torch import nn
+
+from aiayn.errors import CheckpointError
+from aiayn.files import sha256_of
+from aiayn.tokenizer import check_contract
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+CHECKPOINTS_DIR = "checkpoints"  # under run_dir
+MODEL_FILE, TRAINER_FILE, MANIFEST_FILE = "model.safetensors", "trainer.pt", "manifest.json"
+# A copy of the SentencePiece model, in checkpoints made by averaging (self-contained).
+TOKENIZER_FILE = "tokenizer.model"
+# Fields that decide tensor shapes or meaning: a checkpoint differing in any cannot be loaded.
+ARCHITECTURE_FIELDS = (
+    "kind",
+    "N",
+    "decoder_layers",
+    "d_model",
+    "d_ff",
+    "h",
+    "positions",
+    "norm",
+    "share_embeddings",
+    "num_classes",
+    "pooling",
+)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def weights_snapshot(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    """A host copy of `module`'s weights for safetensors, each tensor once, and its metadata.
+
+    Tied names (the same tensor under several names) keep the first in sorted order, with the
+    others recorded in the metadata, as `safetensors.torch.save_model` does, so `load_model`
+    restores the tie. Unlike save_model this also works when a sharded optimizer keeps the
+    parameters as views of one flat buffer (ZeRO 1/2): each tensor is copied out of it.
+    """
+    state = module.state_dict()
+    groups: dict[tuple, list[str]] = {}
+    for name, t in state.items():
+        groups.setdefault((t.data_ptr(), t.dtype, tuple(t.shape)), []).append(name)
+    tensors, metadata = {}, {}
+    for names in groups.values():
+        keep, *tied = sorted(names)
+        tensors[keep] = state[keep].detach().to("cpu", copy=True).contiguous()
+        metadata.update({name: keep for name in tied})
+    return tensors, metadata or None
+
+
+def read_manifest(ckpt: Path, verify: bool = True) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; CheckpointError if it is incomplete or corrupt."""
+    try:
+        manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{ckpt} has no readable {MANIFEST_FILE} ({exc})") from None
+    for name, meta in manifest.get("files", {}).items():
+        path = ckpt / name
+        if not path.is_file() or path.stat().st_size != meta["bytes"]:
+            raise CheckpointError(f"{path} is missing or truncated")
+        if verify and sha256_of(path) != meta["sha256"]:
+            raise CheckpointError(f"{path} does not match its checksum: the file is corrupt")
+    return manifest
+
+
+def check_architecture(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
+    """Raise if the checkpoint was written by a model of another shape."""
+    diffs = [
+        f"model.{k}: checkpoint {saved.get(k)!r}, config {current.get(k)!r}"
+        for k in ARCHITECTURE_FIELDS
+        if saved.get(k) != current.get(k)
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"{where} was written by a different model:\n  "
+            + "\n  ".join(diffs)
+            + "\nUse the config the checkpoint was trained with, or a new run_dir."
+        )
+
+
+def step_of(ckpt: Path) -> int:
+    return int(ckpt.name.rsplit("_", 1)[1])
+
+
+def checkpoints_in(root: Path) -> list[Path]:
+    """Complete-looking checkpoint directories under `root` (run_dir/checkpoints), oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step_*") if p.name[5:].isdigit() and p.is_dir())
+
+
+def latest_valid(root: Path) -> Path | None:
+    """The newest checkpoint under `root` that validates; broken ones are skipped with a warning."""
+    for ckpt in reversed(checkpoints_in(root)):
+        try:
+            read_manifest(ckpt)
+            return ckpt
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint %s: %s", ckpt.name, exc)
+    return None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or the latest valid one of a run directory; verified."""
+    path = Path(path)
+    if (path / MANIFEST_FILE).is_file():
+        read_manifest(path)  # a corrupt checkpoint named explicitly is an error, not a fallback
+        return path
+    for root in (path / CHECKPOINTS_DIR, path):  # a run_dir, or its checkpoints/ folder
+        found = latest_valid(root)
+        if found is not None:
+            return found
+    raise CheckpointError(
+        f"no valid checkpoint at {path}: pass a run_dir holding checkpoints/ or a "
+        "checkpoints/step_XXXXXXXX directory"
+    )
+
+
+def load_checkpoint(
+    ckpt: Path,
+    model: nn.Module | None,
+    *,
+    expect_model: Any = None,
+    tokenizer: Any = None,
+    verify: bool = True,
+    with_trainer_state: bool = True,
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """Load weights into `model`; return (trainer_state, manifest). Never unpickles code.
+
+    `model=None` loads no weights: a sharded engine restores them from its own shards.
+
+    `expect_model` (a ModelConfig) and `tokenizer` are checked against what the checkpoint
+    recorded before any tensor is read, so a mismatch names its fields instead of a shape.
+    `verify=False` skips the checksums for a checkpoint that `CheckpointManager.latest` or
+    `resolve_checkpoint` has just verified: hashing the weights twice doubles the load time.
+    `with_trainer_state=False` (inference) reads no optimizer state and returns None for it;
+    averaged checkpoints have none.
+    """
+    manifest = read_manifest(ckpt, verify=verify)
+    if expect_model is not None:
+        check_architecture(manifest["config"]["model"], dataclasses.asdict(expect_model), str(ckpt))
+    if tokenizer is not None:
+        check_contract(manifest["tokenizer"], tokenizer, where=str(ckpt))
+    missing, unexpected = [], []
+    try:
+        if model is not None:
+            missing, unexpected = load_model(model, str(ckpt / MODEL_FILE), strict=False)
+    except RuntimeError as exc:  # shape mismatches
+        raise CheckpointError(f"{ckpt} does not fit this model: {exc}") from None
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{ckpt} does not fit this model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
+    if not with_trainer_state:
+        return None, manifest
+    if TRAINER_FILE not in manifest["files"]:
+        raise CheckpointError(
+            f"{ckpt} holds weights only (an averaged checkpoint?): it can be translated and "
+            "evaluated, not resumed. Resume from a checkpoint the run saved."
+        )
+    trainer_state = torch.load(ckpt / TRAINER_FILE, map_location="cpu", weights_only=True)
+    return trainer_state, manifest
