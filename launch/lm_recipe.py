@@ -22,13 +22,8 @@ key=value overrides go to every stage (e.g. run_dir=runs/ts_try2 train.max_steps
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gzip
 import json
-import shlex
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,9 +31,9 @@ from aiayn.config import load_config
 from aiayn.errors import AiaynError
 from aiayn.metric_names import tag
 
-ROOT = Path(__file__).resolve().parent.parent
+from stages import ROOT, Stages, main_guard, run, tokenizer_once  # launch/stages.py
+
 SHARED = ROOT.parent / "shared" / "data"
-AIAYN = [sys.executable, "-m", "aiayn"]
 
 
 @dataclass(frozen=True)
@@ -54,12 +49,6 @@ RECIPES = {
     "tinyshakespeare": Recipe("configs/tinyshakespeare_lm.yaml", "valid", "bpc", 2.12, "ROMEO:\\n"),
     "wikitext2": Recipe("configs/wikitext2_lm.yaml", "test", "word_ppl", 130.0, " = Robert"),
 }
-
-
-def run(args: list[str], capture: bool = False) -> str:
-    print("+ aiayn " + shlex.join(args), flush=True)
-    done = subprocess.run(AIAYN + args, cwd=ROOT, check=True, text=True, capture_output=capture)
-    return done.stdout if capture else ""
 
 
 def split_tinyshakespeare(out: Path) -> None:
@@ -106,23 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = ROOT / cfg.run_dir
     common = ["--config", config, *args.overrides]
     stride = args.stride or cfg.data.max_len // 2
-    times: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def stage(name: str):
-        began = time.perf_counter()
-        yield
-        times[name] = time.perf_counter() - began
-
-    start = time.perf_counter()
+    stage = Stages()
     if args.recipe == "tinyshakespeare":
         with stage("split"):
             split_tinyshakespeare(ROOT / Path(cfg.data.train).parent)
     with stage("tokenizer"):
-        if cfg.tokenizer_path.exists():  # a resumed or re-scored run keeps its vocabulary
-            print(f"tokenizer {cfg.tokenizer_path} exists: kept")
-        else:
-            run(["tokenizer", "train", *common])
+        tokenizer_once(ROOT / cfg.tokenizer_path, common)
     with stage("train"):
         run(["train", *common])
     with stage("evaluate"):
@@ -138,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 capture=True,
             )
             rows.append((name, json.loads(out)))
-    times["total"] = time.perf_counter() - start
+    stage.done()
     sample = run(
         ["generate", "--checkpoint", str(run_dir), "--prompt", recipe.prompt]
         + ["--max-new-tokens", "300", "--temperature", "0.8"],
@@ -149,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     unit = cfg.data.unit
     print(f"\n{args.recipe}: {recipe.split} split ({config}, {run_dir})\n")
     print("| stage | wall time |\n| --- | ---: |")
-    for name, seconds in times.items():
+    for name, seconds in stage.times.items():
         print(f"| {name} | {seconds / 60:.1f} min |")
     print(
         f"\n| scoring (window {cfg.data.max_len} tokens) | loss/token | {recipe.metric} "
@@ -171,9 +149,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except AiaynError as e:  # a bad config or override: named before any stage runs
-        sys.exit(f"lm_recipe: {e}")
-    except subprocess.CalledProcessError as e:  # the stage printed its own error above
-        sys.exit(f"lm_recipe: stopped, `aiayn {e.cmd[3]}` exited with {e.returncode}")
+    main_guard("lm_recipe", main)

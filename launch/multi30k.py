@@ -20,26 +20,13 @@ key=value overrides go to every stage (e.g. run_dir=runs/m30_try2 train.max_step
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import shlex
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 from aiayn.checkpoint import resolve_checkpoint
 from aiayn.config import load_config
-from aiayn.errors import AiaynError
 
-ROOT = Path(__file__).resolve().parent.parent
-AIAYN = [sys.executable, "-m", "aiayn"]
-
-
-def run(args: list[str], capture: bool = False) -> str:
-    print("+ aiayn " + shlex.join(args), flush=True)
-    done = subprocess.run(AIAYN + args, cwd=ROOT, check=True, text=True, capture_output=capture)
-    return done.stdout if capture else ""
+from stages import ROOT, Stages, main_guard, run, tokenizer_once  # launch/stages.py
 
 
 def score(checkpoint: str, overrides: list[str]) -> dict:
@@ -65,21 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = ROOT / cfg.run_dir  # an absolute run_dir stays absolute
     k = args.average or cfg.checkpoint.keep_last
     common = ["--config", args.config, *args.overrides]
-    times: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def stage(name: str):
-        began = time.perf_counter()
-        yield
-        times[name] = time.perf_counter() - began
-
-    start = time.perf_counter()
+    stage = Stages()
     with stage("tokenizer"):
-        tokenizer = ROOT / cfg.tokenizer.path
-        if tokenizer.exists():  # a resumed or re-scored run keeps the vocabulary it used
-            print(f"tokenizer {tokenizer} exists: kept")
-        else:
-            run(["tokenizer", "train", *common])
+        tokenizer_once(ROOT / cfg.tokenizer_path, common)
     with stage("train"):
         run(["train", *common])
     with stage("average"):
@@ -91,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             run(["average", str(run_dir), "--last", str(k), "--output", averaged])
     with stage("evaluate"):
         rows = [(f"average of last {k}, beam", score(averaged, []))]
-    times["total"] = time.perf_counter() - start
+    stage.done()
 
     if not args.no_ablation:  # outside the timed recipe: it answers what each part adds
         rows.append(("last checkpoint, beam", score(str(run_dir), [])))
@@ -99,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nMulti30k de->en, test_2016_flickr ({args.config}, {run_dir})\n")
     print("| stage | wall time |\n| --- | ---: |")
-    for name, seconds in times.items():
+    for name, seconds in stage.times.items():
         print(f"| {name} | {seconds / 60:.1f} min |")
     print(
         f"\n| model (beam {cfg.decode.beam}, alpha {cfg.decode.alpha}) "
@@ -114,9 +89,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except AiaynError as e:  # a bad config or override: named before any stage runs
-        sys.exit(f"multi30k: {e}")
-    except subprocess.CalledProcessError as e:  # the stage printed its own error above
-        sys.exit(f"multi30k: stopped, `aiayn {e.cmd[3]}` exited with {e.returncode}")
+    main_guard("multi30k", main)

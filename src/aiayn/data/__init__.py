@@ -3,7 +3,8 @@ or, without a cache, streamed sources tokenised as they are read. Positions are 
 resumable either way."""
 
 from aiayn.data.batch import Batch
-from aiayn.data.cache import TokenCache, ensure_cache
+from aiayn.data.cache import TokenCache
+from aiayn.data.cache_build import ensure_cache
 from aiayn.data.cached_loader import CachedLoader
 from aiayn.data.loader import BatchLoader, make_loader
 from aiayn.data.sources import Source, open_split, sample_sentences

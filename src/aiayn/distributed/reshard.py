@@ -29,7 +29,7 @@ from torch import nn
 from aiayn.checkpoint.format import MODEL_FILE
 from aiayn.errors import CheckpointError
 
-DEEPSPEED_DIR = "deepspeed"  # where every rank's `save_checkpoint` writes (engine.py)
+DEEPSPEED_DIR = "deepspeed"  # where every rank's `save_checkpoint` writes (deepspeed_engine.py)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
