@@ -61,6 +61,13 @@ def torchrun(nproc: int = 2) -> list[str]:
     ]
 
 
+def accelerate_launch(*options: str, nproc: int = 2) -> list[str]:
+    """`accelerate launch OPTIONS` for `nproc` processes on this machine."""
+    exe = str(Path(sys.executable).parent / "accelerate")
+    machine = ["--num_processes", str(nproc), "--num_machines", "1"]
+    return [exe, "launch", *options, *machine, "--main_process_port", str(free_port())]
+
+
 def run(cmd: list[str], timeout: int = 600) -> str:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

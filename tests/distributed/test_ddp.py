@@ -14,7 +14,16 @@ from aiayn.data import ensure_cache, make_loader
 from aiayn.tokenizer import Tokenizer
 
 from processes import logged, wait_until  # tests/processes.py
-from procs import ENV, aiayn, assert_close, final_weights, free_port, run, torchrun
+from procs import (
+    ENV,
+    accelerate_launch,
+    aiayn,
+    assert_close,
+    final_weights,
+    free_port,
+    run,
+    torchrun,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -86,20 +95,7 @@ def test_accelerate_launch_multi_process(setup, ddp_run):
     if not exe.exists() and shutil.which("accelerate") is None:
         pytest.skip("accelerate is not installed")
     run_dir = root / "accelerate"
-    run(
-        [
-            str(exe),
-            "launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--main_process_port",
-            str(free_port()),
-            *aiayn(config, run_dir),
-        ]
-    )
+    run(accelerate_launch("--multi_gpu") + aiayn(config, run_dir))
     assert_close(final_weights(run_dir), final_weights(ddp_run), atol=1e-6)
 
 

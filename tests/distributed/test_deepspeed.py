@@ -19,7 +19,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from processes import kill_tree, logged, wait_until  # tests/processes.py
-from procs import ENV, STEPS, aiayn, assert_close, final_weights, free_port, run, torchrun
+from procs import ENV, STEPS, accelerate_launch, aiayn, assert_close, final_weights, run, torchrun
 
 pytestmark = pytest.mark.distributed
 DS = ("distributed.backend=deepspeed",)
@@ -144,24 +144,8 @@ def test_killed_zero_run_resumes_bitwise(setup, stage):
 def test_accelerate_launch_use_deepspeed(setup, ddp_run):
     """accelerate's --use_deepspeed/--zero_stage reach the run config (distributed/launcher.py)."""
     root, config = setup
-    exe = Path(sys.executable).parent / "accelerate"
     run_dir = root / "accelerate_zero3"
-    out = run(
-        [
-            str(exe),
-            "launch",
-            "--use_deepspeed",
-            "--zero_stage",
-            "3",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--main_process_port",
-            str(free_port()),
-            *aiayn(config, run_dir),
-        ]
-    )
+    out = run(accelerate_launch("--use_deepspeed", "--zero_stage", "3") + aiayn(config, run_dir))
     assert "from accelerate launch: distributed.backend=deepspeed distributed.zero_stage=3" in out
     assert "backend deepspeed, ZeRO stage 3" in (run_dir / "train.log").read_text()
     assert_same_curve(run_dir, ddp_run, rtol=1e-4)
