@@ -14,7 +14,8 @@ NAME is tinyshakespeare or wikitext2. Stages, each the `aiayn` command a user wo
                 sliding window, in the units published figures use
 
 It then prints the wall time of each stage, the scores, the model's parameters and tokens/s,
-the validation curve (against minutes of training, from TensorBoard) and a sample.
+the validation curve (against minutes of training, from TensorBoard, not counting the time
+between the processes of a resumed run) and a sample.
 
 key=value overrides go to every stage (e.g. run_dir=runs/ts_try2 train.max_steps=1000).
 """
@@ -69,16 +70,28 @@ def split_tinyshakespeare(out: Path) -> None:
 
 
 def validation_curve(run_dir: Path, metric: str) -> list[tuple[float, int, float]]:
-    """(minutes since the first logged point, step, value) of valid/<metric> in TensorBoard."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """(minutes of training, step, value) of valid/<metric> in TensorBoard.
 
-    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
-    acc.Reload()
-    tags = acc.Tags()["scalars"]
-    if tag(metric) not in tags:
-        return []
-    start = min(e.wall_time for name in tags for e in acc.Scalars(name))
-    return [((e.wall_time - start) / 60, e.step, e.value) for e in acc.Scalars(tag(metric))]
+    Minutes count each process's time from its writer's start: a run stopped and resumed
+    does not count the time between its processes (work repeated after a crash does count)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util.tensor_util import make_ndarray
+
+    points, spent = [], 0.0
+    # One file per writer, named by its start time (seconds, ten digits until 2286).
+    for path in sorted((run_dir / "tb").glob("events.out.tfevents.*")):
+        events = list(EventFileLoader(str(path)).Load())
+        if not events:
+            continue
+        start = events[0].wall_time  # the file's header, written when the process opened it
+        for e in events:
+            points += [
+                ((spent + e.wall_time - start) / 60, e.step, float(make_ndarray(v.tensor)))
+                for v in e.summary.value
+                if v.tag == tag(metric)
+            ]
+        spent += events[-1].wall_time - start
+    return points
 
 
 def main(argv: list[str] | None = None) -> int:

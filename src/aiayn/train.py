@@ -7,7 +7,6 @@ text -> tokenizer -> BatchLoader -> model -> loss -> engine (backward, clip, opt
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -23,6 +22,7 @@ from aiayn.config import Config
 from aiayn.data import (
     BatchLoader,
     CachedLoader,
+    StepBatches,
     TokenCache,
     ensure_cache,
     make_loader,
@@ -198,33 +198,29 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
 
 
 def _loop(run: Run) -> dict[str, float]:
-    # Closing the batch iterator stops the loader's read-ahead thread before the process ends.
-    with contextlib.closing(iter(run.loader)) as batches:
-        return _train_until_done(run, batches)
+    cfg = run.cfg
+    with StepBatches(run.loader, cfg.train.grad_accum, cfg.train.max_epochs) as steps:
+        return _train_until_done(run, steps)
 
 
-def _train_until_done(run: Run, batches) -> dict[str, float]:
+def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
     cfg, engine, loader, progress = run.cfg, run.engine, run.loader, run.progress
     validation = Validation(cfg, run.tok, run.env) if cfg.data.valid else None
     bar = ProgressBar(cfg.train.max_steps, progress.step, run.env.is_main)
     window, last_eval = Window(), {}
     saved_step, epoch = progress.step, loader.epoch
     while progress.step < cfg.train.max_steps:
-        # Where the step starts: a step the epoch limit refuses gives its batches back to it.
-        before = loader.state_dict() if cfg.train.max_epochs is not None else None
         waited = time.perf_counter()
-        fetched = [(next(batches), loader.epoch) for _ in range(cfg.train.grad_accum)]
+        fetched = steps.next()
         micro = [batch for batch, _ in fetched]
         window.data_seconds += time.perf_counter() - waited
         if loader.epoch != epoch:
             _log_data(loader, f"epoch {epoch} done")
             epoch = loader.epoch
-        if cfg.train.max_epochs is not None:
-            # Ranks cross an epoch boundary at different batches: stop together, when any has.
-            if run.env.sum([float(epoch >= cfg.train.max_epochs)])[0] > 0:
-                # Unconsumed: a resume with a larger max_epochs must train on these batches.
-                loader.load_state_dict(before)
-                break
+        # Stop together when any rank's step reached the limit (data/steps.py).
+        if steps.limited and run.env.sum([float(steps.past_limit())])[0] > 0:
+            steps.give_back()
+            break
         if cfg.logging.record_ids:
             _record_ids(run, fetched)
         grad_norm, stop_now = _train_step(run, micro, window)

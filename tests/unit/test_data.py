@@ -16,7 +16,7 @@ import torch
 from batch_checks import check_pair_rows, lines, roundtrip, same, take
 
 from aiayn.config import DataConfig
-from aiayn.data import Batch, BatchLoader, open_split, sample_sentences
+from aiayn.data import Batch, BatchLoader, StepBatches, open_split, sample_sentences
 from aiayn.demo_data import write_classify
 from aiayn.errors import DataError
 from aiayn.tokenizer import EOS_ID, PAD_ID
@@ -416,3 +416,26 @@ def test_sentence_sample_is_bounded_deterministic_and_has_both_sides(corpus):
     en, de = set(lines(corpus / "train.en")), set(lines(corpus / "train.de"))
     assert set(a) <= en | de and set(a) & en and set(a) & de
     assert len(sample_sentences(cfg, "seq2seq", 10_000, seed=1)) == 600
+
+
+def test_a_step_refused_at_the_epoch_limit_gives_its_batches_back(corpus, tok):
+    cfg = s2s_cfg(corpus / "train")
+    ref = take(iter(loader(cfg, tok, seed=5)), 200)
+    ld = loader(cfg, tok, seed=5)
+    with StepBatches(ld, per_step=3, max_epochs=1) as steps:
+        trained = []
+        while not steps.past_limit():
+            fetched = steps.next()
+            trained += [b for b, _ in fetched]
+        refused_epochs = [e for _, e in fetched]
+        steps.give_back()
+    trained = trained[:-3]
+    assert refused_epochs[-1] == 1 and len(trained) % 3 == 0
+    assert all(same(x, y) for x, y in zip(trained, ref, strict=False))
+    # The loader continues with the refused step's batches, the first of them from epoch 0
+    # unless the epoch's batches divide into steps.
+    resumed = loader(cfg, tok, seed=5)
+    resumed.load_state_dict(roundtrip(ld.state_dict()))
+    assert resumed.epoch == 0
+    got = take(iter(resumed), 6)
+    assert all(same(x, y) for x, y in zip(got, ref[len(trained) : len(trained) + 6], strict=True))

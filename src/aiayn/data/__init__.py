@@ -8,12 +8,14 @@ from aiayn.data.cache_build import ensure_cache
 from aiayn.data.cached_loader import CachedLoader
 from aiayn.data.loader import BatchLoader, make_loader
 from aiayn.data.sources import Source, open_split, sample_sentences
+from aiayn.data.steps import StepBatches
 
 __all__ = [
     "Batch",
     "BatchLoader",
     "CachedLoader",
     "Source",
+    "StepBatches",
     "TokenCache",
     "ensure_cache",
     "make_loader",
