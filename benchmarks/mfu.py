@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 rows: what a user would enable
-    dtype = matmul_dtype(device, args.precision)
+    dtype = matmul_dtype(args.precision)
     measured = measure_matmul_peak(device, dtype)
     # A data sheet's figure where there is one; else what was just measured (one measurement:
     # two would differ by the machine's noise).

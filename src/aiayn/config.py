@@ -250,6 +250,10 @@ class ScheduleConfig(Section):
     """Multiplier on the noam rate (the paper uses 1)."""
     lr: float = bounded(1e-4, low=0, low_open=True)
     """Learning rate of the constant schedule."""
+    cooldown: int = bounded(0, low=0)
+    """The last this many optimizer steps before train.max_steps scale the rate down linearly
+    to 0 (0: none, the paper's schedule to the end). For a run whose length is fixed in
+    advance: a rate that falls to zero ends lower than one cut off while still high."""
 
 
 @dataclass
@@ -283,10 +287,11 @@ class TrainConfig(Section):
     data.max_len / s)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto picks CUDA when present."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
     """bf16 and fp16 run the forward pass under autocast; weights and optimizer stay fp32.
     fp16 adds dynamic loss scaling (a step whose gradients overflow is skipped); it is meant
-    for GPUs without bf16."""
+    for GPUs without bf16. auto: bf16 where the device multiplies bf16 natively (a GPU with
+    bf16; a CPU with AVX512-BF16 or AMX, where it ran 1.5x fp32), else fp32 (precision.py)."""
     threads: int | None = None
     """torch intra-op threads on CPU (None: torch's default)."""
     malloc: Literal["keep", "system"] = "keep"
@@ -461,6 +466,11 @@ class Config:
                 "train.compile is for distributed.backend ddp (and one process): DeepSpeed's "
                 "hooks gather and reduce inside the layers torch.compile would trace; set "
                 "train.compile=false or distributed.backend=ddp"
+            )
+        if self.schedule.cooldown > self.train.max_steps:
+            errs.append(
+                f"schedule.cooldown ({self.schedule.cooldown}) must be at most train.max_steps "
+                f"({self.train.max_steps}): the rate falls over the run's last steps"
             )
         stride = self.train.eval_stride
         if stride is not None and stride > self.data.max_len:

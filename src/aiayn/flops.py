@@ -96,10 +96,11 @@ def measure_matmul_peak(
     return 2 * n**3 / best
 
 
-def matmul_dtype(device: torch.device, precision: str) -> torch.dtype:
-    """The dtype whose matrix multiply bounds a run: bf16 on a GPU in bf16, else fp32 (on a CPU
-    bf16 matmul is emulated and many times slower than fp32: fp32 is its ceiling)."""
-    return torch.bfloat16 if precision == "bf16" and device.type == "cuda" else torch.float32
+def matmul_dtype(precision: str) -> torch.dtype:
+    """The dtype whose matrix multiply bounds a run: bf16 in bf16, else fp32. A CPU without
+    native bf16 emulates it, and its bf16 peak is then below fp32's; precision=auto does not
+    choose bf16 there (precision.py)."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 def datasheet_peak(device: torch.device, precision: str) -> float | None:
@@ -126,4 +127,4 @@ def device_peak_flops(device: torch.device, precision: str, configured: float | 
     sheet = datasheet_peak(device, precision)
     if sheet is not None:
         return sheet
-    return measure_matmul_peak(device, matmul_dtype(device, precision))
+    return measure_matmul_peak(device, matmul_dtype(precision))

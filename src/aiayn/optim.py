@@ -34,9 +34,9 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
 
 def paper_schedule(optimizer: torch.optim.Optimizer, cfg: Config) -> LambdaLR:
     """The warmup schedule of §5.3 as a factor on lr=1.0, stepped once per optimizer step."""
-    sched, d_model = cfg.schedule, cfg.model.d_model
+    sched, d_model, max_steps = cfg.schedule, cfg.model.d_model, cfg.train.max_steps
     # LambdaLR's counter starts at 0 and the paper counts steps from 1.
-    return LambdaLR(optimizer, lambda k: learning_rate(k + 1, sched, d_model))
+    return LambdaLR(optimizer, lambda k: learning_rate(k + 1, sched, d_model, max_steps))
 
 
 def clip_gradients(params, clip_norm: float) -> torch.Tensor:

@@ -7,6 +7,7 @@ text -> tokenizer -> BatchLoader -> model -> loss -> engine (backward, clip, opt
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -37,6 +38,7 @@ from aiayn.loss import batch_loss
 from aiayn.malloc import keep_freed_memory
 from aiayn.metrics import Metrics, ProgressBar, memory_bytes, setup_logging
 from aiayn.model import build_model, count_parameters
+from aiayn.precision import resolve_precision
 from aiayn.preemption import REQUEUE_EXIT_CODE, Preempted, StopFlag
 from aiayn.seeding import seed_everything
 from aiayn.tokenizer import Tokenizer, train_tokenizer
@@ -147,6 +149,9 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
     env = setup(cfg.train.device)
     run_dir = Path(cfg.run_dir)
     setup_logging(run_dir, env.rank)
+    # From here on the run's precision is fp32, bf16 or fp16, and config.yaml records which.
+    precision = resolve_precision(cfg.train.precision, env.device)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if env.device.type == "cpu" and cfg.train.malloc == "keep":

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -14,6 +15,7 @@ from aiayn import demo_data
 from aiayn.config import load_config
 from aiayn.errors import CheckpointError, TrainingError
 from aiayn.evaluate import evaluate
+from aiayn.precision import resolve_precision
 from aiayn.train import train
 
 
@@ -302,3 +304,12 @@ def test_bf16_autocast_trains(tmp_path, numbers):
     )
     result = train(cfg)
     assert 0 < result["loss"] < 10
+
+
+def test_precision_auto_runs_and_records_what_it_chose(tmp_path, numbers):
+    cfg = numbers_config(tmp_path / "run", numbers, "train.max_steps=2", "train.precision=auto")
+    train(cfg)
+    chosen = resolve_precision("auto", torch.device("cpu"))
+    assert chosen in ("fp32", "bf16")
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["train"]["precision"] == chosen

@@ -1,0 +1,56 @@
+"""The precision a run computes in: `train.precision=auto` resolved against the device.
+
+bf16 autocast pays only where the hardware multiplies bf16 natively. On a CPU that decides it:
+with AVX512-BF16 (AMD Zen 4, Intel Cooper Lake) or AMX (Intel Sapphire Rapids) oneDNN's bf16
+matmul ran 2.3x fp32 here; without them it is emulated, about 5x *slower* than fp32
+(benchmarks/README.md, "Measurements behind defaults"). The choice reads the CPU's flags, not
+a timing, so that every rank of a run on identical machines decides the same.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("aiayn")
+
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The first processor's feature flags (Linux); empty where /proc/cpuinfo is not there."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def native_bf16(device: torch.device, flags: set[str] | None = None) -> bool:
+    """True where bf16 matrix multiplies run in hardware: a CUDA GPU that supports bf16, or a
+    CPU with one of CPU_BF16_FLAGS."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return any(f in (cpu_flags() if flags is None else flags) for f in CPU_BF16_FLAGS)
+    return False
+
+
+def resolve_precision(precision: str, device: torch.device, flags: set[str] | None = None) -> str:
+    """`precision`, with auto replaced by bf16 where the device has native bf16, else fp32."""
+    if precision != "auto":
+        return precision
+    chosen = "bf16" if native_bf16(device, flags) else "fp32"
+    log.info(
+        "train.precision=auto: %s on %s (%s)",
+        chosen,
+        device,
+        "native bf16" if chosen == "bf16" else "no native bf16: bf16 would be slower",
+    )
+    return chosen

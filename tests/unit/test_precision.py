@@ -1,0 +1,38 @@
+import torch
+
+from aiayn.flops import matmul_dtype
+from aiayn.precision import cpu_flags, native_bf16, resolve_precision
+
+CPU = torch.device("cpu")
+
+
+def test_cpu_flags_reads_the_first_processors_flags(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\n"
+        "processor\t: 1\nflags\t\t: fpu\n"
+    )
+    assert cpu_flags(info) == {"fpu", "avx2", "avx512f", "avx512_bf16"}
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
+    assert cpu_flags(arm) == {"fp", "asimd", "bf16"}
+    assert cpu_flags(tmp_path / "missing") == set()
+
+
+def test_auto_is_bf16_only_on_a_cpu_with_native_bf16():
+    assert resolve_precision("auto", CPU, {"avx512f", "avx512_bf16"}) == "bf16"
+    assert resolve_precision("auto", CPU, {"amx_tile", "amx_bf16"}) == "bf16"
+    # AVX-512 without its BF16 extension emulates bf16, slower than fp32.
+    assert resolve_precision("auto", CPU, {"avx512f", "avx512bw", "avx2"}) == "fp32"
+    assert not native_bf16(CPU, set())
+
+
+def test_a_named_precision_is_kept_whatever_the_device():
+    for precision in ("fp32", "bf16", "fp16"):
+        assert resolve_precision(precision, CPU, set()) == precision
+        assert resolve_precision(precision, CPU, {"avx512_bf16"}) == precision
+
+
+def test_mfu_counts_a_bf16_run_against_the_bf16_matmul():
+    assert matmul_dtype("bf16") == torch.bfloat16
+    assert matmul_dtype("fp32") == torch.float32
