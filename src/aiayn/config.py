@@ -253,7 +253,8 @@ class ScheduleConfig(Section):
     cooldown: int = bounded(0, low=0)
     """The last this many optimizer steps before train.max_steps scale the rate down linearly
     to 0 (0: none, the paper's schedule to the end). For a run whose length is fixed in
-    advance: a rate that falls to zero ends lower than one cut off while still high."""
+    advance: a rate that falls to zero ends lower than one cut off while still high. Counted
+    from max_steps: a run that train.max_epochs stops first ends before it."""
 
 
 @dataclass
