@@ -29,7 +29,7 @@ from _common import (
 )
 from throughput import synthetic_batches
 
-from aiayn.flops import measure_matmul_peak
+from aiayn.flops import matmul_dtype, measure_matmul_peak
 from aiayn.precision import CPU_BF16_FLAGS, cpu_flags, resolve_precision
 
 PRECISIONS = ("fp32", "bf16")
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         f"bf16 flags: {', '.join(flags) or 'none'}; train.precision=auto chooses "
         f"{resolve_precision('auto', cpu)}"
     )
-    peaks = {name: measure_matmul_peak(cpu, dtype) for name, dtype in PEAK_DTYPES.items()}
+    peaks = {p: measure_matmul_peak(cpu, matmul_dtype(p)) for p in PRECISIONS}
     print(
         "matmul peak (2048^3): "
         + ", ".join(f"{n} {v / 1e9:.0f} GFLOP/s" for n, v in peaks.items())
@@ -89,7 +89,6 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown_table(HEADER, rows))
 
 
-PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HEADER = ["preset", "precision", "target tokens/s (median)", "min - max", "vs fp32"]
 
 if __name__ == "__main__":

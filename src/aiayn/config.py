@@ -292,7 +292,7 @@ class TrainConfig(Section):
     """bf16 and fp16 run the forward pass under autocast; weights and optimizer stay fp32.
     fp16 adds dynamic loss scaling (a step whose gradients overflow is skipped); it is meant
     for GPUs without bf16. auto: bf16 where the device multiplies bf16 natively (a GPU with
-    bf16; a CPU with AVX512-BF16 or AMX, where it ran 1.5x fp32), else fp32 (precision.py)."""
+    bf16; a CPU with AVX512-BF16 or AMX), else fp32 (precision.py)."""
     threads: int | None = None
     """torch intra-op threads on CPU (None: torch's default)."""
     malloc: Literal["keep", "system"] = "keep"

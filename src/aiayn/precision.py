@@ -2,8 +2,8 @@
 
 bf16 autocast pays only where the hardware multiplies bf16 natively. On a CPU that decides it:
 with AVX512-BF16 (AMD Zen 4, Intel Cooper Lake) or AMX (Intel Sapphire Rapids) oneDNN's bf16
-matmul ran 2.3x fp32 on an EPYC with AVX512-BF16; without them it is emulated, and ran about 5x
-*slower* than fp32 on an Intel AVX-512 CPU without BF16 (benchmarks/README.md, cpu_precision.py).
+matmul runs faster than fp32; without them it is emulated, and runs several times slower
+(measured in benchmarks/README.md, cpu_precision.py and "Measurements behind defaults").
 The choice reads the CPU's flags, not a timing, so that every rank of a run on identical
 machines decides the same.
 """
