@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
 import numpy as np
 import torch
+
+log = logging.getLogger("aiayn")
 
 
 def seed_everything(seed: int) -> None:
@@ -24,7 +27,9 @@ def rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This rank's generator only: under torchrun each rank sees every GPU of its node but
+        # draws from one, and a resume may see another number of them (srun --gpus-per-task).
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -35,4 +40,22 @@ def load_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        _load_cuda_rng_state(state["cuda"])
+
+
+def _load_cuda_rng_state(saved: torch.Tensor | list[torch.Tensor]) -> None:
+    """Restore this rank's CUDA generator. Checkpoints written before it saved one generator
+    hold a list, one state per GPU the rank saw, in device order: this rank drew from the
+    entry of its own device index."""
+    device = torch.cuda.current_device()
+    if isinstance(saved, torch.Tensor):
+        torch.cuda.set_rng_state(saved, device)
+    elif device < len(saved):
+        torch.cuda.set_rng_state(saved[device], device)
+    else:
+        log.warning(
+            "the checkpoint holds CUDA RNG states for %d devices, none for cuda:%d: its "
+            "generator keeps the run's seed, so dropout masks differ from the saved run's",
+            len(saved),
+            device,
+        )
