@@ -1,7 +1,10 @@
+import pytest
 import torch
 
 from aiayn.flops import matmul_dtype
 from aiayn.precision import cpu_flags, native_bf16, resolve_precision
+
+from fake_cuda import FakeCuda
 
 CPU = torch.device("cpu")
 
@@ -36,3 +39,19 @@ def test_a_named_precision_is_kept_whatever_the_device():
 def test_mfu_counts_a_bf16_run_against_the_bf16_matmul():
     assert matmul_dtype("bf16") == torch.bfloat16
     assert matmul_dtype("fp32") == torch.float32
+
+
+@pytest.mark.parametrize(
+    "name, cc, chosen",
+    [
+        ("NVIDIA H100 80GB HBM3", (9, 0), "bf16"),
+        ("NVIDIA A100-SXM4-80GB", (8, 0), "bf16"),
+        # bf16 is emulated below compute capability 8: fp16 tensor cores with loss scaling.
+        ("Tesla V100-SXM2-16GB", (7, 0), "fp16"),
+        ("Tesla T4", (7, 5), "fp16"),
+        ("Tesla P100-PCIE-16GB", (6, 0), "fp32"),  # no tensor cores
+    ],
+)
+def test_auto_on_a_gpu_picks_bf16_only_where_it_is_native(monkeypatch, name, cc, chosen):
+    FakeCuda(monkeypatch, count=1, name=name, cc=cc)
+    assert resolve_precision("auto", torch.device("cuda", 0)) == chosen
