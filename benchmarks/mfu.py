@@ -10,10 +10,11 @@ made as throughput.py makes them. Warm-up steps (which compile, for train.compil
 excluded; the table gives the median, min and max over repeats of target tokens/s and MFU.
 
 MFU counts the matrix multiplies that aiayn executes (aiayn.flops.training_flops: padded
-shapes, the output projection on non-pad targets only) against the device's dense peak: the
-vendor's data sheet for bf16 on a known GPU (989 TFLOP/s for an H100 or H200 SXM), else a
-matrix multiply measured here. The measured peak is printed too, so the table also gives the
-fraction of what this device's matmul reaches.
+shapes, the output projection on non-pad targets only) against the device's dense peak in the
+run's arithmetic, as the trainer's train/mfu does (aiayn.flops.datasheet_peak): the vendor's
+data sheet on a known GPU (bf16 989 TFLOP/s, TF32 for fp32 495 TFLOP/s on an H100 or H200
+SXM), else a matrix multiply measured here. The measured peak is printed too, so the table
+also gives the fraction of what this device's matmul reaches.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from _common import AiaynTrainer, fmt, machine, markdown_table, run_config, summ
 from throughput import synthetic_batches
 
 from aiayn.flops import datasheet_peak, matmul_dtype, measure_matmul_peak, training_flops
+from aiayn.torch_runtime import use_tf32
 
 
 def sync(device: torch.device) -> None:
@@ -98,8 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("no CUDA device is visible; --device cpu runs the same steps on the CPU")
     device = torch.device(args.device)
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 rows: what a user would enable
-    dtype = matmul_dtype(args.precision)
+        use_tf32(True)  # as the trainer does by default (train.tf32): fp32 rows in TF32
+    dtype = matmul_dtype(args.precision, device.type)
     measured = measure_matmul_peak(device, dtype)
     # A data sheet's figure where there is one; else what was just measured (one measurement:
     # two would differ by the machine's noise).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -12,26 +13,58 @@ from aiayn.data.batch import Batch
 
 log = logging.getLogger("aiayn")
 
-# Dense bf16 tensor-core peaks from the vendors' data sheets (FLOP/s: half their "with
-# sparsity" figures), by a fragment of torch.cuda.get_device_name. The longest matching
-# fragment wins: "NVIDIA H100 PCIe" is not an SXM H100, "NVIDIA L40" is not an L4.
-GPU_BF16_PEAK = {
-    "H100 PCIe": 756e12,
-    "H100 NVL": 835e12,
-    "H200 NVL": 835e12,
-    "H100": 989e12,  # SXM ("NVIDIA H100 80GB HBM3")
-    "H200": 989e12,  # SXM
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L40": 181e12,
-    "L4": 121e12,
+
+# Dense peaks from the vendors' data sheets (TFLOP/s; tensor-core figures are half the "with
+# sparsity" ones), by a fragment of the device name, and the SM count of the whole GPU. The
+# longest matching fragment wins: "NVIDIA H100 PCIe" is not an SXM H100, "NVIDIA L40" is not
+# an L4, "NVIDIA A10" is not an A100. None: the GPU has no such unit (bf16 and TF32 came with
+# Ampere).
+@dataclass(frozen=True)
+class GpuPeaks:
+    bf16: float | None
+    fp16: float
+    tf32: float | None
+    fp32: float  # no tensor cores
+    sms: int
+
+
+GPU_PEAKS = {
+    "H100 PCIe": GpuPeaks(756, 756, 378, 51.2, 114),
+    "H100 NVL": GpuPeaks(835, 835, 417.5, 60, 132),
+    "H200 NVL": GpuPeaks(835, 835, 417.5, 60, 132),
+    "H100": GpuPeaks(989.4, 989.4, 494.7, 66.9, 132),  # SXM ("NVIDIA H100 80GB HBM3")
+    "H200": GpuPeaks(989.4, 989.4, 494.7, 66.9, 132),  # SXM
+    "A100": GpuPeaks(312, 312, 156, 19.5, 108),
+    "A10": GpuPeaks(125, 125, 62.5, 31.2, 72),
+    "L40S": GpuPeaks(362, 362, 183, 91.6, 142),
+    "L40": GpuPeaks(181, 181, 90.5, 90.5, 142),
+    "L4": GpuPeaks(121, 121, 60, 30.3, 58),
+    "V100-PCIE": GpuPeaks(None, 112, None, 14, 80),
+    "V100": GpuPeaks(None, 125, None, 15.7, 80),  # SXM2
+    "T4": GpuPeaks(None, 65, None, 8.1, 40),
 }
 
 
-def datasheet_bf16_peak(device_name: str) -> float | None:
-    """The data-sheet dense bf16 peak of a GPU named `device_name`, or None if not known."""
-    matches = [fragment for fragment in GPU_BF16_PEAK if fragment in device_name]
-    return GPU_BF16_PEAK[max(matches, key=len)] if matches else None
+def matmul_math(precision: str, device_type: str, tf32: bool = True) -> str:
+    """The arithmetic a run's matrix multiplies use: bf16, fp16, tf32 or fp32. On CPU fp16
+    counts as fp32 (its peak is measured in fp32, as before)."""
+    if precision in ("bf16", "fp16") and (precision == "bf16" or device_type == "cuda"):
+        return precision
+    return "tf32" if device_type == "cuda" and tf32 else "fp32"
+
+
+def datasheet_gpu_peak(device_name: str, math: str, sms: int | None = None) -> float | None:
+    """The data-sheet dense peak (FLOP/s) of `math` on a GPU named `device_name`, or None if
+    not known. `sms`: the SMs the device reports; a MIG slice, or a part with fewer SMs than the
+    table's, gets that fraction of the whole GPU's peak."""
+    matches = [fragment for fragment in GPU_PEAKS if fragment in device_name]
+    if not matches:
+        return None
+    row = GPU_PEAKS[max(matches, key=len)]
+    peak = getattr(row, math)
+    if peak is None:
+        return None
+    return peak * 1e12 * (min(sms, row.sms) / row.sms if sms else 1.0)
 
 
 def training_flops(cfg: ModelConfig, vocab_size: int, batch: Batch) -> int:
@@ -96,35 +129,41 @@ def measure_matmul_peak(
     return 2 * n**3 / best
 
 
-def matmul_dtype(precision: str) -> torch.dtype:
-    """The dtype whose matrix multiply bounds a run: bf16 in bf16, else fp32. A CPU without
-    native bf16 emulates it, and its bf16 peak is then below fp32's; precision=auto does not
-    choose bf16 there (precision.py)."""
-    return torch.bfloat16 if precision == "bf16" else torch.float32
+def matmul_dtype(precision: str, device_type: str = "cpu") -> torch.dtype:
+    """The dtype whose matrix multiply bounds a run: bf16 in bf16, fp16 in fp16 on a GPU, else
+    fp32. A CPU without native bf16 emulates it, and its bf16 peak is then below fp32's;
+    precision=auto does not choose bf16 there (precision.py)."""
+    math = matmul_math(precision, device_type)
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(math, torch.float32)
 
 
-def datasheet_peak(device: torch.device, precision: str) -> float | None:
-    """A known GPU's dense bf16 peak from its data sheet (FLOP/s) for a bf16 run; else None."""
-    if device.type != "cuda" or precision != "bf16":
+def datasheet_peak(device: torch.device, precision: str, tf32: bool = True) -> float | None:
+    """A known GPU's data-sheet peak (FLOP/s) in the arithmetic a `precision` run multiplies
+    in (TF32 for fp32 where `tf32`, train.tf32), scaled to the SMs it has; None on CPU."""
+    if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    peak = datasheet_bf16_peak(name)
+    props = torch.cuda.get_device_properties(device)
+    math = matmul_math(precision, device.type, tf32)
+    peak = datasheet_gpu_peak(props.name, math, props.multi_processor_count)
     if peak is not None:
         return peak
     log.warning(
-        "no data-sheet peak for %s: MFU uses a measured matmul peak; set "
+        "no data-sheet %s peak for %s: MFU uses a measured matmul peak; set "
         "logging.peak_tflops to the data sheet's figure",
-        name,
+        math,
+        props.name,
     )
     return None
 
 
-def device_peak_flops(device: torch.device, precision: str, configured: float | None) -> float:
+def device_peak_flops(
+    device: torch.device, precision: str, configured: float | None, tf32: bool = True
+) -> float:
     """FLOP/s that MFU is measured against: the configured figure, a GPU's data sheet, or (on
     CPU, or an unknown GPU) a matrix multiply measured now."""
     if configured:
         return configured * 1e12
-    sheet = datasheet_peak(device, precision)
+    sheet = datasheet_peak(device, precision, tf32)
     if sheet is not None:
         return sheet
-    return measure_matmul_peak(device, matmul_dtype(precision))
+    return measure_matmul_peak(device, matmul_dtype(precision, device.type))

@@ -66,6 +66,19 @@ def memory_bytes(device: torch.device) -> float:
         return float(peak if sys.platform == "darwin" else peak * 1024)
 
 
+def cuda_memory(device: torch.device) -> dict[str, float]:
+    """On a GPU, what the caching allocator holds beside what tensors use: memory reserved
+    now, and how often an allocation found no free block, flushed the cache and retried (each
+    retry a synchronising cudaFree; a count that grows means fragmentation). Empty on CPU."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "memory_reserved_gib": stats.get("reserved_bytes.all.current", 0) / 2**30,
+        "alloc_retries": float(stats.get("num_alloc_retries", 0)),
+    }
+
+
 class Metrics:
     """Scalars, text and hparams to the console and TensorBoard (`run_dir/tb`), rank 0 only.
 

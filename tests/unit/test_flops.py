@@ -9,7 +9,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from aiayn.config import load_config
 from aiayn.flops import (
-    datasheet_bf16_peak,
+    datasheet_gpu_peak,
+    datasheet_peak,
     device_peak_flops,
     measure_matmul_peak,
     training_flops,
@@ -18,6 +19,7 @@ from aiayn.loss import batch_loss
 from aiayn.model import build_model
 
 from batches import padded_batch
+from fake_cuda import FakeCuda
 
 VOCAB = 50
 
@@ -40,19 +42,51 @@ def test_training_flops_is_what_torch_counts_in_a_forward_and_backward(kind):
 @pytest.mark.parametrize(
     "name, peak",
     [
-        ("NVIDIA H100 80GB HBM3", 989e12),
-        ("NVIDIA H200", 989e12),
+        ("NVIDIA H100 80GB HBM3", 989.4e12),
+        ("NVIDIA H200", 989.4e12),
         ("NVIDIA H100 PCIe", 756e12),  # not the SXM part's 989
         ("NVIDIA H100 NVL", 835e12),
         ("NVIDIA A100-SXM4-80GB", 312e12),
         ("NVIDIA L40S", 362e12),
         ("NVIDIA L40", 181e12),  # not the L4's 121
         ("NVIDIA L4", 121e12),
+        ("NVIDIA A10", 125e12),  # not an A100
+        ("Tesla V100-SXM2-16GB", None),  # no bf16 units
         ("NVIDIA GeForce RTX 4090", None),  # unknown: MFU falls back to a measured peak
     ],
 )
 def test_the_data_sheet_peak_is_the_named_gpus_own(name, peak):
-    assert datasheet_bf16_peak(name) == peak
+    assert datasheet_gpu_peak(name, "bf16") == (None if peak is None else pytest.approx(peak))
+
+
+@pytest.mark.parametrize(
+    "precision, tf32, peak",
+    [
+        ("bf16", True, 989.4e12),
+        ("fp16", True, 989.4e12),
+        ("fp32", True, 494.7e12),  # TF32 tensor cores (train.tf32, the default)
+        ("fp32", False, 66.9e12),  # fp32 units only
+    ],
+)
+def test_mfu_on_a_gpu_counts_against_the_peak_of_the_runs_arithmetic(
+    monkeypatch, precision, tf32, peak
+):
+    FakeCuda(monkeypatch, count=1, name="NVIDIA H100 80GB HBM3", sms=132)
+    h100 = torch.device("cuda", 0)
+    assert device_peak_flops(h100, precision, None, tf32=tf32) == pytest.approx(peak)
+
+
+def test_a_mig_slice_gets_its_share_of_the_gpus_peak(monkeypatch):
+    FakeCuda(monkeypatch, count=1, name="NVIDIA H100 80GB HBM3 MIG 1g.10gb", sms=16)
+    assert datasheet_peak(torch.device("cuda", 0), "bf16") == pytest.approx(989.4e12 * 16 / 132)
+    FakeCuda(monkeypatch, count=1, name="NVIDIA A100-SXM4-40GB MIG 3g.20gb", sms=42)
+    assert datasheet_peak(torch.device("cuda", 0), "fp32") == pytest.approx(156e12 * 42 / 108)
+
+
+def test_a_v100_is_measured_against_its_fp16_tensor_cores(monkeypatch):
+    FakeCuda(monkeypatch, count=1, name="Tesla V100-SXM2-16GB", sms=80, cc=(7, 0))
+    assert datasheet_peak(torch.device("cuda", 0), "fp16") == pytest.approx(125e12)
+    assert datasheet_peak(torch.device("cuda", 0), "fp32") is None  # no TF32: measured
 
 
 def test_the_matmul_peak_leaves_the_global_random_stream_alone():
