@@ -151,7 +151,8 @@ def cmd_data(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     cfg.data.cache = True
-    env = setup("cpu")  # tokenising needs no accelerator; gloo joins the ranks
+    # Tokenising needs no accelerator; gloo joins the ranks.
+    env = setup("cpu", cfg.distributed.setup_timeout_minutes)
     try:
         setup_logging(None, env.rank)
         started = time.perf_counter()

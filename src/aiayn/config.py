@@ -292,7 +292,8 @@ class TrainConfig(Section):
     """bf16 and fp16 run the forward pass under autocast; weights and optimizer stay fp32.
     fp16 adds dynamic loss scaling (a step whose gradients overflow is skipped); it is meant
     for GPUs without bf16. auto: bf16 where the device multiplies bf16 natively (a GPU with
-    bf16; a CPU with AVX512-BF16 or AMX), else fp32 (precision.py)."""
+    bf16; a CPU with AVX512-BF16 or AMX), else fp16 on a GPU with fp16 tensor cores (V100,
+    T4), else fp32 (precision.py)."""
     threads: int | None = None
     """torch intra-op threads on CPU (None: torch's default)."""
     malloc: Literal["keep", "system"] = "keep"
@@ -305,6 +306,16 @@ class TrainConfig(Section):
     residuals, dropout and activations. For GPUs: on a 2-core CPU it was slower
     (benchmarks/README.md). The first steps compile for a minute or more, and a new batch shape
     recompiles once before torch marks the shapes dynamic."""
+    tf32: bool = True
+    """On CUDA, fp32 matrix multiplies (precision fp32, and the fp32 parts of bf16 and fp16
+    runs) use TF32 tensor cores: 10 mantissa bits in the products, fp32 sums, several times
+    fp32's throughput (torch_runtime.py). No effect on CPU."""
+    deterministic: bool = False
+    """Make GPU kernels deterministic, so that a resumed run repeats the killed one bit for bit
+    on the same GPUs: torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, Inductor's
+    deterministic mode, no cuDNN attention. Costs speed (README, "GPU"); an operation without a
+    deterministic kernel stops the run with torch's error naming it. On CPU the kernels
+    already are: a run with the same settings on the same machine repeats without it."""
 
 
 @dataclass
@@ -323,6 +334,13 @@ class DistributedConfig(Section):
     deepspeed_config: str | None = None
     """A JSON file of extra DeepSpeed keys (e.g. configs/deepspeed/*.json) merged into the
     config generated from this one; a key that contradicts the generated value is an error."""
+    setup_timeout_minutes: float = bounded(120.0, low=0, low_open=True)
+    """How long a collective may wait until set-up is done (tokenizer training on rank 0,
+    building the token cache, building the model, restoring a checkpoint). Longer than
+    training's: rank 0 trains the tokenizer of a WMT-size corpus while the others wait."""
+    timeout_minutes: float = bounded(10.0, low=0, low_open=True)
+    """How long a collective may wait once set-up is done: after a rank died or hung, the
+    others stop with an error this long after, instead of holding their GPUs."""
 
     def validate(self) -> list[str]:
         errs = []

@@ -30,18 +30,19 @@ from aiayn.data import (
     sample_sentences,
 )
 from aiayn.distributed.engine import Engine, build_engine
-from aiayn.distributed.env import DistEnv, setup, teardown
+from aiayn.distributed.env import DistEnv, setup, teardown, use_timeout
 from aiayn.errors import TrainingError
 from aiayn.evaluate import Validation
 from aiayn.flops import device_peak_flops, training_flops
 from aiayn.loss import batch_loss
 from aiayn.malloc import keep_freed_memory
-from aiayn.metrics import Metrics, ProgressBar, memory_bytes, setup_logging
+from aiayn.metrics import Metrics, ProgressBar, cuda_memory, memory_bytes, setup_logging
 from aiayn.model import build_model, count_parameters
 from aiayn.precision import resolve_precision
 from aiayn.preemption import REQUEUE_EXIT_CODE, Preempted, StopFlag
 from aiayn.seeding import seed_everything
 from aiayn.tokenizer import Tokenizer, train_tokenizer
+from aiayn.torch_runtime import configure
 
 log = logging.getLogger("aiayn")
 
@@ -146,12 +147,13 @@ def train(cfg: Config) -> dict[str, float]:
 
 
 def _assemble(cfg: Config, stop: StopFlag) -> Run:
-    env = setup(cfg.train.device)
+    env = setup(cfg.train.device, cfg.distributed.setup_timeout_minutes)
     run_dir = Path(cfg.run_dir)
     setup_logging(run_dir, env.rank)
     # From here on the run's precision is fp32, bf16 or fp16, and config.yaml records which.
     precision = resolve_precision(cfg.train.precision, env.device)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
+    configure(env.device, cfg.train.tf32, cfg.train.deterministic)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if env.device.type == "cpu" and cfg.train.malloc == "keep":
@@ -176,7 +178,9 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
     # Events an interrupted run logged after its last checkpoint are dropped from the curves.
     purge = progress.step + 1 if progress.step else None
     metrics = Metrics(run_dir, env.is_main, cfg.logging.tensorboard, purge_step=purge)
-    peak = device_peak_flops(env.device, cfg.train.precision, cfg.logging.peak_tflops)
+    peak = device_peak_flops(
+        env.device, cfg.train.precision, cfg.logging.peak_tflops, tf32=cfg.train.tf32
+    )
     log.info(
         "%s model, %s parameters, vocab %d | %d tokens x %d micro-batches x %d ranks per step | "
         "backend %s, ZeRO stage %d, %s on %s | peak %.3g TFLOP/s | %s",
@@ -199,6 +203,7 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
             os.environ["SLURM_JOB_ID"],
             os.environ.get("SLURM_RESTART_COUNT", "0"),
         )
+    use_timeout(cfg.distributed.timeout_minutes)  # set-up is done: a lost rank fails fast
     return Run(cfg, env, tok, engine, loader, ckpts, metrics, progress, peak, stop)
 
 
@@ -343,6 +348,7 @@ def _log_window(run: Run, window: Window, grad_norm, console: bool) -> dict[str,
         "data_wait_fraction": window.data_seconds / elapsed,  # rank 0's
         "mfu": flops / elapsed / (run.peak_flops * run.env.world_size),
         "memory_gib": memory_bytes(run.env.device) / 2**30,
+        **cuda_memory(run.env.device),
         "loss_scale": run.engine.loss_scale,
         "skipped_steps": run.engine.skipped_steps,
         "tokens": progress.tokens,

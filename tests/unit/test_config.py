@@ -145,4 +145,4 @@ def test_the_ranges_are_declared_on_the_fields():
         "schedule.cooldown",
         "distributed.zero_stage",
     } <= declared
-    assert len(declared) == 41  # every numeric field with a bound
+    assert len(declared) == 43  # every numeric field with a bound

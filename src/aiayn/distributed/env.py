@@ -13,7 +13,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from aiayn.config import DistributedConfig
 from aiayn.errors import ConfigError
+from aiayn.torch_runtime import use_expandable_segments
 
 
 @dataclass(frozen=True)
@@ -52,33 +54,60 @@ class DistEnv:
 
 
 def pick_device(choice: str, local_rank: int = 0) -> torch.device:
-    """auto: CUDA when present (one device per local rank), else CPU."""
+    """auto: CUDA when present (GPU LOCAL_RANK of those this process sees), else CPU."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError(
                 "train.device=cuda but no CUDA device is visible; use train.device=cpu"
             )
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        count = torch.cuda.device_count()
+        if local_rank >= count:  # two ranks on one GPU: each gets half of it, or runs out
+            raise ConfigError(
+                f"LOCAL_RANK={local_rank} but this process sees {count} CUDA device(s): start "
+                f"at most {count} processes per node (torchrun --nproc_per_node={count}), or "
+                "make more GPUs visible (CUDA_VISIBLE_DEVICES, the scheduler's GPU request)"
+            )
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
-def setup(device_choice: str) -> DistEnv:
-    """Join the process group the launcher describes: NCCL on GPUs, gloo on CPUs."""
+def setup(
+    device_choice: str, timeout_minutes: float = DistributedConfig.setup_timeout_minutes
+) -> DistEnv:
+    """Join the process group the launcher describes: NCCL on GPUs, gloo on CPUs.
+
+    `timeout_minutes` bounds each collective during set-up (distributed.setup_timeout_minutes);
+    use_timeout() shortens it once set-up is done.
+    """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_choice, local_rank)
+    if device.type == "cuda":
+        use_expandable_segments()  # before the first CUDA allocation
+        torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:
             raise ConfigError(
                 f"WORLD_SIZE={world_size} but MASTER_ADDR is not set: start the processes with "
                 "torchrun or accelerate launch (see launch/)"
             )
+        timeout = timedelta(minutes=timeout_minutes)
         if device.type == "cuda":
-            torch.cuda.set_device(device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=30))
+            # device_id binds the communicator to this rank's GPU now, not at a first
+            # collective that guesses the device.
+            dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
     return DistEnv(rank, world_size, device)
+
+
+def use_timeout(minutes: float) -> None:
+    """From now on a collective that waits longer than `minutes` fails (on every backend the
+    default group uses): after a rank dies, the others stop instead of waiting out the
+    set-up timeout. torchtitan shortens its timeout after set-up the same way."""
+    if dist.is_initialized():
+        dist.distributed_c10d._set_pg_timeout(timedelta(minutes=minutes))
 
 
 def teardown() -> None:
