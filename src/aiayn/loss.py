@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from aiayn.data.batch import Batch
+from aiayn.data.batch import Batch, target_positions
 
 
 class _SmoothedCrossEntropy(torch.autograd.Function):
@@ -73,17 +73,18 @@ def batch_loss(
     """Forward `batch` through `model`; return (summed loss, correct predictions).
 
     The denominator is `batch.n_tokens`. For sequences the model projects to the vocabulary
-    only at non-pad targets (`keep`), so neither the output layer nor the loss spends work on
-    padding.
+    only at the non-pad targets (`batch.keep`), so neither the output layer nor the loss spends
+    work on padding. Selecting them by position, which the loader found on the host, makes no
+    host sync; a batch built without `keep` has them found here, on its device (a GPU sync).
     """
     if kind == "classifier":
         logits, target = model(batch.src), batch.labels  # (B, C), (B,)
     else:
-        keep = batch.tgt_out != pad_id  # (B, T)
+        keep = batch.keep if batch.keep is not None else target_positions(batch.tgt_out, pad_id)
         if kind == "seq2seq":
             logits = model(batch.src, batch.tgt_in, keep=keep)  # (N, V)
         else:
             logits = model(batch.tgt_in, keep=keep)  # (N, V)
-        target = batch.tgt_out[keep]  # (N,)
+        target = batch.tgt_out.reshape(-1).index_select(0, keep)  # (N,)
     loss, correct = smoothed_cross_entropy(logits, target, smoothing)
     return loss, correct.sum()

@@ -227,13 +227,13 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
         if loader.epoch != epoch:
             _log_data(loader, f"epoch {epoch} done")
             epoch = loader.epoch
-        # Stop together when any rank's step reached the limit (data/steps.py).
-        if steps.limited and run.env.sum([float(steps.past_limit())])[0] > 0:
+        n_tokens, stop_now, past_limit = _step_totals(run, steps, micro)
+        if past_limit:  # stop together when any rank's step reached the limit (data/steps.py)
             steps.give_back()
             break
         if cfg.logging.record_ids:
             _record_ids(run, fetched)
-        grad_norm, stop_now = _train_step(run, micro, window)
+        grad_norm = _train_step(run, micro, window, n_tokens)
         step, last = progress.step, progress.step == cfg.train.max_steps
         shown, valid = None, None
         if step % cfg.logging.every_steps == 0 or last:
@@ -260,14 +260,21 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
     return last_eval
 
 
-def _train_step(run: Run, micro: list, window: Window) -> tuple[torch.Tensor, bool]:
-    """One optimizer step over this rank's micro-batches; returns the gradient norm and
-    whether any rank was asked to stop (reduced together with the token count)."""
+def _step_totals(run: Run, steps: StepBatches, micro: list) -> tuple[int, bool, bool]:
+    """The step's target tokens on all ranks, whether any rank was asked to stop, and whether
+    any rank's step reached train.max_epochs: one collective of host numbers per step, which
+    waits for no device (DistEnv.sum)."""
+    here = [sum(b.n_tokens for b in micro), float(run.stop.requested), float(steps.past_limit())]
+    tokens, stops, past = run.env.sum(here)
+    return int(tokens), stops > 0, past > 0
+
+
+def _train_step(run: Run, micro: list, window: Window, n_tokens: int) -> torch.Tensor:
+    """One optimizer step over this rank's micro-batches, of `n_tokens` targets on all ranks;
+    returns the gradient norm. Nothing here waits for the device (but fp16's loss scaler, in
+    engine.step): what the step needs from the other ranks is reduced before it
+    (_step_totals), and what it logs stays on the device until a log line (Window)."""
     cfg, engine = run.cfg, run.engine
-    # Dividing by the step's tokens on all ranks, not the micro-batch's, makes accumulation
-    # and data parallelism compute the same update as one big batch.
-    tokens, stops = run.env.sum([sum(b.n_tokens for b in micro), float(run.stop.requested)])
-    n_tokens = int(tokens)
     engine.train()
     for i, batch in enumerate(micro):
         window.flops += training_flops(cfg.model, run.tok.vocab_size, batch)
@@ -277,13 +284,15 @@ def _train_step(run: Run, micro: list, window: Window) -> tuple[torch.Tensor, bo
                 loss, correct = batch_loss(
                     engine.model, batch, cfg.model.kind, cfg.train.label_smoothing, run.tok.pad_id
                 )
+            # Dividing by the step's tokens on all ranks, not the micro-batch's, makes
+            # accumulation and data parallelism compute the same update as one big batch.
             engine.backward(loss / max(n_tokens, 1))
         window.add(loss, correct, batch.n_tokens)
     grad_norm = engine.step()
     run.progress.step += 1
     run.progress.tokens += n_tokens
     window.steps += 1
-    return grad_norm, stops > 0
+    return grad_norm
 
 
 def _stop(run: Run, window: Window, step: int) -> None:

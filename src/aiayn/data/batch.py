@@ -27,6 +27,11 @@ class Batch:
     tgt_in: torch.Tensor | None = None
     tgt_out: torch.Tensor | None = None
     labels: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+    """(N,) int64, N = n_tokens: the flat positions in tgt_out (B * T, row-major) of the
+    non-pad targets, which the model projects and the loss scores (loss.batch_loss). Made on
+    the host with the batch (target_positions): found on the device, the count N would make the
+    host wait for the GPU."""
 
     @property
     def size(self) -> int:
@@ -38,6 +43,13 @@ class Batch:
             value = getattr(self, f.name)
             moved[f.name] = value.to(device, non_blocking=True) if torch.is_tensor(value) else value
         return Batch(**moved)
+
+
+def target_positions(tgt_out: torch.Tensor, pad: int) -> torch.Tensor:
+    """Batch.keep: the flat positions of tgt_out's non-pad entries, in row-major order, as
+    boolean indexing by tgt_out != pad would take them. It runs where tgt_out is: the loaders
+    call it on the host, as they build the batch."""
+    return (tgt_out.reshape(-1) != pad).nonzero().squeeze(1)  # (N,)
 
 
 def padded_rows(

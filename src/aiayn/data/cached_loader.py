@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from aiayn.config import DataConfig
-from aiayn.data.batch import Batch, padded_rows
+from aiayn.data.batch import Batch, padded_rows, target_positions
 from aiayn.data.cache import TokenCache
 from aiayn.data.plan import LmPlan, Plan, epoch_rng, lm_plan, pair_plan
 from aiayn.data.position import check_loader_args, saved_position, saved_state
@@ -217,7 +217,8 @@ class CachedLoader:
         tgt_in = padded_rows(c.tgt_tokens, start, end - start, pad, bos=bos)
         tgt_out = padded_rows(c.tgt_tokens, start, end - start, pad, eos=eos)
         n = int((end - start).sum()) + len(rows)
-        return Batch(ids=ids, n_tokens=n, src=src, tgt_in=tgt_in, tgt_out=tgt_out)
+        keep = target_positions(tgt_out, pad)
+        return Batch(ids=ids, n_tokens=n, src=src, tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)
 
     def _lm_batch(self, plan: LmPlan, k: int) -> Batch:
         """Blocks of the epoch's stream (documents in plan order, each followed by eos)."""
@@ -238,4 +239,6 @@ class CachedLoader:
         tgt_out = block[:, 1:].contiguous()
         n = int((tgt_out != self.tok.pad_id).sum())
         ids = torch.from_numpy(blocks.astype(np.int64))
-        return Batch(ids=ids, n_tokens=n, tgt_in=block[:, :-1].contiguous(), tgt_out=tgt_out)
+        keep = target_positions(tgt_out, self.tok.pad_id)
+        tgt_in = block[:, :-1].contiguous()
+        return Batch(ids=ids, n_tokens=n, tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)

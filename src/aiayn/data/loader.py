@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from aiayn.config import Config, DataConfig
-from aiayn.data.batch import Batch, padded_rows
+from aiayn.data.batch import Batch, padded_rows, target_positions
 from aiayn.data.cache import TokenCache
 from aiayn.data.cached_loader import CachedLoader
 from aiayn.data.plan import budget_bounds
@@ -264,7 +264,9 @@ class BatchLoader:
             block = torch.from_numpy(chunk.blocks[rows])
             tgt_out = block[:, 1:].contiguous()
             n = int((tgt_out != pad).sum())
-            return Batch(ids=ids, n_tokens=n, tgt_in=block[:, :-1].contiguous(), tgt_out=tgt_out)
+            keep = target_positions(tgt_out, pad)
+            tgt_in = block[:, :-1].contiguous()
+            return Batch(ids=ids, n_tokens=n, tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)
         src = chunk.src.padded(rows, pad, eos=eos)
         if self.kind == "classifier":
             labels = torch.from_numpy(chunk.labels[rows].copy())
@@ -272,7 +274,8 @@ class BatchLoader:
         tgt_in = chunk.tgt.padded(rows, pad, bos=bos)
         tgt_out = chunk.tgt.padded(rows, pad, eos=eos)
         n = int(chunk.tgt.length[rows].sum()) + len(rows)
-        return Batch(ids=ids, n_tokens=n, src=src, tgt_in=tgt_in, tgt_out=tgt_out)
+        keep = target_positions(tgt_out, pad)
+        return Batch(ids=ids, n_tokens=n, src=src, tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)
 
 
 def make_loader(

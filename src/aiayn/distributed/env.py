@@ -6,6 +6,7 @@ MASTER_ADDR and MASTER_PORT; one process without them is world size 1 and needs 
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,12 +34,22 @@ class DistEnv:
         return self.world_size > 1
 
     def sum(self, values: list[float]) -> list[float]:
-        """Element-wise sum over ranks (a no-op on one process). One collective for the list."""
+        """Element-wise sum over ranks (a no-op on one process). One collective for the list,
+        over host memory (host_group): it neither copies to the GPU nor waits for the work
+        queued there, so a sum of host numbers is no host sync."""
         if not self.distributed:
             return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=self.host_group)
         return t.tolist()
+
+    @functools.cached_property
+    def host_group(self) -> dist.ProcessGroup | None:
+        """The group that reduces host numbers: the default group on gloo; on NCCL a gloo group
+        of the same ranks, made on first use (every rank reaches it: it is a collective)."""
+        if dist.get_backend() == "gloo":
+            return None
+        return dist.new_group(backend="gloo")
 
     def gather(self, obj) -> list:
         """Every rank's `obj`, in rank order, on every rank."""

@@ -42,12 +42,13 @@ def _final_norm(cfg: ModelConfig) -> nn.Module:
 
 
 def _project(out: nn.Linear, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """The pre-softmax projection of decoder states x (B, T, D): logits (B, T, V), or (N, V) for
-    the N positions keep (B, T) marks. Training passes the non-pad targets as keep, so the
-    largest matrix multiply of a small model and the loss after it skip padding. (On a GPU,
-    boolean indexing waits for the count of kept positions: one sync per forward.)"""
+    """The pre-softmax projection of decoder states x (B, T, D): logits (B, T, V), or (N, V) at
+    the N flat positions keep (N,) int64 of x's B * T rows (Batch.keep). Training passes the
+    non-pad targets, so the largest matrix multiply of a small model and the loss after it skip
+    padding. Positions rather than a boolean mask: on a GPU, indexing by a mask waits for the
+    device to count it, a host sync in every forward; the loader counts on the host."""
     if keep is not None:
-        x = x[keep]  # (N, D)
+        x = x.flatten(0, 1).index_select(0, keep)  # (N, D)
     return out(x)
 
 
@@ -143,7 +144,7 @@ class Seq2SeqTransformer(nn.Module):
         """tgt (B, T) -> logits (B, T, V). With a state, tgt holds only the new positions, which
         follow the state.length already fed; the state is updated in place. right_padded=False
         if tgt has padding before real tokens (see masks.self_attention_mask). With keep
-        (B, T) bool, logits (N, V) at the N positions it marks only (see _project)."""
+        (N,), logits (N, V) at those flat positions of (B * T) only (see _project)."""
         start = state.length if state is not None else 0
         self_mask, is_causal = self_attention_mask(tgt, self.pad_id, start, right_padded)
         x = self.tgt_embed(tgt, start)  # (B, T, D)
@@ -160,8 +161,8 @@ class Seq2SeqTransformer(nn.Module):
         keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """src (B, S), tgt_in (B, T) -> logits (B, T, V) predicting tgt_out, or (N, V) at the
-        positions `keep` marks. Source padding may be anywhere; target padding trailing unless
-        right_padded=False."""
+        flat positions `keep` (N,) of (B * T). Source padding may be anywhere; target padding
+        trailing unless right_padded=False."""
         memory, src_mask = self.encode(src)
         return self.decode(tgt_in, memory, src_mask, right_padded=right_padded, keep=keep)
 
@@ -186,7 +187,7 @@ class DecoderOnlyLM(nn.Module):
         right_padded: bool = True,
         keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, V), or (N, V) at the positions `keep` (B, T) marks.
+        """tokens (B, T) -> logits (B, T, V), or (N, V) at the flat positions `keep` (N,).
         With a state, tokens are the new positions only. Padding trailing unless
         right_padded=False (see masks.self_attention_mask)."""
         start = state.length if state is not None else 0
