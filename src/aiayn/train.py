@@ -203,7 +203,7 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
             os.environ["SLURM_JOB_ID"],
             os.environ.get("SLURM_RESTART_COUNT", "0"),
         )
-    use_timeout(cfg.distributed.timeout_minutes)  # set-up is done: a lost rank fails fast
+    use_timeout(cfg.distributed.timeout_minutes, env)  # set-up is done: a lost rank fails fast
     return Run(cfg, env, tok, engine, loader, ckpts, metrics, progress, peak, stop)
 
 

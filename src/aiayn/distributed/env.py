@@ -113,12 +113,17 @@ def setup(
     return DistEnv(rank, world_size, device)
 
 
-def use_timeout(minutes: float) -> None:
+def use_timeout(minutes: float, env: DistEnv | None = None) -> None:
     """From now on a collective that waits longer than `minutes` fails (on every backend the
-    default group uses): after a rank dies, the others stop instead of waiting out the
-    set-up timeout. torchtitan shortens its timeout after set-up the same way."""
-    if dist.is_initialized():
-        dist.distributed_c10d._set_pg_timeout(timedelta(minutes=minutes))
+    default group uses, and on `env`'s group of host numbers): after a rank dies, the others
+    stop instead of waiting out the set-up timeout. torchtitan shortens its timeout after
+    set-up the same way."""
+    if not dist.is_initialized():
+        return
+    timeout = timedelta(minutes=minutes)
+    dist.distributed_c10d._set_pg_timeout(timeout)
+    if env is not None and env.distributed and env.host_group is not None:
+        dist.distributed_c10d._set_pg_timeout(timeout, env.host_group)
 
 
 def teardown() -> None:
