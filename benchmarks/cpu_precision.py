@@ -44,6 +44,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per trainer")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--matmul-size",
+        type=int,
+        default=2048,
+        help="n of the n^3 matmul whose best speed is the peak (smaller: a smoke test)",
+    )
     args = p.parse_args(argv)
     set_threads(args.threads)
     cpu = torch.device("cpu")
@@ -54,9 +60,10 @@ def main(argv: list[str] | None = None) -> None:
         f"bf16 flags: {', '.join(flags) or 'none'}; train.precision=auto chooses "
         f"{resolve_precision('auto', cpu)}"
     )
-    peaks = {p: measure_matmul_peak(cpu, matmul_dtype(p)) for p in PRECISIONS}
+    size = args.matmul_size
+    peaks = {p: measure_matmul_peak(cpu, matmul_dtype(p), size) for p in PRECISIONS}
     print(
-        "matmul peak (2048^3): "
+        f"matmul peak ({size}^3): "
         + ", ".join(f"{n} {v / 1e9:.0f} GFLOP/s" for n, v in peaks.items())
         + f"; bf16/fp32 {peaks['bf16'] / peaks['fp32']:.2f}x\n"
     )

@@ -1,13 +1,21 @@
 """A checkpoint written by an earlier commit (tests/fixtures/resume_v1, made by
-tests/fixtures/make_resume_fixture.py) resumes with this code, bit for bit: the run ends where
-the earlier code's uninterrupted run ended."""
+tests/fixtures/make_resume_fixture.py) resumes with this code: the run ends where the earlier
+code's uninterrupted run ended.
 
+What does not depend on the CPU (data position, step and token counts, RNG states, Adam's step
+counts, the schedule) must match exactly everywhere. Weights and Adam's moments are fp32 sums,
+whose order differs between the AVX-512 and AVX2 kernels: they match bit for bit where the
+kernels are the ones the fixture ran on (its cpu.json), and within TOLERANCE elsewhere.
+"""
+
+import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -17,38 +25,80 @@ sys.path.insert(0, str(FIXTURES))
 import make_resume_fixture  # noqa: E402  (tests/fixtures, how the fixture was made)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the fixture was made: one thread
+# torch's, oneDNN's and MKL's AVX2 kernels on any x86 CPU: the path of an AVX2-only machine.
+AVX2 = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
+# Largest difference allowed, as a fraction of each tensor's largest magnitude, between step 8
+# on other kernels and the fixture's. On the fixture's CPU, AVX2 kernels came within 3e-7 of it
+# and torch's unvectorized ones within 4e-7; a resume that loses one thing (Adam's moments, the
+# dropout RNG, one batch of data position, one schedule step) is off by 0.08 or more in some
+# tensor (measured, issue 26).
+TOLERANCE = 1e-5
 
 
 def step_dir(root: Path, step: int) -> Path:
     return root / "run" / "checkpoints" / f"step_{step:08d}"
 
 
-def test_a_checkpoint_of_the_earlier_format_resumes_to_the_same_bits(tmp_path):
+def assert_same(got: dict, want: dict, bitwise: bool) -> None:
+    assert got.keys() == want.keys()
+    if bitwise:
+        assert [k for k in got if not torch.equal(got[k], want[k])] == []
+        return
+    far = {}
+    for k, value in got.items():
+        off = (value - want[k]).abs().max().item() / max(want[k].abs().max().item(), 1e-30)
+        if off > TOLERANCE:
+            far[k] = off
+    assert far == {}
+
+
+@pytest.mark.parametrize("isa", [{}, AVX2], ids=["this_cpu", "avx2_kernels"])
+def test_a_checkpoint_of_the_earlier_format_resumes_where_it_left_off(tmp_path, isa):
     root = tmp_path / "resume_v1"
     shutil.copytree(FIXTURE, root)
     shutil.rmtree(step_dir(root, 8))  # resume from step 4; the fixture's step 8 is the answer
     (root / "run" / "checkpoints" / "latest").write_text("step_00000004\n")
     cmd = [sys.executable, "-m", "aiayn", "train", "--config", str(root / "run.yaml")]
     cmd += make_resume_fixture.paths(root, make_resume_fixture.place_corpus(root / "corpus"))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    env = {**ENV, **isa}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resuming from {step_dir(root, 4)}" in (root / "run" / "train.log").read_text()
 
     got, want = step_dir(root, 8), step_dir(FIXTURE, 8)
-    weights, expected = load_file(got / "model.safetensors"), load_file(want / "model.safetensors")
-    assert weights.keys() == expected.keys()
-    assert [k for k in weights if not torch.equal(weights[k], expected[k])] == []
-    state, expected_state = (
+    state, expected = (
         torch.load(d / "trainer.pt", map_location="cpu", weights_only=True) for d in (got, want)
     )
-    moments, expected_moments = (s["engine"]["optimizer"]["state"] for s in (state, expected_state))
-    assert moments.keys() == expected_moments.keys()
-    for k, slot in moments.items():
-        for name, value in slot.items():
-            assert torch.equal(value, expected_moments[k][name]), (k, name)
-    assert state["data"]["position"] == expected_state["data"]["position"]
+    # Exact on any CPU: counts and positions, and the RNG states (dropout draws its masks
+    # whatever the values they multiply).
+    assert state["data"]["position"] == expected["data"]["position"]
     # The token cache is now named by its arrays' content, not its corpus's path (data/cache.py).
-    fingerprint, old = (dict(s["data"]["fingerprint"]) for s in (state, expected_state))
+    fingerprint, old = (dict(s["data"]["fingerprint"]) for s in (state, expected))
     assert fingerprint.pop("cache") != old.pop("cache") and fingerprint == old
-    assert state["progress"]["step"] == expected_state["progress"]["step"] == 8
-    assert torch.equal(state["rng"][0]["torch"], expected_state["rng"][0]["torch"])  # dropout
+    for count in ("step", "tokens"):  # the fixture's wall_seconds, a time, is no longer saved
+        assert state["progress"][count] == expected["progress"][count]
+    assert state["progress"]["step"] == 8
+    rng, expected_rng = state["rng"][0], expected["rng"][0]
+    assert torch.equal(rng["torch"], expected_rng["torch"])  # dropout
+    assert (rng["python"], rng["numpy"]) == (expected_rng["python"], expected_rng["numpy"])
+    engine, expected_engine = state["engine"], expected["engine"]
+    assert engine["scheduler"] == expected_engine["scheduler"]
+    assert engine["optimizer"]["param_groups"] == expected_engine["optimizer"]["param_groups"]
+    assert engine["skipped_steps"] == expected_engine["skipped_steps"] == 0
+    moments, expected_moments = (e["optimizer"]["state"] for e in (engine, expected_engine))
+    assert moments.keys() == expected_moments.keys()
+    assert all(slot["step"].item() == 8 for slot in moments.values())
+
+    # fp32 values: bit for bit only on the kernels that made the fixture.
+    bitwise = make_resume_fixture.kernels(env) == json.loads((FIXTURE / "cpu.json").read_text())
+    weights = load_file(got / "model.safetensors")
+    assert_same(weights, load_file(want / "model.safetensors"), bitwise)
+    for name in ("exp_avg", "exp_avg_sq"):
+        values, expected_values = (
+            {k: slot[name] for k, slot in m.items()} for m in (moments, expected_moments)
+        )
+        assert_same(values, expected_values, bitwise)
