@@ -10,6 +10,7 @@ import torch
 
 from aiayn.config import ModelConfig
 from aiayn.data.batch import Batch
+from aiayn.precision import native_bf16
 
 log = logging.getLogger("aiayn")
 
@@ -166,4 +167,9 @@ def device_peak_flops(
     sheet = datasheet_peak(device, precision, tf32)
     if sheet is not None:
         return sheet
-    return measure_matmul_peak(device, matmul_dtype(precision, device.type))
+    dtype = matmul_dtype(precision, device.type)
+    if dtype == torch.bfloat16 and device.type == "cpu" and not native_bf16(device):
+        # Emulated bf16 runs on the fp32 units, which are then the ceiling; and measuring it
+        # would cost minutes at start (one 2048^3 bf16 multiply takes over a minute on AVX2).
+        dtype = torch.float32
+    return measure_matmul_peak(device, dtype)

@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+import aiayn.flops
+import aiayn.precision
 from aiayn.flops import matmul_dtype
 from aiayn.precision import cpu_flags, native_bf16, resolve_precision
 
@@ -39,6 +41,20 @@ def test_a_named_precision_is_kept_whatever_the_device():
 def test_mfu_counts_a_bf16_run_against_the_bf16_matmul():
     assert matmul_dtype("bf16") == torch.bfloat16
     assert matmul_dtype("fp32") == torch.float32
+
+
+@pytest.mark.parametrize(
+    "flags, measured", [({"avx512_bf16"}, torch.bfloat16), ({"avx2"}, torch.float32)]
+)
+def test_emulated_bf16_is_measured_against_the_fp32_matmul(monkeypatch, flags, measured):
+    # Without native bf16 a 2048^3 bf16 multiply takes minutes: the run would wait at start.
+    seen = []
+    monkeypatch.setattr(aiayn.precision, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(
+        aiayn.flops, "measure_matmul_peak", lambda d, dtype: seen.append(dtype) or 1e9
+    )
+    assert aiayn.flops.device_peak_flops(CPU, "bf16", None) == 1e9
+    assert seen == [measured]
 
 
 @pytest.mark.parametrize(
