@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from aiayn.config import load_config
 from aiayn.data import ensure_cache, make_loader
@@ -38,6 +39,36 @@ def test_two_ddp_ranks_equal_one_process_accumulating_two_micro_batches(setup, d
     run([sys.executable] + aiayn(config, other))
     with pytest.raises(AssertionError):
         assert_close(final_weights(ddp_run), final_weights(other), atol=1e-5)
+
+
+def test_fp16_two_ranks_equal_one_process_accumulating_and_skip_an_overflow_together(tmp_path):
+    """fp16 loss scaling under DDP (once crashed at step 1: the loss went unscaled into
+    backward and step() unscaled it). An inf in rank 1's micro-batch only reaches rank 0
+    through the all-reduce: both ranks skip that step and halve the scale, as one process
+    accumulating both micro-batches does; the other steps update alike."""
+    script = str(Path(__file__).with_name("fp16_steps.py"))
+    run(torchrun(2) + [script, str(tmp_path)], timeout=300)
+    (tmp_path / "single").mkdir()
+    run([sys.executable, script, str(tmp_path / "single")], timeout=300)
+    ranks = [torch.load(tmp_path / f"rank_{r}.pt") for r in (0, 1)]
+    single = torch.load(tmp_path / "single" / "rank_0.pt")
+    for got in (*ranks, single):
+        assert got["skipped_steps"] == 1  # step 2 of 4
+        assert got["loss_scale"] == 2.0**15  # GradScaler's 2**16, halved once
+        assert got["lr"] == single["lr"]  # 3 applied steps of the schedule
+    assert_close(ranks[0]["weights"], ranks[1]["weights"], atol=0.0)
+    # Scales, the world size and DDP's averaging are powers of two: the same bits.
+    assert_close(ranks[0]["weights"], single["weights"], atol=0.0)
+    with pytest.raises(AssertionError):  # ... and the 3 applied steps moved the weights
+        assert_close(single["initial"], single["weights"], atol=1e-4)
+
+    # DDP broadcasts no buffers before each forward: the only ones are constant tables.
+    assert not ranks[0]["syncs_buffers"]
+    for got in ranks:
+        assert list(got["buffers_after"]) == ["src_embed.positions.pe", "tgt_embed.positions.pe"]
+        assert all(
+            torch.equal(got["buffers_before"][k], v) for k, v in got["buffers_after"].items()
+        )
 
 
 def test_parameters_are_checked_identical_across_ranks_at_every_save(ddp_run):

@@ -46,7 +46,11 @@ def test_generated_deepspeed_config_follows_the_run_config():
     assert params["betas"] == [0.9, 0.98] and params["eps"] == 1e-9
     assert params["weight_decay"] == 0.01
     assert params["torch_adam"] is False  # offload runs DeepSpeedCPUAdam
-    assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
+    assert ds["torch_autocast"] == {
+        "enabled": True,
+        "dtype": "bfloat16",
+        "lower_precision_safe_modules": [],
+    }
     assert "fp16" not in ds and "bf16" not in ds
 
     fp16 = deepspeed_config.generate(
@@ -55,6 +59,24 @@ def test_generated_deepspeed_config_follows_the_run_config():
     assert fp16["fp16"]["enabled"] and fp16["fp16"]["loss_scale"] == 0  # dynamic
     assert fp16["optimizer"]["type"] == "AdamW" and fp16["optimizer"]["params"]["adam_w_mode"]
     assert fp16["zero_optimization"] == {"stage": 0}
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_deepspeed_steps_torch_fused_adam_except_with_offload(device_type):
+    """On CUDA too: DeepSpeed's own FusedAdam compiles with nvcc inside deepspeed.initialize
+    and keeps an int step. tests/distributed/test_deepspeed.py builds from this config."""
+    for name, torch_name in (("adam", "Adam"), ("adamw", "AdamW")):
+        cfg = cfg_with(f"optim.name={name}", "distributed.zero_stage=2", "train.precision=bf16")
+        ds = deepspeed_config.generate(cfg, world_size=2, device_type=device_type)
+        params = ds["optimizer"]["params"]
+        assert params["torch_adam"] is True and params["fused"] is True
+        # DeepSpeed picks torch.optim.AdamW where the type is AdamW or adam_w_mode is set.
+        assert ds["optimizer"]["type"] == torch_name and params["adam_w_mode"] == (name == "adamw")
+        # Every reduction in fp32, as DDP's: no module's weights reduced in bf16.
+        assert ds["torch_autocast"]["lower_precision_safe_modules"] == []
+    offload = cfg_with("distributed.zero_stage=2", "distributed.offload_optimizer=true")
+    params = deepspeed_config.generate(offload, 2, device_type)["optimizer"]["params"]
+    assert params["torch_adam"] is False and "fused" not in params  # DeepSpeedCPUAdam
 
 
 def test_extra_keys_merge_and_contradictions_are_errors(tmp_path):

@@ -47,8 +47,7 @@ def generate(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
                 "weight_decay": optim.weight_decay,
                 # DeepSpeed's "Adam" decouples weight decay unless told otherwise.
                 "adam_w_mode": optim.name == "adamw",
-                # FusedAdam needs CUDA; the CPU-offload optimizer is DeepSpeedCPUAdam anyway.
-                "torch_adam": device_type != "cuda" and not par.offload_optimizer,
+                **adam_implementation(cfg, device_type),
             },
         },
         "zero_optimization": zero,
@@ -57,11 +56,34 @@ def generate(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
     }
     if train.precision == "bf16":
         # Autocast with fp32 weights, as the DDP engine does: the same numerics either way.
-        ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+        # DeepSpeed would also reduce (and ZeRO-3 gather) the weights of the modules it deems
+        # safe in bf16, nn.Linear's, gradients included; DDP reduces fp32 gradients. No module
+        # on that list keeps every reduction in fp32, as DDP's: twice the bytes of a bf16
+        # reduction, and the same updates.
+        ds["torch_autocast"] = {
+            "enabled": True,
+            "dtype": "bfloat16",
+            "lower_precision_safe_modules": [],
+        }
     elif train.precision == "fp16":
         # fp16 weights with fp32 master copies and dynamic loss scaling (loss_scale 0).
         ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
     return ds
+
+
+def adam_implementation(cfg: Config, device_type: str) -> dict[str, Any]:
+    """Which Adam DeepSpeed builds: torch's, as LocalEngine's (optim.build_optimizer), except
+    with CPU offload, which steps its own DeepSpeedCPUAdam (compiled with a C++ compiler).
+
+    Left to itself DeepSpeed takes its FusedAdam on CUDA: an op compiled with nvcc inside
+    deepspeed.initialize (every rank stops where CUDA_HOME is missing), whose state holds
+    'step' as an int where torch's holds a float tensor. torch's fused kernel does the same
+    update, with nothing to compile; DeepSpeed passes "fused" on to torch.optim.Adam(W).
+    """
+    if cfg.distributed.offload_optimizer:
+        return {"torch_adam": False}
+    fused = device_type in ("cpu", "cuda")
+    return {"torch_adam": True, "fused": fused or None, "foreach": None if fused else True}
 
 
 def plain_optimizer(cfg: Config) -> bool:

@@ -186,9 +186,14 @@ class DeepSpeedEngine:
                 if self.zero_stage == 3
                 else zero.single_partition_of_fp32_groups
             )
+            adam = zero.optimizer.defaults
+            on_device = adam.get("fused") or adam.get("capturable")
             for flat in flats:
                 zero.optimizer.state[flat] = {
-                    "step": torch.tensor(float(state.step)),
+                    # torch's Adam: a float tensor, on the parameter's device when fused
+                    "step": torch.tensor(
+                        float(state.step), device=flat.device if on_device else None
+                    ),
                     **{k: torch.zeros_like(flat) for k in reshard.MOMENTS},
                 }
             if self.zero_stage < 3:  # link each parameter to its slice of the new state

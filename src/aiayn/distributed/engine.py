@@ -199,13 +199,19 @@ class DDPEngine(LocalEngine):
     def __init__(self, model: nn.Module, cfg: Config, env: DistEnv):
         super().__init__(model, cfg, env.device)
         ids = [env.device.index] if env.device.type == "cuda" else None
-        self.model = DDP(self.module, device_ids=ids)  # broadcasts rank 0's parameters
+        self.model = DDP(self.module, device_ids=ids)  # broadcasts rank 0's state once
+        # ... and by default its buffers again before every forward. The model's only buffers
+        # are constant tables (positions.py's sinusoids): one broadcast at start is enough.
+        # Set after construction, where every torch version reads it (2.13 renamed the
+        # argument, and its old name now also skips the broadcast at start).
+        self.model.broadcast_buffers = False
         self.world_size = env.world_size
 
     def backward(self, loss: torch.Tensor) -> None:
         # The loop divides by the tokens of all ranks; DDP then averages over ranks, which
-        # would divide a second time by the world size.
-        (loss * self.world_size).backward()
+        # would divide a second time by the world size. The fp16 loss scaling stays
+        # LocalEngine's: step() unscales what backward() scaled.
+        super().backward(loss * self.world_size)
 
     def accumulating(self, last: bool):
         # Gradients are all-reduced once per optimizer step, on its last micro-batch.

@@ -1,0 +1,69 @@
+"""What deepspeed.initialize builds from the config aiayn generates for CUDA, ZeRO-2 and bf16
+(in a process group of one, gloo): the optimizer, and the dtype of each gradient reduction.
+Prints it as JSON. Usage: python deepspeed_built.py"""
+
+import json
+import logging
+import os
+import socket
+
+import deepspeed
+import torch.distributed as dist
+
+from aiayn.config import load_config
+from aiayn.distributed import deepspeed_config
+from aiayn.model import build_model
+
+OVERRIDES = [
+    "data.train=corpus/train",
+    "data.max_len=30",
+    "model.N=1",
+    "model.d_model=32",
+    "model.d_ff=64",
+    "model.h=2",
+    "model.max_len=32",
+    "distributed.backend=deepspeed",
+    "distributed.zero_stage=2",
+    "train.precision=bf16",
+    "optim.name=adamw",
+    "optim.weight_decay=0.01",
+]
+
+
+def main() -> None:
+    for name, value in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
+        os.environ[name] = str(value)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    cfg = load_config(None, OVERRIDES)
+    model = build_model(cfg.model, 50, 0)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=list(model.parameters()),
+        config=deepspeed_config.generate(cfg, world_size=1, device_type="cuda"),
+        dist_init_required=False,
+    )
+    adam = engine.basic_optimizer
+    print(
+        json.dumps(
+            {
+                "optimizer": f"{type(adam).__module__}.{type(adam).__name__}",
+                "defaults": {
+                    k: adam.defaults[k] for k in ("betas", "eps", "weight_decay", "fused")
+                },
+                "reduce_dtypes": sorted(
+                    {str(optimizer.get_param_comm_dtype(p)) for p in model.parameters()}
+                ),
+                "grad_dtype": str(next(model.parameters()).dtype),
+                "bucket_dtypes": sorted(str(d) for d in optimizer.ipg_buckets),
+            }
+        )
+    )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
