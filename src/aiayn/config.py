@@ -313,11 +313,11 @@ class TrainConfig(Section):
     sizes are compiled dynamic, so new batch shapes reuse the graphs (parallelize.py), and a
     layer that would still need more than its budget of graphs stops the run instead of
     silently running uncompiled."""
-    memory_probe: Literal["auto", "on", "off"] = "auto"
+    memory_probe: Literal["auto", "always", "never"] = "auto"
     """Before the first step (of a new or resumed run), one forward and backward pass of the
     epoch's largest batch, gradients then dropped and no random state moved, so that an
     out-of-memory error comes in the first minute rather than hours in; it logs the peak
-    memory. auto: on CUDA only. Training is the same with it or without."""
+    memory. auto: on CUDA only (always: on CPU too). Training is the same with it or without."""
 
 
 @dataclass

@@ -25,9 +25,9 @@ log = logging.getLogger("aiayn")
 def wanted(setting: str, device: torch.device, zero_stage: int) -> bool:
     """train.memory_probe on this device. ZeRO-3 gathers parameters in hooks of its own around
     each module: a pass outside its engine would not be the pass it runs."""
-    if setting == "off" or zero_stage == 3:
+    if setting == "never" or zero_stage == 3:
         return False
-    return setting == "on" or device.type == "cuda"
+    return setting == "always" or device.type == "cuda"
 
 
 def probe(
