@@ -208,6 +208,12 @@ class DataConfig(Section):
     cache_dir: str | None = None
     """Where token caches live, one folder per split; default <run_dir>/data_cache. Point runs
     on the same data and tokenizer at one directory to tokenise once for all of them."""
+    pad_to_multiple: int | None = bounded(None, low=1)
+    """A batch's source and target widths are rounded up to a multiple of this (never past
+    max_len + 1), and the token budget counts the rounding. Fewer distinct shapes mean fewer
+    torch.compile graphs, and tensor cores want multiples of 8. None (auto): 8 on CUDA, 1 (no
+    rounding) on CPU; the run's config.yaml records the value used. lm blocks are max_len wide
+    whatever it is."""
 
     def validate(self) -> list[str]:
         errs = []
@@ -304,8 +310,10 @@ class TrainConfig(Section):
     compile: bool = False
     """torch.compile each encoder and decoder layer (TorchInductor), fusing its norms,
     residuals, dropout and activations. For GPUs: on a 2-core CPU it was slower
-    (benchmarks/README.md). The first steps compile for a minute or more, and a new batch shape
-    recompiles once before torch marks the shapes dynamic."""
+    (benchmarks/README.md). The first steps compile for a minute or more; batch and sequence
+    sizes are compiled dynamic, so new batch shapes reuse the graphs (parallelize.py), and a
+    layer that would still need more than its budget of graphs stops the run instead of
+    silently running uncompiled."""
     tf32: bool = True
     """On CUDA, fp32 matrix multiplies (precision fp32, and the fp32 parts of bf16 and fp16
     runs) use TF32 tensor cores: 10 mantissa bits in the products, fp32 sums, several times
@@ -316,6 +324,11 @@ class TrainConfig(Section):
     deterministic mode, no cuDNN attention. Costs speed (README, "GPU"); an operation without a
     deterministic kernel stops the run with torch's error naming it. On CPU the kernels
     already are: a run with the same settings on the same machine repeats without it."""
+    memory_probe: Literal["auto", "always", "never"] = "auto"
+    """Before the first step (of a new or resumed run), one forward and backward pass of the
+    epoch's largest batch, gradients then dropped and no random state moved, so that an
+    out-of-memory error comes in the first minute rather than hours in; it logs the peak
+    memory. auto: on CUDA only (always: on CPU too). Training is the same with it or without."""
 
 
 @dataclass

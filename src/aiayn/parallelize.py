@@ -8,8 +8,10 @@ without them. The model's own code knows of neither (torchtitan's apply_ac/apply
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
+import torch.fx.experimental._config
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -40,15 +42,34 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         layer.forward = checkpointed
 
 
-def apply_compile(model: nn.Module) -> None:
+GRAPH_BUDGET = 12
+"""Compiled graphs a layer kind may have (torch's recompile limit, per code object; its default
+is 8). Replaying an epoch of token-budget batches, a validation pass and a beam search takes 4
+encoder and 6 decoder graphs (tests/unit/test_compile_shapes.py); past the budget a run stops,
+where torch would silently run the layer uncompiled for the rest of it."""
+
+
+def apply_compile(model: nn.Module, backend: str | Callable = "inductor") -> None:
     """torch.compile each encoder and decoder layer in place.
 
     Layers, not the model: one compiled graph serves all N, and the output projection after
     them runs on a data-dependent number of rows (the non-pad targets), which would break a
     whole-model graph.
+
+    Token-budget batches come in hundreds of (rows, width) shapes an epoch. With torch's
+    default, each layer is compiled static for the first shape and again, dynamic, for the
+    second; sizes are compiled dynamic from the start here (dynamic=True), which measured
+    fewer graphs over an epoch, a validation and a beam search (benchmarks/README.md). Sizes 0
+    and 1 are still specialised: a batch of one row or a decoding step of one token is a graph
+    of its own, within the budget.
     """
+    torch._dynamo.config.recompile_limit = GRAPH_BUDGET
+    # Duck sizing would make a first batch whose source and target widths are equal (common
+    # when widths are rounded to a multiple) compile a graph in which they must stay equal.
+    torch.fx.experimental._config.use_duck_shape = False
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     for layer in _layers(model):
-        layer.compile()
+        layer.compile(backend=backend, dynamic=True)
 
 
 def apply(model: nn.Module, cfg: Config) -> None:

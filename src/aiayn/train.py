@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from aiayn import memory_probe
 from aiayn.checkpoint import CheckpointManager, Progress
 from aiayn.config import Config
 from aiayn.data import (
@@ -29,6 +30,7 @@ from aiayn.data import (
     make_loader,
     sample_sentences,
 )
+from aiayn.data.batch import resolve_pad_to_multiple
 from aiayn.distributed.engine import Engine, build_engine
 from aiayn.distributed.env import DistEnv, setup, teardown, use_timeout
 from aiayn.errors import TrainingError
@@ -154,6 +156,8 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
     precision = resolve_precision(cfg.train.precision, env.device)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
     configure(env.device, cfg.train.tf32, cfg.train.deterministic)
+    multiple = resolve_pad_to_multiple(cfg.data.pad_to_multiple, env.device)  # recorded too
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pad_to_multiple=multiple))
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if env.device.type == "cpu" and cfg.train.malloc == "keep":
@@ -169,10 +173,22 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
     )
     seed_everything(cfg.train.seed + 1_000_003 * env.rank)  # different dropout on each rank
     loader = make_loader(
-        cfg, cfg.data.train, tok, train=True, rank=env.rank, world_size=env.world_size, cache=cache
+        cfg,
+        cfg.data.train,
+        tok,
+        train=True,
+        rank=env.rank,
+        world_size=env.world_size,
+        cache=cache,
+        pin_memory=env.device.type == "cuda",
     )
     ckpts.track(cfg, tok, engine, loader, env)
     progress = ckpts.restore(resume_from) if resume_from is not None else Progress()
+    if memory_probe.wanted(cfg.train.memory_probe, env.device, cfg.distributed.zero_stage):
+        kind, smoothing = cfg.model.kind, cfg.train.label_smoothing
+        memory_probe.probe(
+            engine, loader.largest_batches(), kind, smoothing, tok.pad_id, env.device
+        )
     if env.is_main:  # after the checks a resume makes: a refused config never replaces it
         cfg.save(run_dir / "config.yaml")
     # Events an interrupted run logged after its last checkpoint are dropped from the curves.

@@ -144,5 +144,6 @@ def test_the_ranges_are_declared_on_the_fields():
         "schedule.factor",
         "schedule.cooldown",
         "distributed.zero_stage",
+        "data.pad_to_multiple",
     } <= declared
-    assert len(declared) == 43  # every numeric field with a bound
+    assert len(declared) == 44  # every numeric field with a bound

@@ -38,11 +38,46 @@ class Batch:
         return int(self.ids.numel())
 
     def to(self, device: torch.device | str) -> Batch:
-        moved = {}
+        """The model's tensors on `device`; host-only fields (ids) stay where they are. From
+        pinned memory (pin_memory()) a CUDA copy is asynchronous: it overlaps the work already
+        queued on the device instead of waiting for it."""
+        return self._map(lambda t: t.to(device, non_blocking=True))
+
+    def pin_memory(self) -> Batch:
+        """The model's tensors in page-locked host memory (needs CUDA)."""
+        return self._map(torch.Tensor.pin_memory)
+
+    def _map(self, fn) -> Batch:
+        out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            moved[f.name] = value.to(device, non_blocking=True) if torch.is_tensor(value) else value
-        return Batch(**moved)
+            use = torch.is_tensor(value) and f.name not in HOST_ONLY
+            out[f.name] = fn(value) if use else value
+        return Batch(**out)
+
+
+HOST_ONLY = frozenset({"ids"})
+"""Fields the model never reads: they are not copied to the device (`ids` only records what was
+consumed, and is read on the host)."""
+
+
+def resolve_pad_to_multiple(setting: int | None, device: torch.device) -> int:
+    """data.pad_to_multiple for a run on `device`: auto (None) is 8 on CUDA, where tensor cores
+    want it and compiled graphs are worth sparing, and 1 on CPU, whose batches stay as they were."""
+    if setting is not None:
+        return setting
+    return 8 if device.type == "cuda" else 1
+
+
+def round_width(width, multiple: int, limit: int):
+    """Widths (an int or an array) rounded up to a multiple of `multiple`, but never past
+    `limit` (the widest row the data allows, which the model's position table has room for) or
+    below the width itself. Fewer distinct shapes mean fewer compiled graphs, and tensor cores
+    want multiples of 8."""
+    if multiple == 1:
+        return width
+    rounded = -(-width // multiple) * multiple
+    return np.maximum(np.minimum(rounded, limit), width)
 
 
 def target_positions(tgt_out: torch.Tensor, pad: int) -> torch.Tensor:
@@ -59,11 +94,14 @@ def padded_rows(
     pad: int,
     bos: int | None = None,
     eos: int | None = None,
+    multiple: int = 1,
+    limit: int = 0,
 ) -> torch.Tensor:
     """(B, L) int64 tensor of rows flat[start[i]:start[i] + length[i]], right-padded, optionally
-    bos-prefixed and eos-suffixed. `flat` may be a memory map: only these rows are read."""
+    bos-prefixed and eos-suffixed. `flat` may be a memory map: only these rows are read. L is
+    the widest row rounded up by round_width(multiple, limit)."""
     off = int(bos is not None)
-    width = int(length.max()) + off + int(eos is not None)
+    width = int(round_width(int(length.max()) + off + int(eos is not None), multiple, limit))
     pos = np.arange(width)[None, :] - off  # position of each column inside the ids
     mask = (pos >= 0) & (pos < length[:, None])
     out = np.full((len(length), width), pad, dtype=np.int64)

@@ -4,7 +4,9 @@ Every rank computes the same global plan of an epoch from the cache's length ind
 and builds only its own batches, global batches r, r + W, r + 2W, ... of the stream of epochs:
 what a rank reads and pads falls as 1/W. The plan costs a few passes over the lengths per epoch,
 under a second for millions of examples; while training, the next epoch's plan is computed in a
-background thread (numpy releases the GIL), so the epoch boundary does not stall the loop.
+background thread (numpy releases the GIL), so the epoch boundary does not stall the loop. The
+batches themselves are read and padded a few ahead in another thread (prefetch.py), pinned
+when they are bound for a GPU, so that neither reading nor the copy waits on the loop.
 
 Position: (epoch, global batches of that epoch the group has consumed), a count that may run
 past the epoch's end into the next ones. It is the group's, not the rank's, so a checkpoint from
@@ -15,6 +17,7 @@ reading any token.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -22,10 +25,11 @@ import numpy as np
 import torch
 
 from aiayn.config import DataConfig
-from aiayn.data.batch import Batch, padded_rows, target_positions
+from aiayn.data.batch import Batch, padded_rows, round_width, target_positions
 from aiayn.data.cache import TokenCache
 from aiayn.data.plan import LmPlan, Plan, epoch_rng, lm_plan, pair_plan
 from aiayn.data.position import check_loader_args, saved_position, saved_state
+from aiayn.data.prefetch import AHEAD, BATCH_THREAD, prefetch
 from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer
 
@@ -39,7 +43,8 @@ class CachedLoader:
     """The BatchLoader's interface (iterate; state_dict; epoch; stats) over a TokenCache.
 
     train=True loops over epochs forever, each planned with its own seed; train=False makes one
-    pass in cache order (bucketed by width within data.shuffle_buffer windows).
+    pass in cache order (bucketed by width within data.shuffle_buffer windows). pin_memory=True
+    hands out batches in page-locked memory (needs CUDA), for asynchronous copies to the GPU.
     """
 
     def __init__(
@@ -54,6 +59,7 @@ class CachedLoader:
         train: bool,
         rank: int = 0,
         world_size: int = 1,
+        pin_memory: bool = False,
     ):
         if cache.kind != kind:
             raise DataError(
@@ -63,13 +69,15 @@ class CachedLoader:
         check_loader_args(max_tokens, rank, world_size)
         self.cache, self.cfg, self.tok, self.kind = cache, data_cfg, tokenizer, kind
         self.max_tokens, self.seed, self.train = max_tokens, seed, train
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.pin_memory = rank, world_size, pin_memory
+        self.multiple = data_cfg.pad_to_multiple or 1
         self.epoch = 0
         self._pos = {"epoch": 0, "done": 0}
         self._resume_pending = False
         self._plan_of: tuple[int, Plan | LmPlan] | None = None
         self._ahead: tuple[int, Future] | None = None  # the next epoch's plan, while training
         self._planner: ThreadPoolExecutor | None = None
+        self._plan_lock = threading.Lock()  # plans are made on the batch thread, and read here
         self._batches = 0
         # int32 throughout (examples < 2^31, a row < 2^31 tokens): the index and the plan of
         # millions of examples are per-rank memory. Pairs keep only widths; rows read their
@@ -89,9 +97,10 @@ class CachedLoader:
                 np.maximum(longest, np.diff(cache.tgt_offsets), out=longest, casting="unsafe")
             self._keep = np.flatnonzero(longest <= data_cfg.max_len).astype(np.int32)
             self._too_long = len(longest) - len(self._keep)
-            # Every row gains one special token (eos, or bos for tgt_in).
+            # Every row gains one special token (eos, or bos for tgt_in); the plan counts the
+            # width a row is padded to, so the token budget includes the rounding.
             longest += 1
-            self._width = longest
+            self._width = round_width(longest, self.multiple, data_cfg.max_len + 1)
         self._fingerprint = {
             "loader": LOADER,
             "cache": cache.digest,
@@ -105,6 +114,8 @@ class CachedLoader:
         }
         if kind == "lm" and data_cfg.lm_order != "documents":  # older positions stay valid
             self._fingerprint["lm_order"] = data_cfg.lm_order
+        if self.multiple != 1:  # it changes the plan; older positions have 1
+            self._fingerprint["pad_to_multiple"] = self.multiple
 
     # ---- position ---------------------------------------------------------------------------
 
@@ -138,16 +149,28 @@ class CachedLoader:
         if not self.train and not self._resume_pending:
             self._pos = {"epoch": 0, "done": 0}
         self._resume_pending = False
+        # Made ahead in a thread; the position moves only when the loop takes a batch, so a
+        # checkpoint never counts the batches still waiting in the queue.
+        ahead = prefetch(self._rank_batches(self._pos), AHEAD, BATCH_THREAD)
+        try:
+            for batch, pos, epoch in ahead:
+                self._pos, self.epoch = pos, epoch
+                self._batches += 1
+                yield batch
+        finally:
+            ahead.close()
+        if not self.train:
+            self._pos = {"epoch": 0, "done": 0}
+
+    def _rank_batches(self, pos: dict) -> Iterator[tuple[Batch, dict, int]]:
+        """This rank's batches from `pos` on, each with the position after it and its epoch."""
         W = self.world_size
-        for k, (epoch, i) in enumerate(self._stream(self._pos)):
+        for k, (epoch, i) in enumerate(self._stream(pos)):
             if k % W == 0:  # a round of W batches starts: the group's position moves past it
                 round_pos = {"epoch": epoch, "done": i + W}
             if k % W == self.rank:
-                self._pos, self.epoch = round_pos, epoch
-                self._batches += 1
-                yield self._make_batch(self.plan(epoch), i)
-        if not self.train:
-            self._pos = {"epoch": 0, "done": 0}
+                batch = self._make_batch(self.plan(epoch), i)
+                yield (batch.pin_memory() if self.pin_memory else batch), round_pos, epoch
 
     def _stream(self, pos: dict) -> Iterator[tuple[int, int]]:
         """(epoch, batch index) of every global batch from `pos` on; epochs follow each other
@@ -158,7 +181,8 @@ class CachedLoader:
             if n == 0:
                 raise self._nothing_left()
             if self.train:
-                self._plan_ahead(epoch + 1)
+                with self._plan_lock:
+                    self._plan_ahead(epoch + 1)
             for i in range(min(done, n), n):
                 yield epoch, i
             if not self.train:
@@ -167,6 +191,10 @@ class CachedLoader:
 
     def plan(self, epoch: int) -> Plan | LmPlan:
         """The global batches of `epoch` (computed once, kept while it is the current one)."""
+        with self._plan_lock:
+            return self._plan_locked(epoch)
+
+    def _plan_locked(self, epoch: int) -> Plan | LmPlan:
         if self._plan_of is None or self._plan_of[0] != epoch:
             ahead, self._ahead = self._ahead, None
             if ahead is not None and ahead[0] == epoch:
@@ -191,6 +219,22 @@ class CachedLoader:
         window = self.cfg.shuffle_buffer
         return pair_plan(self._width, self._keep, self.max_tokens, window, rng)
 
+    def largest_batches(self) -> list[Batch]:
+        """The batches of the current epoch that need the most memory, to try before training:
+        the one of the most padded tokens (rows x width) and the widest, made as the loop would
+        make them. The position does not move."""
+        plan = self.plan(self.epoch)
+        if len(plan) == 0:
+            return []
+        if self.kind == "lm":  # every batch but the last has `rows` full blocks
+            return [self._make_batch(plan, 0)]
+        starts = plan.bounds[:-1]
+        widest = np.maximum.reduceat(self._width[plan.rows], starts)
+        tokens = widest.astype(np.int64) * np.diff(plan.bounds)
+        picks = dict.fromkeys((int(np.argmax(tokens)), int(np.argmax(widest))))
+        where = np.arange(len(plan)) if plan.order is None else np.argsort(plan.order)
+        return [self._make_batch(plan, int(where[j])) for j in picks]
+
     def _nothing_left(self) -> DataError:
         s = self.stats()
         return DataError(
@@ -209,13 +253,14 @@ class CachedLoader:
         c = self.cache
         ids = torch.from_numpy(np.asarray(c.ids[rows], dtype=np.int64))
         start = c.src_offsets[rows]
-        src = padded_rows(c.src_tokens, start, c.src_offsets[rows + 1] - start, pad, eos=eos)
+        fit = dict(multiple=self.multiple, limit=self.cfg.max_len + 1)
+        src = padded_rows(c.src_tokens, start, c.src_offsets[rows + 1] - start, pad, eos=eos, **fit)
         if self.kind == "classifier":
             labels = torch.from_numpy(np.asarray(c.labels[rows], dtype=np.int64))
             return Batch(ids=ids, n_tokens=len(rows), src=src, labels=labels)
         start, end = c.tgt_offsets[rows], c.tgt_offsets[rows + 1]
-        tgt_in = padded_rows(c.tgt_tokens, start, end - start, pad, bos=bos)
-        tgt_out = padded_rows(c.tgt_tokens, start, end - start, pad, eos=eos)
+        tgt_in = padded_rows(c.tgt_tokens, start, end - start, pad, bos=bos, **fit)
+        tgt_out = padded_rows(c.tgt_tokens, start, end - start, pad, eos=eos, **fit)
         n = int((end - start).sum()) + len(rows)
         keep = target_positions(tgt_out, pad)
         return Batch(ids=ids, n_tokens=n, src=src, tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)

@@ -15,7 +15,8 @@ r, r+W, r+2W, ... The position is that of the whole group, so it does not depend
 size and a checkpoint from N ranks resumes on M. The price: every rank reads and tokenizes the
 whole stream. That is cheap next to the model (about 60k translation pairs/s in one process on
 two CPU cores, with the next chunk prepared in a thread while the current one trains), and it
-avoids datasets' node splitting, which leaves ranks with unequal batch counts (NOTES.md).
+avoids datasets' node splitting, which leaves ranks with unequal batch counts (NOTES.md). The
+batches of a chunk are padded a few ahead in another thread, pinned when bound for a GPU.
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ import numpy as np
 import torch
 
 from aiayn.config import Config, DataConfig
-from aiayn.data.batch import Batch, padded_rows, target_positions
+from aiayn.data.batch import Batch, padded_rows, round_width, target_positions
 from aiayn.data.cache import TokenCache
 from aiayn.data.cached_loader import CachedLoader
 from aiayn.data.plan import budget_bounds
 from aiayn.data.position import check_loader_args, saved_position, saved_state
-from aiayn.data.prefetch import prefetch
+from aiayn.data.prefetch import AHEAD, BATCH_THREAD, prefetch
 from aiayn.data.sources import KINDS, open_split
 from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer
@@ -57,8 +58,9 @@ class _Tokens:
         flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=total)
         return cls(flat, np.cumsum(length) - length, length)
 
-    def padded(self, rows: np.ndarray, pad: int, bos: int | None = None, eos: int | None = None):
-        return padded_rows(self.flat, self.start[rows], self.length[rows], pad, bos, eos)
+    def padded(self, rows: np.ndarray, pad: int, bos=None, eos=None, multiple=1, limit=0):
+        length = self.length[rows]
+        return padded_rows(self.flat, self.start[rows], length, pad, bos, eos, multiple, limit)
 
 
 @dataclass
@@ -84,6 +86,8 @@ class BatchLoader:
 
     Lengths: data.max_len counts the tokens of a text without bos/eos, so src, tgt_in and
     tgt_out rows have at most max_len + 1 tokens (the config checks model.max_len has room).
+    data.pad_to_multiple rounds a batch's width up, but not past max_len + 1. pin_memory=True
+    hands out batches in page-locked memory (needs CUDA), for asynchronous copies to the GPU.
     """
 
     def __init__(
@@ -98,13 +102,15 @@ class BatchLoader:
         train: bool,
         rank: int = 0,
         world_size: int = 1,
+        pin_memory: bool = False,
     ):
         if kind not in KINDS:
             raise DataError(f"unknown model kind {kind!r}; choose from {KINDS}")
         check_loader_args(max_tokens, rank, world_size)
         self.cfg, self.split, self.tok, self.kind = data_cfg, split, tokenizer, kind
         self.max_tokens, self.seed, self.train = max_tokens, seed, train
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.pin_memory = rank, world_size, pin_memory
+        self.multiple = data_cfg.pad_to_multiple or 1
         self.source = open_split(data_cfg, split, kind)
         self.chunk_size = data_cfg.shuffle_buffer or _ORDERED_CHUNK
         self.epoch = 0
@@ -124,6 +130,8 @@ class BatchLoader:
             "max_len": data_cfg.max_len,
             "tokenizer_sha256": tokenizer.contract()["sha256"],
         }
+        if self.multiple != 1:  # it changes the batches; older positions have 1
+            self._fingerprint["pad_to_multiple"] = self.multiple
 
     # ---- position ---------------------------------------------------------------------------
 
@@ -150,19 +158,52 @@ class BatchLoader:
         if not self.train and not self._resume_pending:
             self._pos = self._start()
         self._resume_pending = False
-        pos, W = self._pos, self.world_size
-        chunks = prefetch(self._chunks(pos))
-        stream = ((chunk, i) for chunk in chunks for i in range(len(chunk.batches)))
-        stream = itertools.islice(stream, pos["done"], None)  # consumed before the save
-        for k, (chunk, i) in enumerate(stream):
-            if k % W == 0:  # a round of W batches starts: the group's position moves past it
-                round_pos = {**chunk.anchor, "done": i + W}
-            if k % W == self.rank:
-                self._pos, self.epoch = round_pos, chunk.anchor["epoch"]
+        # Made ahead in a thread; the position moves only when the loop takes a batch, so a
+        # checkpoint never counts the batches still waiting in the queue.
+        ahead = prefetch(self._rank_batches(self._pos), AHEAD, BATCH_THREAD)
+        try:
+            for batch, pos, epoch in ahead:
+                self._pos, self.epoch = pos, epoch
                 self._stats["batches"] += 1
-                yield self._make_batch(chunk, chunk.batches[i])
+                yield batch
+        finally:
+            ahead.close()
         if not self.train:
             self._pos = self._start()
+
+    def _rank_batches(self, pos: dict) -> Iterator[tuple[Batch, dict, int]]:
+        """This rank's batches from `pos` on, each with the position after it and its epoch;
+        chunks are read and tokenised one ahead, in a thread of their own."""
+        W = self.world_size
+        chunks = prefetch(self._chunks(pos))
+        try:
+            stream = ((chunk, i) for chunk in chunks for i in range(len(chunk.batches)))
+            stream = itertools.islice(stream, pos["done"], None)  # consumed before the save
+            for k, (chunk, i) in enumerate(stream):
+                if k % W == 0:  # a round of W batches starts: the group's position moves past it
+                    round_pos = {**chunk.anchor, "done": i + W}
+                if k % W == self.rank:
+                    batch = self._make_batch(chunk, chunk.batches[i])
+                    batch = batch.pin_memory() if self.pin_memory else batch
+                    yield batch, round_pos, chunk.anchor["epoch"]
+        finally:
+            chunks.close()
+
+    def largest_batches(self) -> list[Batch]:
+        """A batch of the widest rows the data allows (max_len + 1 tokens), as many as the
+        token budget holds: a stream has no plan to search, and no batch of it needs more
+        memory than this. To try before training; the position does not move."""
+        width, fill = self.cfg.max_len + 1, self.tok.eos_id
+        rows = np.arange(max(1, self.max_tokens // width))
+        anchor = self._start()
+        if self.kind == "lm":
+            rows = np.arange(max(1, self.max_tokens // self.cfg.max_len))
+            blocks = np.full((len(rows), width), fill, dtype=np.int64)
+            return [self._make_batch(_Chunk(anchor, [rows], rows, blocks=blocks), rows)]
+        full = _Tokens.of([[fill] * self.cfg.max_len for _ in rows])
+        labels = np.zeros(len(rows), dtype=np.int64)
+        chunk = _Chunk(anchor, [rows], rows, src=full, tgt=full, labels=labels)
+        return [self._make_batch(chunk, rows)]
 
     def _chunks(self, pos: dict) -> Iterator[_Chunk]:
         """Every chunk from the one at `pos` on: epoch after epoch if training."""
@@ -220,7 +261,9 @@ class BatchLoader:
         self._stats["dropped_too_long"] += int(too_long.sum())
         keep = np.flatnonzero(~empty & ~too_long)
         order = keep if rng is None else rng.permutation(keep)
-        width = longest + 1  # every row gains one special token (eos, or bos for tgt_in)
+        # Every row gains one special token (eos, or bos for tgt_in); the budget counts the
+        # width a row is padded to.
+        width = round_width(longest + 1, self.multiple, self.cfg.max_len + 1)
         if self.cfg.shuffle_buffer:  # bucket: similar lengths share a batch, little padding
             # By width only, stable: rows of one width keep their shuffled order. Breaking ties by
             # target and source length trimmed padding but made batches of near-identical
@@ -267,12 +310,13 @@ class BatchLoader:
             keep = target_positions(tgt_out, pad)
             tgt_in = block[:, :-1].contiguous()
             return Batch(ids=ids, n_tokens=n, tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)
-        src = chunk.src.padded(rows, pad, eos=eos)
+        fit = dict(multiple=self.multiple, limit=self.cfg.max_len + 1)
+        src = chunk.src.padded(rows, pad, eos=eos, **fit)
         if self.kind == "classifier":
             labels = torch.from_numpy(chunk.labels[rows].copy())
             return Batch(ids=ids, n_tokens=len(rows), src=src, labels=labels)
-        tgt_in = chunk.tgt.padded(rows, pad, bos=bos)
-        tgt_out = chunk.tgt.padded(rows, pad, eos=eos)
+        tgt_in = chunk.tgt.padded(rows, pad, bos=bos, **fit)
+        tgt_out = chunk.tgt.padded(rows, pad, eos=eos, **fit)
         n = int(chunk.tgt.length[rows].sum()) + len(rows)
         keep = target_positions(tgt_out, pad)
         return Batch(ids=ids, n_tokens=n, src=src, tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)
@@ -287,10 +331,13 @@ def make_loader(
     rank: int = 0,
     world_size: int = 1,
     cache: TokenCache | None = None,
+    pin_memory: bool = False,
 ) -> BatchLoader | CachedLoader:
     """The loader of one split as a run config describes it: from its token cache if one is
-    given (data/cache.py), else streamed and tokenised as it goes."""
+    given (data/cache.py), else streamed and tokenised as it goes. pin_memory where the batches
+    go to a GPU."""
     common = dict(
+        pin_memory=pin_memory,
         kind=cfg.model.kind,
         max_tokens=cfg.train.max_tokens,
         seed=cfg.train.seed,

@@ -8,13 +8,18 @@ from collections.abc import Iterator
 
 _END = object()
 
+AHEAD = 2
+"""Batches a loader makes ahead of the loop: one step's worth is ready while the one after it is
+being made, and the memory held (a few padded batches) stays small."""
+BATCH_THREAD = "aiayn-batches"  # the name of the thread that makes them
 
-def prefetch(items: Iterator, depth: int = 1) -> Iterator:
+
+def prefetch(items: Iterator, depth: int = 1, name: str = "aiayn-data") -> Iterator:
     """Produce `items` in a thread, up to `depth` ahead, so that reading and tokenising overlap
     with the consumer's work: SentencePiece releases the GIL while it encodes.
 
-    Order and content are those of `items`; only the timing changes. Leaving the loop early
-    stops the thread at its next hand-over, and waits for it.
+    Order and content are those of `items`; only the timing changes. The thread is `name`.
+    Leaving the loop early stops the thread at its next hand-over, and waits for it.
     """
     hand = queue.Queue(maxsize=depth)
     stop = threading.Event()
@@ -36,8 +41,13 @@ def prefetch(items: Iterator, depth: int = 1) -> Iterator:
             put(_END)
         except BaseException as exc:  # handed to the consumer, raised there
             put(exc)
+        finally:
+            # Stopped early: a generator's own clean-up (its inner prefetch's thread) runs now,
+            # not whenever it is collected.
+            if hasattr(items, "close"):
+                items.close()
 
-    reader = threading.Thread(target=produce, name="aiayn-data", daemon=True)
+    reader = threading.Thread(target=produce, name=name, daemon=True)
     reader.start()
     try:
         while (item := hand.get()) is not _END:
