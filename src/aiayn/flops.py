@@ -49,7 +49,7 @@ GPU_PEAKS = {
 def matmul_math(precision: str, device_type: str, tf32: bool = True) -> str:
     """The arithmetic a run's matrix multiplies use: bf16, fp16, tf32 or fp32. On CPU fp16
     counts as fp32 (its peak is measured in fp32, as before)."""
-    if precision in ("bf16", "fp16") and (precision == "bf16" or device_type == "cuda"):
+    if precision == "bf16" or (precision == "fp16" and device_type == "cuda"):
         return precision
     return "tf32" if device_type == "cuda" and tf32 else "fp32"
 

@@ -4,24 +4,24 @@ Prints it as JSON. Usage: python deepspeed_built.py"""
 
 import json
 import logging
-import os
-import socket
+import sys
+from pathlib import Path
 
 import deepspeed
+import torch
 import torch.distributed as dist
 
 from aiayn.config import load_config
 from aiayn.distributed import deepspeed_config
+from aiayn.distributed.deepspeed_engine import _join_single_process_group
+from aiayn.distributed.env import DistEnv
 from aiayn.model import build_model
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
+from batches import TINY  # noqa: E402  (tests/unit/batches.py)
+
 OVERRIDES = [
-    "data.train=corpus/train",
-    "data.max_len=30",
-    "model.N=1",
-    "model.d_model=32",
-    "model.d_ff=64",
-    "model.h=2",
-    "model.max_len=32",
+    *TINY,
     "distributed.backend=deepspeed",
     "distributed.zero_stage=2",
     "train.precision=bf16",
@@ -31,12 +31,7 @@ OVERRIDES = [
 
 
 def main() -> None:
-    for name, value in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
-        os.environ[name] = str(value)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    _join_single_process_group(DistEnv(0, 1, torch.device("cpu")))  # as DeepSpeedEngine does
     deepspeed.utils.logger.setLevel(logging.WARNING)
     cfg = load_config(None, OVERRIDES)
     model = build_model(cfg.model, 50, 0)

@@ -18,18 +18,12 @@ from aiayn.loss import batch_loss
 from aiayn.model import build_model
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-from batches import padded_batch  # noqa: E402  (tests/unit/batches.py)
+from batches import TINY, padded_batch  # noqa: E402  (tests/unit/batches.py)
 
 STEPS = 4
 OVERFLOW_STEP = 2  # its second micro-batch (rank 1's) overflows: the whole step is skipped
-TINY = [
-    "data.train=corpus/train",
-    "data.max_len=30",
-    "model.N=1",
-    "model.d_model=32",
-    "model.d_ff=64",
-    "model.h=2",
-    "model.max_len=32",
+FP16 = [
+    *TINY,
     "model.dropout=0",
     "train.precision=fp16",
     "schedule.warmup=4",
@@ -38,7 +32,7 @@ TINY = [
 
 def main(out: Path) -> None:
     env = dist_env.setup("cpu")
-    cfg = load_config(None, [*TINY, f"train.grad_accum={2 // env.world_size}"])
+    cfg = load_config(None, [*FP16, f"train.grad_accum={2 // env.world_size}"])
     torch.manual_seed(0)
     engine = build_engine(build_model(cfg.model, 50, 0), cfg, env)
     initial = {k: v.detach().clone() for k, v in engine.module.named_parameters()}

@@ -6,6 +6,10 @@ from aiayn.data.batch import Batch
 
 PAD = 0
 
+TINY = ["data.train=corpus/train", "data.max_len=30", "model.N=1", "model.d_model=32",
+        "model.d_ff=64", "model.h=2", "model.max_len=32"]  # fmt: skip
+"""Overrides of a one-layer model these batches fit (build it with vocab 50 and pad PAD)."""
+
 
 def padded_batch(
     kind: str = "seq2seq",

@@ -16,10 +16,9 @@ from aiayn.model import build_model
 from aiayn.model.layers import FeedForward
 from aiayn.model.transformer import DecoderState
 
-from batches import padded_batch
+from batches import TINY, padded_batch
 
 BASE = ["data.train=corpus/train", "data.max_len=30"]
-TINY = [*BASE, "model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2", "model.max_len=32"]
 
 
 def cfg_with(*overrides):

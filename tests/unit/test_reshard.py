@@ -15,8 +15,8 @@ from aiayn.distributed.engine import LocalEngine
 from aiayn.errors import CheckpointError
 from aiayn.model import build_model
 
-TINY = ["data.train=corpus/train", "data.max_len=30", "model.N=1", "model.d_model=32",
-        "model.d_ff=64", "model.h=2", "model.max_len=32"]  # fmt: skip
+from batches import TINY
+
 SHAPES = {"a": torch.Size([3, 5]), "b": torch.Size([7]), "c": torch.Size([2, 2])}
 
 

@@ -282,8 +282,8 @@ class CachedLoader:
         out[~inside] = self.tok.pad_id
         block = torch.from_numpy(out)
         tgt_out = block[:, 1:].contiguous()
-        n = int((tgt_out != self.tok.pad_id).sum())
-        ids = torch.from_numpy(blocks.astype(np.int64))
         keep = target_positions(tgt_out, self.tok.pad_id)
+        n = len(keep)
+        ids = torch.from_numpy(blocks.astype(np.int64))
         tgt_in = block[:, :-1].contiguous()
         return Batch(ids=ids, n_tokens=n, tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)

@@ -306,8 +306,8 @@ class BatchLoader:
         if self.kind == "lm":
             block = torch.from_numpy(chunk.blocks[rows])
             tgt_out = block[:, 1:].contiguous()
-            n = int((tgt_out != pad).sum())
             keep = target_positions(tgt_out, pad)
+            n = len(keep)
             tgt_in = block[:, :-1].contiguous()
             return Batch(ids=ids, n_tokens=n, tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)
         fit = dict(multiple=self.multiple, limit=self.cfg.max_len + 1)
