@@ -83,10 +83,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--last", type=int, help="the newest K of them (default: all)")
     p.add_argument("--output", required=True, help="the new checkpoint directory")
 
-    p = sub.add_parser("export", help="one safetensors file for inference, config beside it")
+    p = sub.add_parser(
+        "export", help="the model for inference: safetensors, CTranslate2 or Hugging Face"
+    )
     p.add_argument("checkpoint", help="run_dir (its latest valid checkpoint) or a step dir")
-    p.add_argument("--output", required=True, help="FILE.safetensors")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument(
+        "--format",
+        default="safetensors",
+        choices=["safetensors", "ctranslate2", "hf"],
+        help="safetensors: FILE.safetensors for aiayn itself; ctranslate2: a CTranslate2 model "
+        "directory; hf: a transformers directory (MarianMT or OPT)",
+    )
+    p.add_argument("--output", required=True, help="FILE.safetensors, or a new directory")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="safetensors, hf")
+    p.add_argument(
+        "--quantization",
+        choices=[
+            "int8",
+            "int8_float32",
+            "int8_float16",
+            "int8_bfloat16",
+            "int16",
+            "float16",
+            "bfloat16",
+        ],  # fmt: skip
+        help="ctranslate2 only: weights stored in this type (default float32)",
+    )
 
     p = sub.add_parser("demo-data", help="write a generated demo corpus")
     p.add_argument("kind", choices=["numbers", "lm", "classify"])
@@ -261,12 +283,23 @@ def cmd_average(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from aiayn.checkpoint.tools import export, export_paths
+    from aiayn.checkpoint.tools import export_paths
+    from aiayn.export import export_model
     from aiayn.metrics import setup_logging
 
     setup_logging(None)
-    weights, config, tokenizer = export_paths(export(args.checkpoint, args.output, args.dtype))
-    print(f"exported {weights} ({args.dtype}) with {config.name} and {tokenizer.name}")
+    out = export_model(
+        args.checkpoint,
+        args.output,
+        args.format,
+        dtype=args.dtype,
+        quantization=args.quantization,
+    )
+    if args.format == "safetensors":
+        weights, config, tokenizer = export_paths(out)
+        print(f"exported {weights} ({args.dtype}) with {config.name} and {tokenizer.name}")
+    else:
+        print(f"exported {out} ({args.format}): {', '.join(sorted(p.name for p in out.iterdir()))}")
     return 0
 
 

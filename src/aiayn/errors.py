@@ -23,3 +23,7 @@ class CheckpointError(AiaynError):
 
 class TrainingError(AiaynError):
     """Training cannot go on (for example a non-finite loss)."""
+
+
+class ExportError(AiaynError):
+    """A model cannot be written exactly in the format asked for, or an export is unreadable."""

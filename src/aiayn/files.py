@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 _HASH_BLOCK = 1 << 24
@@ -35,4 +38,28 @@ def write_atomic(path: Path, data: bytes | str) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+@contextmanager
+def atomic_directory(path: Path) -> Iterator[Path]:
+    """A directory to fill that appears at `path` complete, or not at all: the body writes into
+    a temporary sibling, renamed to `path` when it returns and removed if it raises.
+    An existing `path` is refused, so nothing a user has is overwritten."""
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"{path} exists: choose another output, or delete it first")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        for item in tmp.iterdir():
+            if item.is_file():
+                fsync_path(item)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     fsync_path(path.parent)
