@@ -22,9 +22,24 @@ def _add_checkpoint(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--checkpoint",
         required=True,
-        help="run_dir (its latest checkpoint), a step or averaged dir, or an exported .safetensors",
+        help="run_dir (its latest checkpoint), a step or averaged dir, an exported .safetensors, "
+        "or with --engine ctranslate2 a CTranslate2 export directory",
     )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument(
+        "--engine",
+        default="torch",
+        choices=["torch", "ctranslate2"],
+        help="ctranslate2: run a `aiayn export --format ctranslate2` directory (pip install "
+        "'aiayn[serve]'); greedy output is the same, but its beam search divides log P by "
+        "len^alpha, not GNMT's ((5 + len) / 6)^alpha",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="ctranslate2: CPU threads per batch (default: every core this process may use)",
+    )
     p.add_argument(
         "overrides", nargs="*", help="overrides of the checkpoint's config, e.g. decode.beam=1"
     )
@@ -215,12 +230,19 @@ def cmd_params(args) -> int:
 
 def cmd_translate(args) -> int:
     from aiayn.evaluate import load_for_inference, translate
+    from aiayn.export.ct2_runtime import check_engine, translate_ct2
 
-    cfg, model, tok, _ = load_for_inference(args.checkpoint, args.overrides, args.device)
+    check_engine(args.checkpoint, args.engine)
     text = Path(args.input).read_text(encoding="utf-8") if args.input else sys.stdin.read()
     lines = text.splitlines()
-    device = next(model.parameters()).device
-    hyps = translate(model, tok, lines, cfg.decode, device)
+    if args.engine == "ctranslate2":
+        hyps = translate_ct2(
+            args.checkpoint, lines, args.overrides, device=args.device, threads=args.threads
+        )
+    else:
+        cfg, model, tok, _ = load_for_inference(args.checkpoint, args.overrides, args.device)
+        device = next(model.parameters()).device
+        hyps = translate(model, tok, lines, cfg.decode, device)
     out = "".join(h + "\n" for h in hyps)
     if args.output:
         Path(args.output).write_text(out, encoding="utf-8")
@@ -231,8 +253,15 @@ def cmd_translate(args) -> int:
 
 def cmd_evaluate(args) -> int:
     from aiayn.evaluate import evaluate
+    from aiayn.export.ct2_runtime import check_engine, evaluate_ct2
 
-    result = evaluate(args.checkpoint, args.split, args.overrides)
+    check_engine(args.checkpoint, args.engine)
+    if args.engine == "ctranslate2":
+        result = evaluate_ct2(
+            args.checkpoint, args.split, args.overrides, device=args.device, threads=args.threads
+        )
+    else:
+        result = evaluate(args.checkpoint, args.split, args.overrides)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
@@ -248,23 +277,29 @@ def cmd_evaluate(args) -> int:
 def cmd_generate(args) -> int:
     from aiayn.errors import ConfigError
     from aiayn.evaluate import load_for_inference
+    from aiayn.export.ct2_runtime import Ct2Model, check_engine, generate_ct2
     from aiayn.lm_eval import sample_text
 
-    cfg, model, tok, _ = load_for_inference(args.checkpoint, args.overrides, args.device)
+    check_engine(args.checkpoint, args.engine)
+    if args.engine == "ctranslate2":
+        model = Ct2Model(args.checkpoint, args.overrides, args.device, args.threads)
+        cfg = model.cfg
+    else:
+        cfg, model, tok, _ = load_for_inference(args.checkpoint, args.overrides, args.device)
     if cfg.model.kind != "lm":
         raise ConfigError(f"generate needs an lm checkpoint; this one is {cfg.model.kind}")
     prompts = [p.replace("\\n", "\n") for p in args.prompt or [""]]
     running_text = cfg.data.lm_order == "stream"
-    texts = sample_text(
-        model,
-        tok,
-        prompts,
+    sample = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         seed=args.seed,
-        running_text=running_text,
     )
+    if args.engine == "ctranslate2":
+        texts = generate_ct2(model, prompts, **sample)
+    else:
+        texts = sample_text(model, tok, prompts, running_text=running_text, **sample)
     for prompt, text in zip(prompts, texts, strict=True):
         print(text if running_text else f"{prompt}{' ' if prompt else ''}{text}")
         if running_text and len(prompts) > 1:
@@ -300,6 +335,16 @@ def cmd_export(args) -> int:
         print(f"exported {weights} ({args.dtype}) with {config.name} and {tokenizer.name}")
     else:
         print(f"exported {out} ({args.format}): {', '.join(sorted(p.name for p in out.iterdir()))}")
+    if args.format == "ctranslate2":
+        from aiayn.export.ct2 import METADATA_FILE
+
+        meta = json.loads((out / METADATA_FILE).read_text())
+        print(
+            f"decodes at most {meta['max_positions']} positions ({meta['positions']} positions); "
+            f"run it with `aiayn translate|generate --engine ctranslate2 --checkpoint {out}`. "
+            "Greedy output equals aiayn's; CTranslate2's beam search divides log P by "
+            "len^alpha, not GNMT's ((5 + len) / 6)^alpha"
+        )
     return 0
 
 
