@@ -354,3 +354,16 @@ def test_the_cli_exports_a_ctranslate2_directory(exported, tmp_path):
     assert json.loads((out / METADATA_FILE).read_text())["quantization"] == "int8"
     with pytest.raises(ExportError, match="exists"):
         export_model(weights, out, "ctranslate2")
+
+
+def test_sampling_is_seeded_and_beam_search_runs(exported, tok):
+    _, lm_dir = exported[("lm", "post", "learned")]
+    sample = dict(max_new_tokens=20, temperature=1.0, top_k=20, threads=1)
+    first = generate_ct2(lm_dir, ["one", ""], seed=1, **sample)
+    assert generate_ct2(lm_dir, ["one", ""], seed=1, **sample) == first
+    assert generate_ct2(lm_dir, ["one", ""], seed=2, **sample) != first
+    _, seq2seq_dir = exported[("seq2seq", "pre", "sinusoidal")]
+    hyps = translate_ct2(
+        seq2seq_dir, ["drei", "", "vier und zwanzig"], ["decode.beam=4"], threads=1
+    )
+    assert len(hyps) == 3 and any(hyps)
