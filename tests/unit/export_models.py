@@ -4,16 +4,11 @@
 Every LayerNorm and bias is moved off its initial value (1 or 0), so that an export which drops
 or misplaces one of them scores differently."""
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
-import yaml
-from safetensors.torch import save_file
 
-from aiayn.checkpoint.format import FORMAT_VERSION, weights_snapshot
-from aiayn.checkpoint.tools import export_paths
+from aiayn.checkpoint.tools import export_module
 from aiayn.config import load_config
 from aiayn.model import build_model
 from aiayn.tokenizer import Tokenizer
@@ -68,18 +63,4 @@ def write_model(
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.2 * torch.randn_like(p))
-    tensors, tied = weights_snapshot(model)
-    metadata = dict(tied or {})
-    metadata.update(
-        aiayn_format=str(FORMAT_VERSION),
-        aiayn_step="0",
-        aiayn_dtype="fp32",
-        aiayn_tokenizer=json.dumps(tok.contract()),
-        aiayn_source="tests/unit/export_models.py",
-    )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    weights, config, tokenizer = export_paths(out_dir / "model.safetensors")
-    save_file(tensors, str(weights), metadata=metadata)
-    config.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    shutil.copyfile(tok.path, tokenizer)
-    return weights
+    return export_module(model, cfg.to_dict(), tok, out_dir / "model.safetensors")

@@ -44,9 +44,11 @@ from aiayn.checkpoint.format import (
     read_manifest,
     resolve_checkpoint,
     step_of,
+    weights_snapshot,
 )
 from aiayn.errors import CheckpointError
 from aiayn.files import fsync_path, sha256_of, write_atomic
+from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger("aiayn")
 
@@ -208,13 +210,7 @@ def export_paths(weights: str | Path) -> tuple[Path, Path, Path]:
 def export(source: str | Path, output: str | Path, dtype: str = "fp32") -> Path:
     """Write the weights of `source` (a step dir, or a run dir's latest valid checkpoint) to
     one safetensors file, its config and tokenizer beside it. Returns the weights' path."""
-    if dtype not in EXPORT_DTYPES:
-        raise CheckpointError(f"--dtype {dtype!r}: choose from {sorted(EXPORT_DTYPES)}")
-    weights, config, tokenizer = export_paths(output)
-    if weights.suffix != ".safetensors":
-        raise CheckpointError(f"--output {output}: name the file FILE.safetensors")
-    for path in (weights, config, tokenizer):
-        _refuse_existing(path)
+    weights, _, tokenizer = _export_targets(output, dtype)
     ckpt = resolve_checkpoint(source)
     manifest = read_manifest(ckpt, verify=False)  # resolve_checkpoint verified it
     weights.parent.mkdir(parents=True, exist_ok=True)
@@ -224,26 +220,81 @@ def export(source: str | Path, output: str | Path, dtype: str = "fp32") -> Path:
             f"the tokenizer {ckpt} was trained with is not found: pass the run's tokenizer "
             "with tokenizer.path=... in the checkpoint's config, or restore the file"
         )
-    os.replace(tmp_tok, tokenizer)
-    write_atomic(config, yaml.safe_dump(manifest["config"], sort_keys=False))
-    tensors = {
-        k: t.to(EXPORT_DTYPES[dtype]) if t.is_floating_point() else t
-        for k, t in load_file(ckpt / MODEL_FILE).items()
-    }
     with safe_open(ckpt / MODEL_FILE, framework="pt") as fh:
         metadata = dict(fh.metadata() or {})
+    return _write_export(
+        weights,
+        load_file(ckpt / MODEL_FILE),
+        metadata,
+        dtype,
+        manifest["config"],
+        tmp_tok,
+        {"step": manifest["step"], "tokenizer": manifest["tokenizer"], "source": str(ckpt)},
+    )
+
+
+def export_module(
+    model: torch.nn.Module,
+    config: dict[str, Any],
+    tokenizer: Tokenizer,
+    output: str | Path,
+    dtype: str = "fp32",
+    step: int = 0,
+) -> Path:
+    """Write a model held in memory (built from `config`, a run config as a dict, with
+    `tokenizer`) as `export` writes a checkpoint: for models made in code, such as the random
+    ones the export tests and benchmarks use."""
+    weights, _, tokenizer_dest = _export_targets(output, dtype)
+    weights.parent.mkdir(parents=True, exist_ok=True)
+    tmp_tok = weights.parent / f".{tokenizer_dest.name}.tmp"
+    shutil.copyfile(tokenizer.path, tmp_tok)
+    tensors, tied = weights_snapshot(model)
+    info = {"step": step, "tokenizer": tokenizer.contract(), "source": "in memory"}
+    return _write_export(weights, tensors, tied or {}, dtype, config, tmp_tok, info)
+
+
+def _export_targets(output: str | Path, dtype: str) -> tuple[Path, Path, Path]:
+    if dtype not in EXPORT_DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r}: choose from {sorted(EXPORT_DTYPES)}")
+    paths = export_paths(output)
+    if paths[0].suffix != ".safetensors":
+        raise CheckpointError(f"--output {output}: name the file FILE.safetensors")
+    for path in paths:
+        _refuse_existing(path)
+    return paths
+
+
+def _write_export(
+    weights: Path,
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str],
+    dtype: str,
+    config: dict[str, Any],
+    tmp_tokenizer: Path,
+    info: dict[str, Any],
+) -> Path:
+    """The three files of an export, the weights last: their presence means all are there."""
+    _, config_path, tokenizer = export_paths(weights)
+    with open(tmp_tokenizer, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp_tokenizer, tokenizer)
+    write_atomic(config_path, yaml.safe_dump(config, sort_keys=False))
+    tensors = {
+        k: t.to(EXPORT_DTYPES[dtype]) if t.is_floating_point() else t for k, t in tensors.items()
+    }
+    metadata = dict(metadata)
     metadata.update(
         aiayn_format=str(FORMAT_VERSION),
-        aiayn_step=str(manifest["step"]),
+        aiayn_step=str(info["step"]),
         aiayn_dtype=dtype,
-        aiayn_tokenizer=json.dumps(manifest["tokenizer"]),
-        aiayn_source=str(ckpt),
+        aiayn_tokenizer=json.dumps(info["tokenizer"]),
+        aiayn_source=info["source"],
     )
     tmp = weights.parent / f".{weights.name}.tmp"
     save_file(tensors, str(tmp), metadata=metadata)
     with open(tmp, "rb+") as fh:
         os.fsync(fh.fileno())
-    os.replace(tmp, weights)  # last: the weights' presence means the three are complete
+    os.replace(tmp, weights)
     fsync_path(weights.parent)
     return weights
 
