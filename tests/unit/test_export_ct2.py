@@ -282,6 +282,19 @@ def test_translate_with_ctranslate2_equals_torch_greedy(exported, tok, corpus, c
     assert capsys.readouterr().out.splitlines() == ours
 
 
+def test_translate_with_ctranslate2_keeps_aiayns_length_limits(exported, tok, corpus):
+    """A sinusoidal export's table has 1024 rows, but translation stops where aiayn's does, at
+    model.max_len - 1 (63 here) source and target tokens, so the output stays the same."""
+    weights, model_dir = exported[("seq2seq", "post", "sinusoidal")]
+    lines = (corpus / "test.de").read_text().splitlines()[:3]
+    lines.append(" ".join(lines * 8))  # far over 63 tokens: cut, with a warning, by both
+    assert len(tok.encode([lines[-1]])[0]) > 63
+    cfg, model, _, _ = load_for_inference(weights, ["decode.beam=1"], "cpu")
+    ours = translate(model, tok, lines, cfg.decode, torch.device("cpu"))
+    theirs = translate_ct2(model_dir, lines, ["decode.beam=1"], threads=1)
+    assert theirs == ours
+
+
 def test_generate_with_ctranslate2_equals_torch_greedy(exported, tok, capsys):
     weights, model_dir = exported[("lm", "pre", "sinusoidal", "model.share_embeddings=none")]
     _, model, _, _ = load_for_inference(weights, (), "cpu")

@@ -11,8 +11,11 @@ reads it. Greedy output equals the torch engine's token for token
 
 - Beam search ranks hypotheses by log P / len^alpha in CTranslate2, by log P /
   ((5 + len) / 6)^alpha (GNMT) in aiayn, with the same decode.alpha: beam outputs can differ.
-- The longest input is the export's max_positions (aiayn.json), not model.max_len: a
-  sinusoidal export's position table has at least 1024 rows.
+- Translation keeps aiayn's limits, so that the output is the same: a source is cut to
+  model.max_len - 1 tokens (+ eos) and a hypothesis stops at model.max_len - 1 tokens, although
+  a sinusoidal export's table has at least 1024 rows (for callers of CTranslate2 itself, whose
+  limits are their own). Generation may go on up to the export's max_positions (aiayn.json),
+  where the torch engine stops at model.max_len.
 """
 
 from __future__ import annotations
@@ -130,21 +133,20 @@ def translate_ct2(
     many calls): length-sorted batches of decode.batch_size; hypotheses in input order.
 
     Each hypothesis stops, as aiayn's does, at its source length (+ eos) + decode.max_len_b
-    tokens, within the export's positions. CTranslate2 takes one length limit per batch, so
+    tokens, and at model.max_len - 1. CTranslate2 takes one length limit per batch, so
     the batch decodes to its longest limit and each hypothesis is cut to its own: exact for
     greedy search, where a prefix does not depend on how far decoding goes on."""
     model = _open(model, overrides, device, threads, "seq2seq")
     tok, dec = model.tok, model.cfg.decode
-    max_src = model.max_positions - 1  # room for eos
+    # aiayn.evaluate.translate's limits, whatever the export's table allows: the same output.
+    max_src = min(model.max_positions, model.cfg.model.max_len) - 1  # room for eos
     encoded = tok.encode(lines)
     too_long = sum(len(ids) > max_src for ids in encoded)
     if too_long:
         log.warning(
-            "%d of %d inputs are longer than the export's %d positions - 1 = %d tokens and "
-            "were cut to fit",
+            "%d of %d inputs are longer than model.max_len - 1 = %d tokens and were cut to fit",
             too_long,
             len(lines),
-            model.max_positions,
             max_src,
         )
         encoded = [ids[:max_src] for ids in encoded]
