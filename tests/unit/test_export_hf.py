@@ -2,9 +2,12 @@
 
 The tiny models are exported here, in the training venv, and loaded by hf_check.py in the
 benchmarks' venv (transformers never enters this one). Its log-softmax must equal the project's
-within 1e-4 at every position and vocabulary entry, and its greedy outputs token for token."""
+within 1e-4 at every position and vocabulary entry, and its greedy outputs token for token.
+Those tests share one export of every case and one run of the checker (about a minute), so they
+are marked slow."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +25,8 @@ from aiayn.export.hf import _marian_permutation
 from aiayn.export.source import sinusoid_table
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
+# The benchmarks' venv (Makefile), or another interpreter with transformers: AIAYN_HF_PYTHON.
+BENCH_PYTHON = Path(os.environ.get("AIAYN_HF_PYTHON", ROOT / ".venv-bench" / "bin" / "python"))
 CHECKER = Path(__file__).with_name("hf_check.py")
 TOL = 1e-4
 
@@ -104,8 +108,8 @@ def checked(tok, corpus, lm_corpus, tmp_path_factory):
     """Every EXACT case exported, its reference computed, and hf_check.py's results."""
     if not BENCH_PYTHON.is_file():
         pytest.skip(
-            f"no benchmarks' venv at {BENCH_PYTHON.parent.parent}: "
-            "`make .venv-bench/.installed-2.13.0` (make test builds it) to run the HF check"
+            f"no {BENCH_PYTHON}: `make .venv-bench/.installed-2.13.0` (make test builds it) "
+            "creates the benchmarks' venv with transformers, to run the HF check"
         )
     root = tmp_path_factory.mktemp("hf")
     cases, refs = [], {}
@@ -156,6 +160,7 @@ def max_diff(ours: list[torch.Tensor], theirs: list) -> float:
     return max(float((a - torch.tensor(b)).abs().max()) for a, b in zip(ours, theirs, strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", EXACT, ids=case_id)
 def test_transformers_scores_as_the_project_does(checked, case):
     ref, hf = checked[case_id(case)]
@@ -168,6 +173,7 @@ def test_transformers_scores_as_the_project_does(checked, case):
     assert max_diff(ref["logprobs"], hf["resaved_logprobs"]) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", EXACT, ids=case_id)
 def test_transformers_greedy_output_is_the_projects(checked, case):
     ref, hf = checked[case_id(case)]
@@ -175,6 +181,7 @@ def test_transformers_greedy_output_is_the_projects(checked, case):
     assert all(len(row) > 5 for row in ref["greedy"])  # decoding went somewhere to compare
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["seq2seq", "lm"])
 def test_transformers_tokenizer_gives_the_projects_ids(checked, kind):
     """A translation source ends in eos (evaluate.translate); an lm text starts after one
@@ -242,3 +249,13 @@ def test_directory_holds_what_from_pretrained_reads(tok, tmp_path, variant):
     assert generation["eos_token_id"] == 3 and generation["pad_token_id"] == 0
     assert generation["max_length"] == 64 and generation["forced_eos_token_id"] is None
     assert sys.modules.get("transformers") is None  # written without it
+
+
+def test_learned_translation_positions_warn_that_save_pretrained_drops_them(tok, tmp_path, caplog):
+    weights = write_model(tmp_path / "m", tok, "seq2seq", "post", "learned")
+    export_model(weights, tmp_path / "hf", "hf")
+    assert "_keys_to_ignore_on_save = None" in caplog.text
+    caplog.clear()
+    weights = write_model(tmp_path / "s", tok, "seq2seq", "post", "sinusoidal")
+    export_model(weights, tmp_path / "hf-s", "hf")
+    assert "save_pretrained" not in caplog.text

@@ -9,8 +9,11 @@ the log-probabilities and greedy outputs equal the project's.
 Marian is the paper's post-LN Transformer with one difference: its sinusoid is [sin | cos] where
 the project's (and the paper's) interleaves them. Permuting the d_model axis of every weight,
 LayerNorm and embedding maps one onto the other exactly: attention and the FFN only take dot
-products over that axis, and LayerNorm's mean and variance do not depend on the order. Marian
-has no pre-LN form (no final LayerNorm), so a pre-LN translation model is refused.
+products over that axis, and LayerNorm's mean and variance do not depend on the order. The
+project's table is written too, but transformers treats Marian's as a constant (recomputed when
+absent, left out by save_pretrained), so the weights must fit Marian's own. A learned table
+loads the same way (an exact export) but is then lost to save_pretrained: the export warns.
+Marian has no pre-LN form (no final LayerNorm), so a pre-LN translation model is refused.
 
 OPT covers every lm variant: its position table is learned (any table loads, two rows later
 than the position, OPT's offset), do_layer_norm_before picks pre- or post-LN, and the pre-LN
@@ -22,6 +25,7 @@ output matrix is written untied.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -31,6 +35,8 @@ from safetensors.torch import save_file
 from aiayn.errors import ExportError
 from aiayn.export.source import ExportSource, load_source, sinusoid_table
 from aiayn.files import atomic_directory
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
 
@@ -63,6 +69,14 @@ def export_hf(checkpoint: str | Path, output: str | Path, dtype: str = "fp32") -
                 path.write_bytes(data)
             else:
                 _write_json(path, data)
+    if model.kind == "seq2seq" and model.positions == "learned":
+        log.warning(
+            "%s has learned positions: MarianMTModel.from_pretrained loads them exactly, but "
+            "its save_pretrained() leaves position tables out (to Marian they are fixed "
+            "sinusoids). Before saving it again from transformers, set "
+            "model._keys_to_ignore_on_save = None",
+            output,
+        )
     return Path(output)
 
 
@@ -96,6 +110,52 @@ def _specials(src: ExportSource) -> dict[str, str]:
     }
 
 
+def _position_table(src: ExportSource, embeddings: str) -> torch.Tensor:
+    """(max_len, d_model) position encodings of `embeddings` (src_embed, tgt_embed, embed)."""
+    m = src.cfg.model
+    if m.positions == "learned":
+        return src.weights[f"{embeddings}.positions.weight"]
+    return sinusoid_table(m.d_model, m.max_len)
+
+
+def _layers(
+    w: dict[str, torch.Tensor], ours: str, theirs: str, n: int, cross: bool
+) -> dict[str, torch.Tensor]:
+    """The project's layers `ours`.layers.i under the names Marian and OPT share (BART's),
+    `theirs`.layers.i, in the project's layout. Their attention has biases: zeros."""
+    out: dict[str, torch.Tensor] = {}
+
+    def attention(prefix: str, q, k, v, o) -> None:
+        for name, weight in (("q_proj", q), ("k_proj", k), ("v_proj", v), ("out_proj", o)):
+            out[f"{prefix}.{name}.weight"] = weight
+            out[f"{prefix}.{name}.bias"] = torch.zeros(weight.size(0))
+
+    def pair(prefix: str, source: str) -> None:  # a LayerNorm's or a Linear's weight and bias
+        out[f"{prefix}.weight"] = w[f"{source}.weight"]
+        out[f"{prefix}.bias"] = w[f"{source}.bias"]
+
+    for i in range(n):
+        s, t = f"{ours}.layers.{i}", f"{theirs}.layers.{i}"
+        attention(
+            f"{t}.self_attn",
+            *w[f"{s}.self_attn.qkv.weight"].chunk(3),
+            w[f"{s}.self_attn.out.weight"],
+        )
+        pair(f"{t}.self_attn_layer_norm", f"{s}.res_{'self' if ours == 'decoder' else 'attn'}.norm")
+        if cross:
+            attention(
+                f"{t}.encoder_attn",
+                w[f"{s}.cross_attn.q.weight"],
+                *w[f"{s}.cross_attn.kv.weight"].chunk(2),
+                w[f"{s}.cross_attn.out.weight"],
+            )
+            pair(f"{t}.encoder_attn_layer_norm", f"{s}.res_cross.norm")
+        for hf, ffn in (("fc1", "w_1"), ("fc2", "w_2")):
+            pair(f"{t}.{hf}", f"{s}.ffn.{ffn}")
+        pair(f"{t}.final_layer_norm", f"{s}.res_ffn.norm")
+    return out
+
+
 # --- translation: MarianMTModel ------------------------------------------------------------
 
 
@@ -114,83 +174,41 @@ def _marian_permutation(d_model: int) -> torch.Tensor:
     return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
 
 
+# Which axis of each Marian tensor is the residual stream's (d_model): the columns of what reads
+# it, the rows of what writes it, and the LayerNorms. The head dimensions inside attention, the
+# FFN's inner dimension and the vocabulary keep their order.
+_READ_RESIDUAL = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "fc1.weight")
+_READ_RESIDUAL += ("embed_tokens.weight", "embed_positions.weight", "shared.weight")
+_READ_RESIDUAL += ("lm_head.weight",)
+_WRITE_RESIDUAL = ("out_proj.weight", "out_proj.bias", "fc2.weight", "fc2.bias")
+_WRITE_RESIDUAL += ("layer_norm.weight", "layer_norm.bias")
+
+
+def _to_marian_layout(name: str, t: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    if name.endswith(_READ_RESIDUAL):
+        return t[:, perm]
+    if name.endswith(_WRITE_RESIDUAL):
+        return t[perm]
+    return t
+
+
 def _marian_weights(src: ExportSource) -> dict[str, torch.Tensor]:
     m, w = src.cfg.model, src.weights
-    D = m.d_model
-    perm = _marian_permutation(D)
-
-    def rows(t: torch.Tensor) -> torch.Tensor:  # a Linear that writes the residual stream
-        return t[perm]
-
-    def cols(t: torch.Tensor) -> torch.Tensor:  # a Linear that reads it, or an embedding
-        return t[:, perm]
-
-    out: dict[str, torch.Tensor] = {}
-
-    def attention(prefix: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor):
-        # Head dimensions keep their order: only the axis the residual stream flows on moves.
-        for name, weight in (("q_proj", cols(q)), ("k_proj", cols(k)), ("v_proj", cols(v))):
-            out[f"{prefix}.{name}.weight"] = weight
-            out[f"{prefix}.{name}.bias"] = torch.zeros(D)
-        out[f"{prefix}.out_proj.weight"] = rows(o)
-        out[f"{prefix}.out_proj.bias"] = torch.zeros(D)
-
-    def norm(prefix: str, source: str) -> None:
-        out[f"{prefix}.weight"] = w[f"{source}.weight"][perm]
-        out[f"{prefix}.bias"] = w[f"{source}.bias"][perm]
-
-    def ffn(prefix: str, source: str) -> None:
-        out[f"{prefix}.fc1.weight"] = cols(w[f"{source}.w_1.weight"])
-        out[f"{prefix}.fc1.bias"] = w[f"{source}.w_1.bias"]
-        out[f"{prefix}.fc2.weight"] = rows(w[f"{source}.w_2.weight"])
-        out[f"{prefix}.fc2.bias"] = w[f"{source}.w_2.bias"][perm]
-
-    for i in range(m.N):
-        s, t = f"encoder.layers.{i}", f"model.encoder.layers.{i}"
-        attention(
-            f"{t}.self_attn",
-            *w[f"{s}.self_attn.qkv.weight"].chunk(3),
-            w[f"{s}.self_attn.out.weight"],
-        )
-        norm(f"{t}.self_attn_layer_norm", f"{s}.res_attn.norm")
-        ffn(t, f"{s}.ffn")
-        norm(f"{t}.final_layer_norm", f"{s}.res_ffn.norm")
-    for i in range(m.decoder_layers or m.N):
-        s, t = f"decoder.layers.{i}", f"model.decoder.layers.{i}"
-        attention(
-            f"{t}.self_attn",
-            *w[f"{s}.self_attn.qkv.weight"].chunk(3),
-            w[f"{s}.self_attn.out.weight"],
-        )
-        norm(f"{t}.self_attn_layer_norm", f"{s}.res_self.norm")
-        attention(
-            f"{t}.encoder_attn",
-            w[f"{s}.cross_attn.q.weight"],
-            *w[f"{s}.cross_attn.kv.weight"].chunk(2),
-            w[f"{s}.cross_attn.out.weight"],
-        )
-        norm(f"{t}.encoder_attn_layer_norm", f"{s}.res_cross.norm")
-        ffn(t, f"{s}.ffn")
-        norm(f"{t}.final_layer_norm", f"{s}.res_ffn.norm")
-
-    for side in ("src", "tgt"):
-        hf_side = "encoder" if side == "src" else "decoder"
-        table = (
-            w[f"{side}_embed.positions.weight"]
-            if m.positions == "learned"
-            else sinusoid_table(D, m.max_len)
-        )
-        out[f"model.{hf_side}.embed_positions.weight"] = cols(table)
-    share = m.share_embeddings
-    if share == "all":
-        out["model.shared.weight"] = cols(w["src_embed.token.weight"])
+    out = _layers(w, "encoder", "model.encoder", m.N, cross=False)
+    out.update(_layers(w, "decoder", "model.decoder", m.decoder_layers or m.N, cross=True))
+    for ours, theirs in (("src_embed", "model.encoder"), ("tgt_embed", "model.decoder")):
+        out[f"{theirs}.embed_positions.weight"] = _position_table(src, ours)
+    if m.share_embeddings == "all":
+        out["model.shared.weight"] = w["src_embed.token.weight"]
     else:
-        out["model.encoder.embed_tokens.weight"] = cols(w["src_embed.token.weight"])
-        out["model.decoder.embed_tokens.weight"] = cols(w["tgt_embed.token.weight"])
-    if share == "none":
-        out["lm_head.weight"] = cols(w["out.weight"])
+        out["model.encoder.embed_tokens.weight"] = w["src_embed.token.weight"]
+        out["model.decoder.embed_tokens.weight"] = w["tgt_embed.token.weight"]
+        # Written even when tied to the decoder's embedding: transformers 5.0 unties it there
+        # (tie_word_embeddings reads False) and would leave lm_head at its random init.
+        out["lm_head.weight"] = w["out.weight"]
     out["final_logits_bias"] = torch.zeros(1, src.tokenizer.vocab_size)
-    return out
+    perm = _marian_permutation(m.d_model)
+    return {name: _to_marian_layout(name, t, perm) for name, t in out.items()}
 
 
 def _marian_config(src: ExportSource) -> dict:
@@ -252,32 +270,12 @@ def _marian_tokenizer(src: ExportSource) -> dict:
 def _opt(src: ExportSource) -> tuple[dict, dict[str, torch.Tensor], dict]:
     m, w, tok = src.cfg.model, src.weights, src.tokenizer
     D = m.d_model
-    out: dict[str, torch.Tensor] = {}
-    for i in range(m.decoder_layers or m.N):
-        s, t = f"decoder.layers.{i}", f"model.decoder.layers.{i}"
-        q, k, v = w[f"{s}.self_attn.qkv.weight"].chunk(3)
-        for name, weight in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-            out[f"{t}.self_attn.{name}.weight"] = weight
-            out[f"{t}.self_attn.{name}.bias"] = torch.zeros(D)
-        out[f"{t}.self_attn.out_proj.weight"] = w[f"{s}.self_attn.out.weight"]
-        out[f"{t}.self_attn.out_proj.bias"] = torch.zeros(D)
-        for hf, ours in (
-            ("self_attn_layer_norm", "res_self.norm"),
-            ("final_layer_norm", "res_ffn.norm"),
-        ):
-            out[f"{t}.{hf}.weight"] = w[f"{s}.{ours}.weight"]
-            out[f"{t}.{hf}.bias"] = w[f"{s}.{ours}.bias"]
-        for hf, ours in (("fc1", "w_1"), ("fc2", "w_2")):
-            out[f"{t}.{hf}.weight"] = w[f"{s}.ffn.{ours}.weight"]
-            out[f"{t}.{hf}.bias"] = w[f"{s}.ffn.{ours}.bias"]
+    out = _layers(w, "decoder", "model.decoder", m.decoder_layers or m.N, cross=False)
     if m.norm == "pre":
         out["model.decoder.final_layer_norm.weight"] = w["decoder.norm.weight"]
         out["model.decoder.final_layer_norm.bias"] = w["decoder.norm.bias"]
-    table = (
-        w["embed.positions.weight"] if m.positions == "learned" else sinusoid_table(D, m.max_len)
-    )
     out["model.decoder.embed_positions.weight"] = torch.cat(
-        [torch.zeros(_OPT_POSITION_OFFSET, D), table]
+        [torch.zeros(_OPT_POSITION_OFFSET, D), _position_table(src, "embed")]
     )
     out["model.decoder.embed_tokens.weight"] = w["embed.token.weight"] * math.sqrt(D)
     out["lm_head.weight"] = w["out.weight"]
