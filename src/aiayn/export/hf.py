@@ -251,6 +251,8 @@ def _marian_tokenizer(src: ExportSource) -> dict:
     vocab = {tok.sp.id_to_piece(i): i for i in range(tok.vocab_size)}
     specials = _specials(src)
     del specials["bos_token"]  # MarianTokenizer has none; the model starts from bos itself
+    # MarianTokenizer encodes with source.spm, maps pieces to ids through vocab.json (here
+    # SentencePiece's own order) and appends eos, as evaluate.translate does.
     return {
         "source.spm": model,
         "target.spm": model,
@@ -258,7 +260,7 @@ def _marian_tokenizer(src: ExportSource) -> dict:
         "tokenizer_config.json": {
             "tokenizer_class": "MarianTokenizer",
             **specials,
-            "model_max_length": src.cfg.model.max_len - 1,  # the eos it appends fits too
+            "model_max_length": src.cfg.model.max_len,  # the eos it appends included
             "separate_vocabs": False,
         },
     }
