@@ -2,13 +2,20 @@
 #   make demo   trains the offline demo end to end (tokenizer, model, test BLEU / exact match)
 #   make test   passes the tests
 # Each creates .venv and installs torch before the project: with no torch installed, a loose
-# requirement would pull several GB of CUDA packages even on a CPU-only machine.
+# requirement would pull several GB of CUDA packages even on a CPU-only machine. make test also
+# creates .venv-bench (below): the HF export test loads its exports there with transformers.
 
 VENV ?= .venv
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+
+# The benchmarks' peers (transformers) live in a venv of their own: DeepSpeed and accelerate
+# change behaviour when transformers is importable, so it never enters the training venv. The
+# benchmarks (make bench) and tests/unit/test_export_hf.py (make test) share it.
+BENCH_VENV ?= .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed-$(TORCH_VERSION)
 
 .PHONY: install demo demo-lm demo-classify multi30k tinyshakespeare wikitext2 test test-fast lint format clean-demo bench
 
@@ -50,7 +57,7 @@ tinyshakespeare: install
 wikitext2: install
 	$(BIN)/python launch/lm_recipe.py wikitext2
 
-test: install
+test: install $(BENCH_STAMP)
 	$(BIN)/pytest -q
 
 test-fast: install
@@ -63,11 +70,6 @@ lint: install
 format: install
 	$(BIN)/ruff format src tests benchmarks launch
 	$(BIN)/ruff check --fix src tests benchmarks launch
-
-# The benchmarks' peers (transformers) live in a venv of their own: DeepSpeed and accelerate
-# change behaviour when transformers is importable, so it never enters the training venv.
-BENCH_VENV ?= .venv-bench
-BENCH_STAMP := $(BENCH_VENV)/.installed-$(TORCH_VERSION)
 
 $(BENCH_STAMP): pyproject.toml
 	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
