@@ -5,9 +5,9 @@
     python benchmarks/serving.py --limit 64 --repeats 1 --quantizations int8   # a smoke test
 
 The Multi30k model is the recipe's averaged checkpoint (`make multi30k` makes it,
-runs/multi30k_de_en/averaged); --checkpoint names another. Each engine translates the 1,000
-sentences of test_2016_flickr with the run's decode settings (beam 4, alpha 0.6, max_len_b 50),
-decode.batch_size sentences at a time in length-sorted batches, on --threads threads:
+runs/multi30k_de_en/average_last5_step_*); --checkpoint names another. Each engine translates
+the 1,000 sentences of test_2016_flickr with the run's decode settings (beam 4, alpha 0.6,
+max_len_b 50), --batch-size sentences at a time in length-sorted batches, on --threads threads:
 
     aiayn          aiayn.evaluate.translate, as `aiayn translate` runs it (fp32)
     ct2 <type>     aiayn.export.ct2_runtime.translate_ct2, as `aiayn translate --engine
@@ -153,7 +153,7 @@ def ct2_export(source: Path, out: Path, quantization: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", default=str(ROOT / "runs/multi30k_de_en/averaged"))
+    parser.add_argument("--checkpoint", default=None, help="default: the recipe's averaged model")
     parser.add_argument("--src", default=str(DATA / "test_2016_flickr.de.gz"))
     parser.add_argument("--ref", default=str(DATA / "test_2016_flickr.en.gz"))
     parser.add_argument("--base", action="store_true", help="transformer_base, random weights")
@@ -171,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
 
+    if args.checkpoint is None:
+        averaged = sorted((ROOT / "runs/multi30k_de_en").glob("average_last*"))
+        args.checkpoint = str(averaged[-1] if averaged else ROOT / "runs/multi30k_de_en")
     source = Path(args.checkpoint)
     if not args.base and not source.exists():  # --base needs no trained model
         sys.exit(f"{source} not found: train it with `make multi30k`, or pass --checkpoint")
