@@ -121,6 +121,7 @@ def test_reordered_decoder_state_equals_recomputing_the_reordered_prefixes(toy, 
         toy.decode(tgt[:, :3], memory, src_mask, state)  # prefill three positions
         index = torch.tensor([2, 2, 0])
         state.reorder(index)
+        state.select_sources(index)
         step = toy.decode(tgt[index, 3:], memory[index], src_mask[index], state)
         full = toy(src[index], tgt[index])
     torch.testing.assert_close(step[:, 0], full[:, 3], atol=1e-5, rtol=1e-5)

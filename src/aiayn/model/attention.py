@@ -112,7 +112,6 @@ class CrossAttention(_Attention):
         mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        q = split_heads(self.q(x), self.h)  # (B, h, T, d_k)
         if cache is not None and cache.k is not None:
             k, v = cache.k, cache.v  # the memory does not change while decoding: computed once
         else:
@@ -120,4 +119,14 @@ class CrossAttention(_Attention):
             k, v = split_heads(k, self.h), split_heads(v, self.h)  # (B, h, S, d_k)
             if cache is not None:
                 cache.k, cache.v = k, v
+        B, T, D = x.shape
+        groups = B // k.size(0)
+        if groups > 1:
+            # Decoding may feed G rows per source sentence (beam search's hypotheses: row
+            # b * G + g belongs to sentence b). They share its keys and values, which are
+            # then computed and kept once: its G rows attend as G * T queries of it.
+            q = split_heads(self.q(x.reshape(k.size(0), groups * T, D)), self.h)
+            y = self.attend(q, k, v, mask, is_causal=False)  # (B / G, G * T, D)
+            return y.view(B, T, D)
+        q = split_heads(self.q(x), self.h)  # (B, h, T, d_k)
         return self.attend(q, k, v, mask, is_causal=False)
