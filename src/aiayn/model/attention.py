@@ -117,16 +117,11 @@ class CrossAttention(_Attention):
         else:
             k, v = self.kv(memory).chunk(2, dim=-1)  # 2 x (B, S, D)
             k, v = split_heads(k, self.h), split_heads(v, self.h)  # (B, h, S, d_k)
-            if cache is not None:
-                cache.k, cache.v = k, v
+            if cache is not None:  # contiguous, as they stay when sentences leave the batch
+                cache.k, cache.v = k.contiguous(), v.contiguous()
+        # Decoding may feed G rows per source sentence (beam search's hypotheses: row b * G + g
+        # belongs to sentence b). They share its keys and values, which are then computed and
+        # kept once: the G rows attend as G * T queries of it. Training has G = 1 (views only).
         B, T, D = x.shape
-        groups = B // k.size(0)
-        if groups > 1:
-            # Decoding may feed G rows per source sentence (beam search's hypotheses: row
-            # b * G + g belongs to sentence b). They share its keys and values, which are
-            # then computed and kept once: its G rows attend as G * T queries of it.
-            q = split_heads(self.q(x.reshape(k.size(0), groups * T, D)), self.h)
-            y = self.attend(q, k, v, mask, is_causal=False)  # (B / G, G * T, D)
-            return y.view(B, T, D)
-        q = split_heads(self.q(x), self.h)  # (B, h, T, d_k)
-        return self.attend(q, k, v, mask, is_causal=False)
+        q = split_heads(self.q(x.reshape(k.size(0), -1, D)), self.h)  # (B / G, h, G * T, d_k)
+        return self.attend(q, k, v, mask, is_causal=False).view(B, T, D)
