@@ -141,7 +141,8 @@ def beam_search(
             order = torch.where(tok == eos_id, rank + 2 * K, rank).argsort(dim=1)[:, :K]
             scores = vals.gather(1, order)  # (n, K)
             best_live = scores[:, 0] / length_penalty(limits + 1, alpha)  # (n,) upper bound
-            done = at_limit | (torch.isfinite(best) & (best >= best_live))  # (n,)
+            # (n,) stopped: at the limit, or a finished hypothesis no live one can beat
+            done = at_limit | (torch.isfinite(best) & (best >= best_live))
             rows = origin.gather(1, order) + W * torch.arange(n, device=src.device)[:, None]
             last = tok.gather(1, order)  # (n, K)
             if bool(done.any()):  # the sentences that stop leave the batch
