@@ -49,23 +49,31 @@ def greedy_search(
     pad_id: int,
     max_len_b: int = 50,
 ) -> list[list[int]]:
-    """The most probable next token at every step, for each sentence of src (B, S)."""
+    """The most probable next token at every step, for each sentence of src (B, S). A sentence
+    leaves the batch when it ends, so later steps decode only the sentences still running."""
+    out: list[list[int]] = [[] for _ in range(src.size(0))]
     with _eval_mode(model):
         memory, src_mask = model.encode(src)  # (B, S, D), (B, 1, 1, S)
         limits = _max_lengths(model, src, pad_id, max_len_b)  # (B,)
+        live = list(range(src.size(0)))  # the sentence of each row still decoded
         state = DecoderState()
-        last = src.new_full((src.size(0), 1), bos_id)  # (B, 1)
-        done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)
-        steps = []
+        last = src.new_full((src.size(0), 1), bos_id)  # (B', 1)
         for step in range(int(limits.max())):
-            logits = model.decode(last, memory, src_mask, state)  # (B, 1, V)
-            last = logits[:, -1].argmax(dim=-1, keepdim=True)  # (B, 1)
-            steps.append(last)
-            done |= (last[:, 0] == eos_id) | (step + 1 >= limits)
-            if bool(done.all()):
-                break
-        out = torch.cat(steps, dim=1).tolist()  # (B, steps): rows run on past their end
-    return [_cut(row[:limit], eos_id) for row, limit in zip(out, limits.tolist(), strict=True)]
+            logits = model.decode(last, memory, src_mask, state)  # (B', 1, V)
+            last = logits[:, -1].argmax(dim=-1, keepdim=True)  # (B', 1)
+            for b, token in zip(live, last[:, 0].tolist(), strict=True):
+                out[b].append(token)
+            ended = (last[:, 0] == eos_id) | (step + 1 >= limits)  # (B',)
+            if bool(ended.any()):
+                keep = (~ended).nonzero()[:, 0]  # (B'',)
+                if keep.numel() == 0:
+                    break
+                live = [live[i] for i in keep.tolist()]
+                last, limits = last[keep], limits[keep]
+                memory, src_mask = memory[keep], src_mask[keep]
+                state.reorder(keep)
+                state.select_sources(keep)
+    return [_cut(row, eos_id) for row in out]
 
 
 def _cut(ids: list[int], eos_id: int) -> list[int]:
@@ -83,7 +91,7 @@ def beam_search(
     eos_id: int,
     pad_id: int,
 ) -> list[list[int]]:
-    """Beam search over B sentences at once (B * beam decoder rows), §6.1.
+    """Beam search over B sentences at once (up to B * beam decoder rows), §6.1.
 
     Hypotheses are ranked by log P(Y | X) / lp(Y). A hypothesis that ends in eos is finished.
     A sentence stops when no live hypothesis can still beat its best finished one (a live
@@ -92,47 +100,63 @@ def beam_search(
     hypotheses have finished (fairseq's rule) is not enough: a confident model puts improbable
     eos continuations of its weaker beams among the top candidates, and the search would end
     before the best hypothesis finishes. beam=1 is greedy search.
+
+    The first step decodes one row per sentence (bos), later ones `beam` rows per sentence,
+    consecutive (row b * beam + k is hypothesis k of sentence b); they share the sentence's
+    cross-attention keys and values. A sentence that stops leaves the batch.
     """
     if beam == 1:
         return greedy_search(
             model, src, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, max_len_b=max_len_b
         )
-    B, K = src.size(0), beam
+    K = beam
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(src.size(0))]
     with _eval_mode(model):
         memory, src_mask = model.encode(src)  # (B, S, D), (B, 1, 1, S)
-        memory = memory.repeat_interleave(K, dim=0)  # (B*K, S, D): row b*K + k is beam k of b
-        src_mask = src_mask.repeat_interleave(K, dim=0)  # (B*K, 1, 1, S)
         limits = _max_lengths(model, src, pad_id, max_len_b)  # (B,)
+        live = list(range(src.size(0)))  # the sentence of each row of the (B', ...) tensors
         state = DecoderState()
-        last = src.new_full((B * K, 1), bos_id)  # (B*K, 1)
-        history = src.new_zeros((B * K, 0))  # (B*K, t): tokens of each live hypothesis
-        scores = torch.full((B, K), float("-inf"), device=src.device)  # (B, K) log P so far
-        scores[:, 0] = 0.0  # one live hypothesis to start, not K copies of it
-        finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
-        done = torch.zeros(B, dtype=torch.bool, device=src.device)
+        last = src.new_full((src.size(0), 1), bos_id)  # (B' * W, 1), W = 1 at first, then K
+        history = src.new_zeros((src.size(0), 0))  # (B' * W, t): tokens of each hypothesis
+        scores = torch.zeros(src.size(0), 1, device=src.device)  # (B', W) log P so far
+        # (B',) score of each sentence's best finished hypothesis, float64 like the Python
+        # floats that rank them
+        best = torch.full((src.size(0),), float("-inf"), dtype=torch.float64, device=src.device)
         for step in range(int(limits.max()) + 1):
-            logits = model.decode(last, memory, src_mask, state)[:, -1]  # (B*K, V)
-            logp = torch.log_softmax(logits.float(), dim=-1)  # (B*K, V)
-            at_limit = (step >= limits).repeat_interleave(K)  # (B*K,)
-            logp[at_limit] = _only_eos(logp[at_limit], eos_id)
+            n, W = scores.shape
+            logits = model.decode(last, memory, src_mask, state)[:, -1]  # (n * W, V)
+            logp = torch.log_softmax(logits.float(), dim=-1)  # (n * W, V)
+            at_limit = step >= limits  # (n,)
+            if bool(at_limit.any()):
+                rows_at_limit = at_limit.repeat_interleave(W)  # (n * W,)
+                logp[rows_at_limit] = _only_eos(logp[rows_at_limit], eos_id)
             V = logp.size(-1)
-            cand = (scores.view(-1, 1) + logp).view(B, K * V)  # (B, K*V)
+            cand = (scores.view(-1, 1) + logp).view(n, W * V)  # (n, W * V)
             # 2K candidates: even if K of them end in eos, K live ones remain.
-            vals, idx = cand.topk(2 * K, dim=1)  # (B, 2K)
-            origin, tok = idx // V, idx % V  # (B, 2K): beam extended, token appended
-            _finish(finished, done, vals, origin, tok, history, step, alpha, eos_id)
+            vals, idx = cand.topk(2 * K, dim=1)  # (n, 2K)
+            origin, tok = idx // V, idx % V  # (n, 2K): hypothesis extended, token appended
+            _finish(finished, best, live, vals, origin, tok, history, step, alpha, eos_id)
             # The K best candidates that do not end in eos live on (stable order by score).
-            rank = torch.arange(2 * K, device=src.device).expand(B, -1)
+            rank = torch.arange(2 * K, device=src.device).expand(n, -1)
             order = torch.where(tok == eos_id, rank + 2 * K, rank).argsort(dim=1)[:, :K]
-            scores = vals.gather(1, order)  # (B, K)
-            best_live = scores[:, 0] / length_penalty(limits + 1, alpha)  # (B,) upper bound
-            done |= (step >= limits) | _cannot_improve(finished, best_live)
-            if bool(done.all()):
-                break
-            rows = origin.gather(1, order) + K * torch.arange(B, device=src.device)[:, None]
-            rows = rows.view(-1)  # (B*K,) parent row of each new hypothesis
-            last = tok.gather(1, order).view(-1, 1)  # (B*K, 1)
-            history = torch.cat([history[rows], last], dim=1)  # (B*K, t + 1)
+            scores = vals.gather(1, order)  # (n, K)
+            best_live = scores[:, 0] / length_penalty(limits + 1, alpha)  # (n,) upper bound
+            # (n,) stopped: at the limit, or a finished hypothesis no live one can beat
+            done = at_limit | (torch.isfinite(best) & (best >= best_live))
+            rows = origin.gather(1, order) + W * torch.arange(n, device=src.device)[:, None]
+            last = tok.gather(1, order)  # (n, K)
+            if bool(done.any()):  # the sentences that stop leave the batch
+                keep = (~done).nonzero()[:, 0]  # (n',)
+                if keep.numel() == 0:
+                    break
+                live = [live[i] for i in keep.tolist()]
+                rows, last, scores = rows[keep], last[keep], scores[keep]
+                limits, best = limits[keep], best[keep]
+                memory, src_mask = memory[keep], src_mask[keep]
+                state.select_sources(keep)
+            rows = rows.view(-1)  # (n' * K,) parent row of each new hypothesis
+            last = last.view(-1, 1)  # (n' * K, 1)
+            history = torch.cat([history[rows], last], dim=1)  # (n' * K, t + 1)
             state.reorder(rows)
     return [hyps[0][1] for hyps in finished]
 
@@ -144,28 +168,22 @@ def _only_eos(logp: torch.Tensor, eos_id: int) -> torch.Tensor:
     return forced
 
 
-def _finish(finished, done, vals, origin, tok, history, step, alpha, eos_id) -> None:
-    """Record the hypotheses ending in eos among the top K candidates of unfinished sentences,
-    keeping each sentence's K best."""
+def _finish(finished, best, live, vals, origin, tok, history, step, alpha, eos_id) -> None:
+    """Record the hypotheses ending in eos among the top K candidates, keeping each sentence's
+    K best in finished[live[b]] and the score of its best in best[b]."""
     K = vals.size(1) // 2
-    ends = (tok[:, :K] == eos_id) & torch.isfinite(vals[:, :K]) & ~done[:, None]  # (B, K)
+    ends = (tok[:, :K] == eos_id) & torch.isfinite(vals[:, :K])  # (n, K)
     if not bool(ends.any()):
         return
+    W = history.size(0) // vals.size(0)  # hypotheses per sentence
     lp = length_penalty(step + 1, alpha)  # step + 1 tokens, eos included
     for b, j in ends.nonzero().tolist():
-        ids = history[b * K + int(origin[b, j])].tolist()
-        finished[b].append((float(vals[b, j]) / lp, ids))
-        finished[b].sort(key=lambda hyp: hyp[0], reverse=True)
-        del finished[b][K:]
-
-
-def _cannot_improve(finished, best_live: torch.Tensor) -> torch.Tensor:
-    """(B,) True where the best finished hypothesis beats anything a live one can reach."""
-    bound = best_live.tolist()
-    return torch.tensor(
-        [bool(hyps) and hyps[0][0] >= bound[b] for b, hyps in enumerate(finished)],
-        device=best_live.device,
-    )
+        ids = history[b * W + int(origin[b, j])].tolist()
+        hyps = finished[live[b]]
+        hyps.append((float(vals[b, j]) / lp, ids))
+        hyps.sort(key=lambda hyp: hyp[0], reverse=True)
+        del hyps[K:]
+        best[b] = hyps[0][0]
 
 
 def generate(

@@ -45,7 +45,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 GRAPH_BUDGET = 12
 """Compiled graphs a layer kind may have (torch's recompile limit, per code object; its default
 is 8). Replaying an epoch of token-budget batches, a validation pass and a beam search takes 4
-encoder and 6 decoder graphs (tests/unit/test_compile_shapes.py); past the budget a run stops,
+encoder and 9 decoder graphs (tests/unit/test_compile_shapes.py); past the budget a run stops,
 where torch would silently run the layer uncompiled for the rest of it."""
 
 

@@ -97,9 +97,10 @@ def test_an_epoch_a_validation_and_a_beam_search_stay_within_the_graph_budget(co
         beam_search(model, src, beam=3, max_len_b=5, bos_id=BOS, eos_id=EOS, pad_id=PAD)
     # Per layer kind: training, and training on one row (sizes 1 are specialised); inference
     # (grad mode is guarded); the encoder on one sentence; the decoder's first cached step, its
-    # steps of one token (not causal), and its cache past one position.
+    # steps of one token (not causal), and its cache past one position, each also for one
+    # sentence (a single input, or the last one decoded once the others have finished).
     assert train_graphs == 4, train_graphs
-    assert counter.frame_count <= 10, counter.frame_count
+    assert counter.frame_count <= 13, counter.frame_count
     assert counter.frame_count <= 2 * parallelize.GRAPH_BUDGET
 
 

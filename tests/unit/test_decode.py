@@ -121,9 +121,59 @@ def test_reordered_decoder_state_equals_recomputing_the_reordered_prefixes(toy, 
         toy.decode(tgt[:, :3], memory, src_mask, state)  # prefill three positions
         index = torch.tensor([2, 2, 0])
         state.reorder(index)
+        state.select_sources(index)
         step = toy.decode(tgt[index, 3:], memory[index], src_mask[index], state)
         full = toy(src[index], tgt[index])
     torch.testing.assert_close(step[:, 0], full[:, 3], atol=1e-5, rtol=1e-5)
+
+
+def test_rows_of_one_sentence_share_its_cross_attention_keys_and_values(toy, src):
+    """Beam search feeds G rows per sentence (row b * G + g belongs to sentence b) against
+    one memory row per sentence: the same logits as repeating the memory G times."""
+    G, src = 3, src[:4]
+    tgt = torch.randint(3, V, (4 * G, 5))
+    with evaluated(toy), torch.no_grad():
+        memory, src_mask = toy.encode(src)
+        shared, repeated = DecoderState(), DecoderState()
+        steps = []
+        for t in range(tgt.size(1)):
+            a = toy.decode(tgt[:, t : t + 1], memory, src_mask, shared)
+            b = toy.decode(
+                tgt[:, t : t + 1],
+                memory.repeat_interleave(G, dim=0),
+                src_mask.repeat_interleave(G, dim=0),
+                repeated,
+            )
+            steps.append((a, b))
+        assert shared.cross_attn[0].k.size(0) == 4 and repeated.cross_attn[0].k.size(0) == 4 * G
+    for a, b in steps:
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_sentences_leave_the_batch_when_they_stop(toy, src):
+    """Beam and greedy search decode fewer rows once sentences stop, with the hypotheses of
+    decoding each sentence alone (which never drops a sentence: it stops with the search)."""
+    rows = []
+    decode = toy.decode
+
+    def counting(tgt, *args, **kwargs):
+        rows.append(tgt.size(0))
+        return decode(tgt, *args, **kwargs)
+
+    toy.decode = counting
+    try:
+        for search, extra in ((greedy_search, {}), (beam_search, {"beam": 3})):
+            rows.clear()
+            batch = search(toy, src, **KW, **extra)
+            width = extra.get("beam", 1)
+            # the first step decodes one row per sentence (bos), then `width` per sentence
+            assert rows[0] == len(src) and rows[1] == len(src) * width
+            assert rows[1:] == sorted(rows[1:], reverse=True)
+            assert rows[-1] < len(src) * width  # some sentences stopped before the last
+            alone = [search(toy, row[row != PAD][None], **KW, **extra)[0] for row in src]
+            assert batch == alone
+    finally:
+        del toy.decode
 
 
 def test_beam_of_one_equals_greedy(toy, src):

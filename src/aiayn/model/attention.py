@@ -112,12 +112,16 @@ class CrossAttention(_Attention):
         mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        q = split_heads(self.q(x), self.h)  # (B, h, T, d_k)
         if cache is not None and cache.k is not None:
             k, v = cache.k, cache.v  # the memory does not change while decoding: computed once
         else:
             k, v = self.kv(memory).chunk(2, dim=-1)  # 2 x (B, S, D)
             k, v = split_heads(k, self.h), split_heads(v, self.h)  # (B, h, S, d_k)
-            if cache is not None:
-                cache.k, cache.v = k, v
-        return self.attend(q, k, v, mask, is_causal=False)
+            if cache is not None:  # contiguous, as they stay when sentences leave the batch
+                cache.k, cache.v = k.contiguous(), v.contiguous()
+        # Decoding may feed G rows per source sentence (beam search's hypotheses: row b * G + g
+        # belongs to sentence b). They share its keys and values, which are then computed and
+        # kept once: the G rows attend as G * T queries of it. Training has G = 1 (views only).
+        B, T, D = x.shape
+        q = split_heads(self.q(x.reshape(k.size(0), -1, D)), self.h)  # (B / G, h, G * T, d_k)
+        return self.attend(q, k, v, mask, is_causal=False).view(B, T, D)

@@ -76,8 +76,19 @@ class DecoderState:
         self.length = 0
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Keep batch rows `index` (B',), e.g. the hypotheses that survive a beam-search step."""
-        for cache in self.self_attn + self.cross_attn:
+        """Keep rows `index` (B',) of the self-attention caches, e.g. the hypotheses that survive
+        a beam-search step. The cross-attention caches are left alone (see select_sources)."""
+        for cache in self.self_attn:
+            cache.reorder(index)
+
+    def select_sources(self, index: torch.Tensor) -> None:
+        """Keep rows `index` of the cross-attention caches: the source sentences still decoded.
+
+        The cross-attention caches hold one row per source sentence; the decoder may have G
+        rows per sentence (row b * G + g belongs to sentence b, see CrossAttention), so a
+        reorder within each sentence's rows leaves them as they are.
+        """
+        for cache in self.cross_attn:
             cache.reorder(index)
 
 
