@@ -114,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quantization",
         choices=[
+            "float32",
             "int8",
             "int8_float32",
             "int8_float16",
@@ -121,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
             "int16",
             "float16",
             "bfloat16",
-        ],  # fmt: skip
+        ],
         help="ctranslate2 only: weights stored in this type (default float32)",
     )
 
