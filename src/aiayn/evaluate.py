@@ -65,7 +65,38 @@ def translate(
     model: nn.Module, tok: Tokenizer, lines: list[str], cfg: DecodeConfig, device: torch.device
 ) -> list[str]:
     """Translate `lines` in length-sorted batches; hypotheses come back in input order."""
-    max_src = model.cfg.max_len - 1  # room for eos
+    special = dict(bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id)
+
+    def decode(batch: list[list[int]]) -> list[list[int]]:
+        rows = [ids + [tok.eos_id] for ids in batch]
+        src = torch.full((len(rows), max(map(len, rows))), tok.pad_id, dtype=torch.long)
+        for r, ids in enumerate(rows):
+            src[r, : len(ids)] = torch.tensor(ids)
+        if cfg.beam == 1:
+            return greedy_search(model, src.to(device), max_len_b=cfg.max_len_b, **special)
+        return beam_search(
+            model,
+            src.to(device),
+            beam=cfg.beam,
+            alpha=cfg.alpha,
+            max_len_b=cfg.max_len_b,
+            **special,
+        )
+
+    return translate_batches(tok, lines, model.cfg.max_len, cfg.batch_size, decode)
+
+
+def translate_batches(
+    tok: Tokenizer,
+    lines: list[str],
+    max_len: int,
+    batch_size: int,
+    decode: Callable[[list[list[int]]], list[list[int]]],
+) -> list[str]:
+    """What every engine's translation shares: each line encoded and cut to max_len - 1 tokens
+    (room for eos) with a warning, batches of batch_size lines of similar length, and the text of
+    each hypothesis in input order. decode maps a batch's token ids (no eos) to its hypotheses'."""
+    max_src = max_len - 1
     encoded = tok.encode(lines)
     too_long = sum(len(ids) > max_src for ids in encoded)
     if too_long:
@@ -78,24 +109,9 @@ def translate(
         encoded = [ids[:max_src] for ids in encoded]
     order = sorted(range(len(lines)), key=lambda i: len(encoded[i]))
     out: list[str] = [""] * len(lines)
-    for start in range(0, len(order), cfg.batch_size):
-        idx = order[start : start + cfg.batch_size]
-        rows = [encoded[i] + [tok.eos_id] for i in idx]
-        src = torch.full((len(rows), max(map(len, rows))), tok.pad_id, dtype=torch.long)
-        for r, ids in enumerate(rows):
-            src[r, : len(ids)] = torch.tensor(ids)
-        special = dict(bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id)
-        if cfg.beam == 1:
-            hyps = greedy_search(model, src.to(device), max_len_b=cfg.max_len_b, **special)
-        else:
-            hyps = beam_search(
-                model,
-                src.to(device),
-                beam=cfg.beam,
-                alpha=cfg.alpha,
-                max_len_b=cfg.max_len_b,
-                **special,
-            )
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        hyps = decode([encoded[i] for i in idx])
         for i, text in zip(idx, tok.decode(hyps), strict=True):
             out[i] = text
     return out

@@ -136,37 +136,26 @@ def translate_ct2(
     tokens, and at model.max_len - 1. CTranslate2 takes one length limit per batch, so
     the batch decodes to its longest limit and each hypothesis is cut to its own: exact for
     greedy search, where a prefix does not depend on how far decoding goes on."""
+    from aiayn.evaluate import translate_batches
+
     model = _open(model, overrides, device, threads, "seq2seq")
-    tok, dec = model.tok, model.cfg.decode
+    dec = model.cfg.decode
     # aiayn.evaluate.translate's limits, whatever the export's table allows: the same output.
-    max_src = min(model.max_positions, model.cfg.model.max_len) - 1  # room for eos
-    encoded = tok.encode(lines)
-    too_long = sum(len(ids) > max_src for ids in encoded)
-    if too_long:
-        log.warning(
-            "%d of %d inputs are longer than model.max_len - 1 = %d tokens and were cut to fit",
-            too_long,
-            len(lines),
-            max_src,
-        )
-        encoded = [ids[:max_src] for ids in encoded]
-    order = sorted(range(len(lines)), key=lambda i: len(encoded[i]))
-    out: list[str] = [""] * len(lines)
-    for start in range(0, len(order), dec.batch_size):
-        idx = order[start : start + dec.batch_size]
-        limits = [min(len(encoded[i]) + 1 + dec.max_len_b, max_src) for i in idx]
+    max_len = min(model.max_positions, model.cfg.model.max_len)
+
+    def decode(batch: list[list[int]]) -> list[list[int]]:
+        limits = [min(len(ids) + 1 + dec.max_len_b, max_len - 1) for ids in batch]
         results = model.engine.translate_batch(
-            model.pieces([encoded[i] for i in idx]),
+            model.pieces(batch),
             beam_size=dec.beam,
             length_penalty=dec.alpha,
             max_decoding_length=max(limits),
-            max_input_length=0,  # cut above, with a warning, rather than silently at 1024
+            max_input_length=0,  # cut by translate_batches, with a warning, not silently at 1024
         )
         hyps = model.ids([r.hypotheses[0] for r in results])
-        hyps = [h[:limit] for h, limit in zip(hyps, limits, strict=True)]
-        for i, text in zip(idx, tok.decode(hyps), strict=True):
-            out[i] = text
-    return out
+        return [h[:limit] for h, limit in zip(hyps, limits, strict=True)]
+
+    return translate_batches(model.tok, lines, max_len, dec.batch_size, decode)
 
 
 def generate_ct2(
