@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -55,12 +56,17 @@ class Range:
 
 
 def bounded(
-    default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING, **bounds
+    default: Any = dataclasses.MISSING,
+    *,
+    default_factory: Any = dataclasses.MISSING,
+    wrong_type: str | None = None,
+    **bounds,
 ) -> Any:
-    """A dataclass field whose value must lie in Range(**bounds); None always passes."""
-    return field(
-        default=default, default_factory=default_factory, metadata={"range": Range(**bounds)}
-    )
+    """A dataclass field whose value must lie in Range(**bounds); None always passes.
+    `wrong_type` is added to the error for a value of the wrong type: what the user likely
+    meant."""
+    metadata = {"range": Range(**bounds), "wrong_type": wrong_type}
+    return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
 class Section:
@@ -256,11 +262,41 @@ class ScheduleConfig(Section):
     """Multiplier on the noam rate (the paper uses 1)."""
     lr: float = bounded(1e-4, low=0, low_open=True)
     """Learning rate of the constant schedule."""
-    cooldown: int = bounded(0, low=0)
+    cooldown: int | None = bounded(
+        None, low=0, wrong_type="a share of train.max_steps is schedule.cooldown_fraction"
+    )
     """The last this many optimizer steps before train.max_steps scale the rate down linearly
-    to 0 (0: none, the paper's schedule to the end). For a run whose length is fixed in
+    to 0 (None or 0: none, the paper's schedule to the end). For a run whose length is fixed in
     advance: a rate that falls to zero ends lower than one cut off while still high. Counted
     from max_steps: a run that train.max_epochs stops first ends before it."""
+    cooldown_fraction: float | None = bounded(None, low=0, low_open=True, high=1)
+    """The cooldown as a share of train.max_steps instead (0.2: the last 20% of the steps),
+    so that it scales with an override of max_steps (torchtitan's decay_ratio). Rounded to the
+    nearest step, at least 1; the run's config.yaml records the steps as schedule.cooldown.
+    Give one of the two. The key, not the number's form, says which is meant: cooldown_fraction
+    1 is the whole run, cooldown 1 one step, and cooldown 0.2 is refused, not truncated."""
+
+    def cooldown_steps(self, max_steps: int) -> int:
+        """The cooldown in optimizer steps for a run of `max_steps` steps."""
+        if self.cooldown_fraction is None:
+            return self.cooldown or 0
+        # Half up rather than Python's round-half-even, and never 0: a fraction asks for some.
+        return max(1, math.floor(self.cooldown_fraction * max_steps + 0.5))
+
+    def in_steps(self, max_steps: int) -> ScheduleConfig:
+        """This schedule with its cooldown resolved to steps, as a run records it."""
+        cooldown = self.cooldown_steps(max_steps)
+        return dataclasses.replace(self, cooldown=cooldown, cooldown_fraction=None)
+
+    def validate(self) -> list[str]:
+        if self.cooldown is not None and self.cooldown_fraction is not None:
+            return [
+                f"schedule.cooldown ({self.cooldown}) and schedule.cooldown_fraction "
+                f"({self.cooldown_fraction}) are both set: give the cooldown in steps or as a "
+                "fraction of train.max_steps, and set the other to null (an override: "
+                "schedule.cooldown_fraction=null or schedule.cooldown=null)"
+            ]
+        return []
 
 
 @dataclass
@@ -499,10 +535,11 @@ class Config:
                 "hooks gather and reduce inside the layers torch.compile would trace; set "
                 "train.compile=false or distributed.backend=ddp"
             )
-        if self.schedule.cooldown > self.train.max_steps:
+        if (self.schedule.cooldown or 0) > self.train.max_steps:
             errs.append(
                 f"schedule.cooldown ({self.schedule.cooldown}) must be at most train.max_steps "
-                f"({self.train.max_steps}): the rate falls over the run's last steps"
+                f"({self.train.max_steps}): the rate falls over the run's last steps (a cooldown "
+                "that scales with max_steps: schedule.cooldown_fraction)"
             )
         stride = self.train.eval_stride
         if stride is not None and stride > self.data.max_len:
@@ -642,7 +679,11 @@ def _build(cls, raw: Any, prefix: str, errs: list[str]):
             if ok:
                 kwargs[f.name] = converted
             else:
-                errs.append(f"{prefix}{f.name} must be {expected}, got {value!r}")
+                hint = f.metadata.get("wrong_type")
+                errs.append(
+                    f"{prefix}{f.name} must be {expected}, got {value!r}"
+                    + (f"; {hint}" if hint else "")
+                )
     return cls(**kwargs)
 
 

@@ -26,4 +26,4 @@ def learning_rate(step: int, cfg: ScheduleConfig, d_model: int, max_steps: int) 
     """The rate for optimizer step `step` (counted from 1, once per accumulation boundary) of a
     run of `max_steps` steps."""
     rate = noam_lr(step, d_model, cfg.warmup, cfg.factor) if cfg.kind == "noam" else cfg.lr
-    return rate * cooldown_scale(step, max_steps, cfg.cooldown)
+    return rate * cooldown_scale(step, max_steps, cfg.cooldown_steps(max_steps))

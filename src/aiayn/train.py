@@ -148,16 +148,26 @@ def train(cfg: Config) -> dict[str, float]:
         teardown()
 
 
+def _resolved(cfg: Config, device: torch.device) -> Config:
+    """`cfg` with what it leaves to the run decided, so that config.yaml and the checkpoints
+    record what the run used: the precision (auto), pad_to_multiple (None) and the cooldown in
+    steps (a fraction of train.max_steps)."""
+    precision = resolve_precision(cfg.train.precision, device)
+    multiple = resolve_pad_to_multiple(cfg.data.pad_to_multiple, device)
+    return dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, precision=precision),
+        data=dataclasses.replace(cfg.data, pad_to_multiple=multiple),
+        schedule=cfg.schedule.in_steps(cfg.train.max_steps),
+    )
+
+
 def _assemble(cfg: Config, stop: StopFlag) -> Run:
     env = setup(cfg.train.device, cfg.distributed.setup_timeout_minutes)
     run_dir = Path(cfg.run_dir)
     setup_logging(run_dir, env.rank)
-    # From here on the run's precision is fp32, bf16 or fp16, and config.yaml records which.
-    precision = resolve_precision(cfg.train.precision, env.device)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
+    cfg = _resolved(cfg, env.device)
     configure(env.device, cfg.train.tf32, cfg.train.deterministic)
-    multiple = resolve_pad_to_multiple(cfg.data.pad_to_multiple, env.device)  # recorded too
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pad_to_multiple=multiple))
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if env.device.type == "cpu" and cfg.train.malloc == "keep":
@@ -199,7 +209,8 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
     )
     log.info(
         "%s model, %s parameters, vocab %d | %d tokens x %d micro-batches x %d ranks per step | "
-        "backend %s, ZeRO stage %d, %s on %s | peak %.3g TFLOP/s | %s",
+        "backend %s, ZeRO stage %d, %s on %s | peak %.3g TFLOP/s | %s schedule, warmup %d, "
+        "cooldown %d of %d steps | %s",
         cfg.model.kind,
         f"{n_params:,}",
         tok.vocab_size,
@@ -211,6 +222,10 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
         cfg.train.precision,
         env.device,
         peak / 1e12,
+        cfg.schedule.kind,
+        cfg.schedule.warmup,
+        cfg.schedule.cooldown,
+        cfg.train.max_steps,
         f"resumed from {resume_from} (step {progress.step})" if resume_from else "new run",
     )
     if "SLURM_JOB_ID" in os.environ:  # a requeued job starts again under the same id

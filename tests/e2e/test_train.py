@@ -320,3 +320,23 @@ def test_precision_auto_runs_and_records_what_it_chose(tmp_path, numbers):
     assert chosen in ("fp32", "bf16")
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["train"]["precision"] == chosen
+
+
+def test_a_fraction_cooldown_is_recorded_as_the_steps_it_came_to(tmp_path, numbers):
+    run_dir = tmp_path / "run"
+    cfg = numbers_config(
+        run_dir,
+        numbers,
+        "train.max_steps=10",
+        "train.eval_every=0",
+        "schedule.cooldown_fraction=0.3",
+    )
+    train(cfg)
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())["schedule"]
+    assert (saved["cooldown"], saved["cooldown_fraction"]) == (3, None)
+    assert "noam schedule, warmup 30, cooldown 3 of 10 steps" in (run_dir / "train.log").read_text()
+    # The checkpoints record the same config, and the rate that fell to 0 at the end.
+    manifest = json.loads((run_dir / "checkpoints" / "step_00000010" / "manifest.json").read_text())
+    assert manifest["config"]["schedule"]["cooldown"] == 3
+    state = torch.load(run_dir / "checkpoints" / "step_00000010" / "trainer.pt", weights_only=True)
+    assert state["engine"]["optimizer"]["param_groups"][0]["lr"] == 0.0

@@ -143,7 +143,57 @@ def test_the_ranges_are_declared_on_the_fields():
         "optim.betas",
         "schedule.factor",
         "schedule.cooldown",
+        "schedule.cooldown_fraction",
         "distributed.zero_stage",
         "data.pad_to_multiple",
     } <= declared
-    assert len(declared) == 44  # every numeric field with a bound
+    assert len(declared) == 45  # every numeric field with a bound
+
+
+SHAKESPEARE = Path(__file__).parents[2] / "configs" / "tinyshakespeare_lm.yaml"
+
+
+def test_a_smoke_test_override_of_max_steps_on_a_recipe_validates_and_scales_its_cooldown():
+    cfg = load_config(SHAKESPEARE, ["train.max_steps=30"])
+    assert cfg.schedule.cooldown_fraction == 0.2
+    assert cfg.schedule.cooldown_steps(cfg.train.max_steps) == 6
+    full = load_config(SHAKESPEARE)
+    assert full.schedule.cooldown_steps(full.train.max_steps) == 380  # the recipe's measured run
+
+
+def test_a_cooldown_given_both_ways_is_refused_naming_both_and_the_fix():
+    with pytest.raises(ConfigError) as err:
+        load_config(SHAKESPEARE, ["schedule.cooldown=0"])
+    assert "schedule.cooldown (0) and schedule.cooldown_fraction (0.2) are both set" in str(
+        err.value
+    )
+    assert "schedule.cooldown_fraction=null" in str(err.value)
+    cfg = load_config(SHAKESPEARE, ["schedule.cooldown=50", "schedule.cooldown_fraction=null"])
+    assert cfg.schedule.cooldown_steps(cfg.train.max_steps) == 50
+
+
+@pytest.mark.parametrize("value", ["0.2", "380.0"])
+def test_a_fraction_written_as_steps_is_refused_not_truncated(value):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.train=x", f"schedule.cooldown={value}"])
+    assert f"schedule.cooldown must be an integer or null, got {value}" in str(err.value)
+    assert "a share of train.max_steps is schedule.cooldown_fraction" in str(err.value)
+
+
+def test_a_cooldown_fraction_is_a_share_never_steps_or_percent():
+    assert (
+        load_config(None, ["data.train=x", "schedule.cooldown_fraction=1"])
+        .schedule.in_steps(40)
+        .cooldown
+        == 40
+    )  # 1 is the whole run, not one step
+    with pytest.raises(ConfigError, match=r"cooldown_fraction must be in \(0, 1\], got 20"):
+        load_config(None, ["data.train=x", "schedule.cooldown_fraction=20"])
+
+
+def test_a_step_cooldown_longer_than_a_short_run_points_to_the_fraction():
+    with pytest.raises(ConfigError) as err:
+        load_config(SHAKESPEARE, ["train.max_steps=30", "schedule.cooldown=380",
+                                  "schedule.cooldown_fraction=null"])  # fmt: skip
+    assert "schedule.cooldown (380) must be at most train.max_steps (30)" in str(err.value)
+    assert "schedule.cooldown_fraction" in str(err.value)
