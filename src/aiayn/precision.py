@@ -1,4 +1,5 @@
-"""The precision a run computes in: `train.precision=auto` resolved against the device.
+"""The precision a run computes in: `train.precision=auto` resolved against the device, and
+the autocast context each precision means.
 
 bf16 autocast pays only where the hardware multiplies bf16 natively. On a CPU that decides it:
 with AVX512-BF16 (AMD Zen 4, Intel Cooper Lake) or AMX (Intel Sapphire Rapids) oneDNN's bf16
@@ -14,7 +15,9 @@ have fp16 tensor cores, eight times their fp32 rate, and train in fp16 with loss
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
 
 import torch
@@ -22,6 +25,7 @@ import torch
 log = logging.getLogger("aiayn")
 
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
@@ -65,3 +69,11 @@ def resolve_precision(precision: str, device: torch.device, flags: set[str] | No
         chosen, why = "fp32", "no native bf16: bf16 would be slower"
     log.info("train.precision=auto: %s on %s (%s)", chosen, device, why)
     return chosen
+
+
+def autocast(device: torch.device, precision: str) -> ContextManager:
+    """The forward pass's context: autocast to bf16 or fp16, nothing for fp32 (the weights and
+    the optimizer stay fp32 in every precision)."""
+    if precision in AUTOCAST:
+        return torch.autocast(device.type, dtype=AUTOCAST[precision])
+    return contextlib.nullcontext()

@@ -8,7 +8,7 @@ import torch
 
 from aiayn.config import load_config
 from aiayn.distributed import deepspeed_config
-from aiayn.distributed.engine import LocalEngine
+from aiayn.distributed.ddp_engine import LocalEngine
 from aiayn.distributed.launcher import accelerate_overrides
 from aiayn.errors import ConfigError
 from aiayn.loss import batch_loss

@@ -10,8 +10,8 @@ import torch
 
 from aiayn.config import load_config
 from aiayn.distributed import reshard
+from aiayn.distributed.ddp_engine import LocalEngine
 from aiayn.distributed.deepspeed_engine import DeepSpeedEngine
-from aiayn.distributed.engine import LocalEngine
 from aiayn.errors import CheckpointError
 from aiayn.model import build_model
 

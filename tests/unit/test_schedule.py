@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from aiayn.config import config_from_dict
-from aiayn.distributed.engine import LocalEngine
+from aiayn.distributed.ddp_engine import LocalEngine
 from aiayn.errors import ConfigError
 from aiayn.schedule import learning_rate, noam_lr
 

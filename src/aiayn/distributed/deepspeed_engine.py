@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO stages 0-3, with optional CPU offload, as an `Engine` (distributed/engine.py)."""
+"""DeepSpeed ZeRO stages 0-3, with optional CPU offload, as an `Engine` (distributed/engine.py);
+distributed.backend=deepspeed."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from torch import nn
 from aiayn import parallelize
 from aiayn.config import Config
 from aiayn.distributed import deepspeed_config, op_builds, reshard
-from aiayn.distributed.engine import autocast, replicas_differ
 from aiayn.distributed.env import DistEnv
+from aiayn.distributed.replicas import replicas_differ
 from aiayn.distributed.reshard import DEEPSPEED_DIR, Portable
 from aiayn.errors import CheckpointError, ConfigError, TrainingError
 from aiayn.optim import clip_gradients, load_schedule, load_torch_adam, paper_schedule
+from aiayn.precision import autocast
 
 
 class DeepSpeedEngine:
