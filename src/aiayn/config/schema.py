@@ -1,17 +1,12 @@
-"""Typed run configuration: the only reader of YAML and command-line overrides.
-
-Precedence is command line > YAML > model preset > defaults. Every key is checked at load: an
-unknown key is an error that suggests the nearest known one, a wrong type or an out-of-range
-value is an error naming the key, and all problems are reported together.
+"""The run configuration: every section and key, its type, default, documented meaning and
+accepted range, and the checks across keys. The one module to read to learn what a config file
+may say; reading files and overrides into it is loading.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -19,7 +14,7 @@ from typing import Any, Literal
 import yaml
 
 from aiayn import metric_names
-from aiayn.errors import ConfigError
+from aiayn.config.checks import Section, bounded, range_errors, suggest
 
 # Table 3 of the paper, plus small presets that train on a laptop CPU in minutes.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -28,66 +23,6 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "small": dict(N=3, d_model=256, d_ff=1024, h=4, dropout=0.1),
     "tiny": dict(N=2, d_model=128, d_ff=512, h=4, dropout=0.1),
 }
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric field accepts, declared with it (`bounded`) and checked at load."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False  # low itself is refused
-    high_open: bool = False
-
-    def admits(self, value: float) -> bool:
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        if self.high is not None and (value >= self.high if self.high_open else value > self.high):
-            return False
-        return True
-
-    def __str__(self) -> str:
-        if self.high is None:
-            return f"{'>' if self.low_open else '>='} {self.low}"
-        if not (self.low_open or self.high_open):
-            return f"{self.low}..{self.high}"
-        left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
-        return f"in {left}{self.low}, {self.high}{right}"
-
-
-def bounded(
-    default: Any = dataclasses.MISSING,
-    *,
-    default_factory: Any = dataclasses.MISSING,
-    wrong_type: str | None = None,
-    **bounds,
-) -> Any:
-    """A dataclass field whose value must lie in Range(**bounds); None always passes.
-    `wrong_type` is added to the error for a value of the wrong type: what the user likely
-    meant."""
-    metadata = {"range": Range(**bounds), "wrong_type": wrong_type}
-    return field(default=default, default_factory=default_factory, metadata=metadata)
-
-
-class Section:
-    """A config section. Field ranges are declared with the fields (`bounded`) and checked for
-    every section at once; `validate` adds the checks that involve several fields."""
-
-    def validate(self) -> list[str]:
-        return []
-
-
-def range_errors(section: Any, name: str) -> list[str]:
-    """Every declared bound `section` (the config section called `name`) breaks."""
-    errs = []
-    for f in dataclasses.fields(section):
-        bound, value = f.metadata.get("range"), getattr(section, f.name)
-        if bound is None or value is None:
-            continue
-        values = value if isinstance(value, list) else [value]
-        if not all(bound.admits(v) for v in values):
-            errs.append(f"{name}.{f.name} must be {str(bound)}, got {value}")
-    return errs
 
 
 @dataclass
@@ -132,7 +67,7 @@ class ModelConfig(Section):
         if self.preset is not None and self.preset not in MODEL_PRESETS:
             errs.append(
                 f"model.preset {self.preset!r} is not a preset; choose from "
-                f"{sorted(MODEL_PRESETS)}" + _suggest(self.preset, MODEL_PRESETS)
+                f"{sorted(MODEL_PRESETS)}" + suggest(self.preset, MODEL_PRESETS)
             )
         return errs
 
@@ -461,7 +396,7 @@ class CheckpointConfig(Section):
         if self.best_metric not in VALID_METRICS:
             errs.append(
                 f"checkpoint.best_metric {self.best_metric!r} is not recorded; choose from "
-                f"{sorted(VALID_METRICS)}" + _suggest(self.best_metric, VALID_METRICS)
+                f"{sorted(VALID_METRICS)}" + suggest(self.best_metric, VALID_METRICS)
             )
         return errs
 
@@ -595,141 +530,3 @@ class Config:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as fh:
             yaml.safe_dump(self.to_dict(), fh, sort_keys=False)
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Build a Config from a YAML file and `section.key=value` overrides, validated."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        raw = _read_yaml(Path(path))
-    for item in overrides:
-        apply_override(raw, item)
-    return config_from_dict(raw, source=str(path) if path else "<overrides>")
-
-
-def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
-    errs: list[str] = []
-    model_raw = raw.get("model")
-    if isinstance(model_raw, dict) and model_raw.get("preset") in MODEL_PRESETS:
-        raw = {**raw, "model": {**MODEL_PRESETS[model_raw["preset"]], **model_raw}}
-    cfg = _build(Config, raw, "", errs)
-    if not errs:
-        errs = cfg.validate()
-    if errs:
-        lines = "\n".join(f"  - {e}" for e in errs)
-        raise ConfigError(f"invalid configuration ({source}):\n{lines}")
-    return cfg
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections, got {data!r}")
-    return data
-
-
-def apply_override(raw: dict[str, Any], item: str) -> None:
-    key, sep, text = item.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"override {item!r} must look like section.key=value")
-    try:
-        value = yaml.safe_load(text) if text else None
-    except yaml.YAMLError:
-        value = text
-    node = raw
-    parts = key.strip().split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {item!r}: {part} is not a section")
-    node[parts[-1]] = value
-
-
-def _suggest(name: str, known, prefix: str = "") -> str:
-    close = difflib.get_close_matches(str(name), list(known), n=1, cutoff=0.5)
-    return f"; did you mean {prefix}{close[0]}?" if close else ""
-
-
-def _build(cls, raw: Any, prefix: str, errs: list[str]):
-    where = prefix.rstrip(".") or "top level"
-    if not isinstance(raw, dict):
-        errs.append(f"{where} must be a mapping, got {raw!r}")
-        return cls()
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in known:
-            errs.append(f"unknown key {prefix}{key}" + _suggest(key, known, prefix))
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in raw:
-            continue
-        value, tp = raw[f.name], hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[f.name] = _build(tp, value, f"{prefix}{f.name}.", errs)
-        else:
-            ok, converted, expected = _coerce(value, tp)
-            if ok:
-                kwargs[f.name] = converted
-            else:
-                hint = f.metadata.get("wrong_type")
-                errs.append(
-                    f"{prefix}{f.name} must be {expected}, got {value!r}"
-                    + (f"; {hint}" if hint else "")
-                )
-    return cls(**kwargs)
-
-
-def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
-    """Check `value` against a field type; return (ok, converted value, expected description)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return True, None, ""
-        expected = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            ok, converted, exp = _coerce(value, arg)
-            if ok:
-                return True, converted, ""
-            expected.append(exp)
-        return False, None, " or ".join(expected + ["null"])
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        return value in choices, value, "one of " + ", ".join(map(str, choices))
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            return False, None, f"a list of {item_tp.__name__}"
-        out = []
-        for item in value:
-            ok, converted, _ = _coerce(item, item_tp)
-            if not ok:
-                return False, None, f"a list of {item_tp.__name__}"
-            out.append(converted)
-        return True, out, ""
-    if tp is bool:
-        return isinstance(value, bool), value, "true or false"
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), value, "an integer"
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string; Python does not
-            try:
-                return True, float(value), ""
-            except ValueError:
-                return False, None, "a number"
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        return ok, float(value) if ok else None, "a number"
-    if tp is str:
-        ok = isinstance(value, str | int | float) and not isinstance(value, bool)
-        return ok, str(value) if ok else None, "a string"
-    return isinstance(value, tp), value, tp.__name__
