@@ -159,12 +159,12 @@ def render() -> str:
         "aiayn train --config configs/demo.yaml train.max_steps=200 model.dropout=0.1",
         "```",
         "",
-        "A run's configuration is one YAML file (see `configs/`) and `key=value` overrides with",
-        "dotted keys; the command line wins over the YAML, which wins over the model preset, which",
-        "wins over the defaults below. Every key is checked at load: an unknown key is an error that",
-        "suggests the nearest one, a wrong type or an out-of-range value is an error naming the key,",
-        "and all problems are reported together. The run writes the resolved configuration to",
-        "`<run_dir>/config.yaml`. `null` is YAML's None.",
+        "A run's configuration is one YAML file (see `configs/`) and `key=value` overrides",
+        "with dotted keys; the command line wins over the YAML, which wins over the model",
+        "preset, which wins over the defaults below. Every key is checked at load: an unknown",
+        "key is an error that suggests the nearest one, a wrong type or an out-of-range value",
+        "is an error naming the key, and all problems are reported together. The run writes",
+        "the resolved configuration to `<run_dir>/config.yaml`. `null` is YAML's None.",
         "",
     ]
     all_sections = sections()
