@@ -72,7 +72,10 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def _keys_of(cls: type, prefix: str) -> list[Key]:
-    docs = field_docs(cls)
+    docs: dict[str, tuple[str, str | None]] = {}
+    for base in reversed(cls.__mro__):  # a field declared in a base class: its text is there
+        if dataclasses.is_dataclass(base) and base is not object:
+            docs.update(field_docs(base))
     keys = []
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(_default(f)):

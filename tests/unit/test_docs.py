@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import importlib.util
 import io
 import re
@@ -56,6 +57,18 @@ def test_every_config_field_has_a_docstring():
         "config fields without a docstring (write the string literal right after the field "
         f"in its class): {missing}"
     )
+
+
+@dataclasses.dataclass
+class _Sample:
+    documented: int = 1
+    """The text."""
+    undocumented: str = "x"
+
+
+def test_field_docs_reads_the_string_after_each_field():
+    docs = _generator().field_docs(_Sample)
+    assert docs == {"documented": ("int", "The text."), "undocumented": ("str", None)}
 
 
 def test_configuration_reference_is_up_to_date():
