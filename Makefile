@@ -64,12 +64,12 @@ test-fast: install
 	$(BIN)/pytest -q -m "not slow and not distributed and not slurm"
 
 lint: install
-	$(BIN)/ruff format --check src tests benchmarks launch
-	$(BIN)/ruff check src tests benchmarks launch
+	$(BIN)/ruff format --check src tests benchmarks launch docs
+	$(BIN)/ruff check src tests benchmarks launch docs
 
 format: install
-	$(BIN)/ruff format src tests benchmarks launch
-	$(BIN)/ruff check --fix src tests benchmarks launch
+	$(BIN)/ruff format src tests benchmarks launch docs
+	$(BIN)/ruff check --fix src tests benchmarks launch docs
 
 $(BENCH_STAMP): pyproject.toml
 	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)

@@ -72,4 +72,4 @@ def configure(device: torch.device, tf32: bool, deterministic: bool) -> None:
         use_tf32(tf32)
     if deterministic:
         use_deterministic_kernels()
-        log.info("train.deterministic: deterministic kernels (slower; README, GPU)")
+        log.info("train.deterministic: deterministic kernels (slower; docs/gpu.md)")

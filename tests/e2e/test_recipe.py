@@ -1,6 +1,6 @@
 """launch/multi30k.py, the recipe script, chains its stages and prints its table. Run here on
 the numbers corpus with a tiny model: what is checked is the plumbing (tokenizer, train,
-average, evaluate, table), not the Multi30k score, which takes 25 minutes (README Results)."""
+average, evaluate, table), not the Multi30k score, which takes 25 minutes (docs/recipes.md)."""
 
 import re
 import subprocess

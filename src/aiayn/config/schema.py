@@ -292,7 +292,7 @@ class TrainConfig(Section):
     deterministic: bool = False
     """Make GPU kernels deterministic, so that a resumed run repeats the killed one bit for bit
     on the same GPUs: torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, Inductor's
-    deterministic mode, no cuDNN attention. Costs speed (README, "GPU"); an operation without a
+    deterministic mode, no cuDNN attention. Costs speed (docs/gpu.md); an operation without a
     deterministic kernel stops the run with torch's error naming it. On CPU the kernels
     already are: a run with the same settings on the same machine repeats without it."""
     memory_probe: Literal["auto", "always", "never"] = "auto"
