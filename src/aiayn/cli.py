@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args) or 0
     except AiaynError as exc:
         print(f"aiayn {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
 
 
 def cmd_train(args) -> int:
@@ -158,6 +158,14 @@ def cmd_train(args) -> int:
     except Preempted as exc:
         print(f"aiayn train: {exc}; exit code {REQUEUE_EXIT_CODE}: requeue me", file=sys.stderr)
         return REQUEUE_EXIT_CODE
+    except Exception as exc:
+        if "TORCHELASTIC_ERROR_FILE" in os.environ:
+            # torchrun's agent reads the message from this file: the launcher's summary and
+            # the run's faults.jsonl then say why this rank failed, not only its exit code.
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+            ErrorHandler().record_exception(exc)
+        raise
     return 0
 
 

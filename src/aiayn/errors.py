@@ -4,6 +4,8 @@
 class AiaynError(Exception):
     """Base class: the message names the problem and how to fix it."""
 
+    exit_code = 2  # the CLI's: a person must act; a launcher does not restart (faults.py)
+
 
 class ConfigError(AiaynError):
     """A config file or override is malformed, unknown, or out of range."""
@@ -23,6 +25,13 @@ class CheckpointError(AiaynError):
 
 class TrainingError(AiaynError):
     """Training cannot go on (for example a non-finite loss)."""
+
+
+class PeerError(TrainingError):
+    """A collective failed during training: another rank died or stalled. Not the user's to
+    fix: the launcher restarts the group from the latest checkpoint (distributed/run.py)."""
+
+    exit_code = 1
 
 
 class ExportError(AiaynError):

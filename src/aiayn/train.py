@@ -33,7 +33,7 @@ from aiayn.data import (
 from aiayn.data.batch import resolve_pad_to_multiple
 from aiayn.distributed.engine import Engine, build_engine
 from aiayn.distributed.env import DistEnv, setup, teardown, use_timeout
-from aiayn.errors import TrainingError
+from aiayn.errors import PeerError, TrainingError
 from aiayn.evaluate import Validation
 from aiayn.flops import device_peak_flops, training_flops
 from aiayn.loss import batch_loss
@@ -241,7 +241,29 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
 def _loop(run: Run) -> dict[str, float]:
     cfg = run.cfg
     with StepBatches(run.loader, cfg.train.grad_accum, cfg.train.max_epochs) as steps:
-        return _train_until_done(run, steps)
+        try:
+            return _train_until_done(run, steps)
+        except RuntimeError as exc:
+            if run.env.distributed and _is_collective_failure(exc):
+                raise _peer_error(run, exc) from exc
+            exc.add_note(f"aiayn: raised on rank {run.env.rank} after step {run.progress.step}")
+            raise
+
+
+def _is_collective_failure(exc: RuntimeError) -> bool:
+    """gloo raises a plain RuntimeError naming itself; NCCL's errors are DistErrors."""
+    return isinstance(exc, torch.distributed.DistError) or "gloo" in str(exc)
+
+
+def _peer_error(run: Run, exc: RuntimeError) -> PeerError:
+    step, minutes = run.progress.step + 1, run.cfg.distributed.timeout_minutes
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+    return PeerError(
+        f"step {step}: a collective failed on rank {run.env.rank} ({first_line}). Another "
+        f"rank died, or stalled for distributed.timeout_minutes ({minutes:g} min); its log "
+        f"says why. The latest checkpoint is {run.ckpts.latest() or 'none (a new run)'}: under "
+        "`python -m aiayn.distributed.run --max-restarts=N` the group restarts from it."
+    )
 
 
 def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:

@@ -104,13 +104,35 @@ def setup(
                 "torchrun or accelerate launch (see launch/)"
             )
         timeout = timedelta(minutes=timeout_minutes)
+        store = _attempt_store(rank, world_size, timeout)
         if device.type == "cuda":
             # device_id binds the communicator to this rank's GPU now, not at a first
             # collective that guesses the device.
-            dist.init_process_group("nccl", timeout=timeout, device_id=device)
+            dist.init_process_group(
+                "nccl",
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+                device_id=device,
+            )
         else:
-            dist.init_process_group("gloo", timeout=timeout)
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
+            )
     return DistEnv(rank, world_size, device)
+
+
+def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The launcher's store (env://), with keys of this start only. After an in-job restart
+    torchrun's workers meet in the same agent-hosted store as the group before them, whose
+    keys are still there: a rank that read a dead peer's address failed to connect ("Gloo
+    connectFullMesh failed ... Connection refused"), in one restart of three here."""
+    from torch.distributed.rendezvous import rendezvous
+
+    store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"aiayn/start_{attempt}/", store)
 
 
 def use_timeout(minutes: float, env: DistEnv | None = None) -> None:

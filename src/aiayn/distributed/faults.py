@@ -24,10 +24,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from aiayn.errors import AiaynError
 from aiayn.preemption import REQUEUE_EXIT_CODE
 
 FAULTS_FILE = "faults.jsonl"
-USER_ERROR_EXIT_CODE = 2  # cli: an AiaynError, whose message names the fix
+USER_ERROR_EXIT_CODE = AiaynError.exit_code  # the CLI's for an error whose message names a fix
 NOT_RESTARTED = (REQUEUE_EXIT_CODE, USER_ERROR_EXIT_CODE)
 
 
