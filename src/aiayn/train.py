@@ -245,7 +245,9 @@ def _loop(run: Run) -> dict[str, float]:
             return _train_until_done(run, steps)
         except RuntimeError as exc:
             if run.env.distributed and _is_collective_failure(exc):
-                raise _peer_error(run, exc) from exc
+                error = _peer_error(run, exc)
+                log.error("%s", error)
+                raise error from exc
             exc.add_note(f"aiayn: raised on rank {run.env.rank} after step {run.progress.step}")
             raise
 

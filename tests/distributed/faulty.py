@@ -3,9 +3,9 @@
     python faulty.py KIND RANK STEP train --config C [overrides]
 
 On its first start (torchrun's TORCHELASTIC_RESTART_COUNT=0) rank RANK meets fault KIND as it
-begins step STEP: sigkill and sigstop send the signal to itself, raise raises a RuntimeError,
-oom a torch.OutOfMemoryError, user an AiaynError (exit 2: not restartable). A restarted group
-trains without faults."""
+begins step STEP: sigkill, sigstop and sigusr1 (a preemption) send the signal to itself; raise
+raises a RuntimeError, oom a torch.OutOfMemoryError, user an AiaynError (exit 2: not
+restartable). A restarted group trains without faults."""
 
 import os
 import signal
@@ -23,7 +23,7 @@ def inject(kind: str, step: int) -> None:
     def faulty_step(run, micro, window, n_tokens):
         if run.progress.step + 1 == step:
             print(f"faulty.py: {kind} on rank {run.env.rank} at step {step}", flush=True)
-            if kind in ("sigkill", "sigstop"):
+            if kind in ("sigkill", "sigstop", "sigusr1"):
                 os.kill(os.getpid(), getattr(signal, kind.upper()))
             elif kind == "raise":
                 raise RuntimeError(f"injected fault at step {step}")

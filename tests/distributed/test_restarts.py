@@ -1,0 +1,172 @@
+"""In-job restarts under `python -m aiayn.distributed.run` (torchrun with aiayn's restart
+policy), 2 real ranks on gloo: a fault on one rank (SIGKILL, an exception, out of memory, a
+stalled rank) restarts the group from the latest checkpoint and the job ends by itself with
+the weights and optimizer state of a run that was never interrupted; a preemption (75) and an
+error a person must fix (2) are not restarted."""
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import procs  # tests/distributed/procs.py, beside this file
+
+pytestmark = pytest.mark.distributed
+
+FAULTY = str(Path(__file__).with_name("faulty.py"))
+STEPS = 20
+# Dropout on: the restart must restore every rank's RNG stream. A checkpoint every 5 steps.
+OPTIONS = ("model.dropout=0.1", "checkpoint.every_steps=5", "train.eval_every=10")
+BACKENDS = {
+    "ddp": (),
+    "zero2": ("distributed.backend=deepspeed", "distributed.zero_stage=2"),
+}
+
+
+def launcher(max_restarts: int, *options: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "aiayn.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        f"--max-restarts={max_restarts}",
+        *options,
+    ]
+
+
+def faulty(config: Path, run_dir: Path, kind: str, step: int, *overrides: str) -> list[str]:
+    """rank 1 meets `kind` as it begins `step`, on the group's first start only."""
+    train = procs.aiayn(config, run_dir, *OPTIONS, *overrides)[2:]  # without "-m aiayn"
+    return [FAULTY, kind, "1", str(step), *train]
+
+
+def launch(cmd: list[str], timeout: int = 300) -> tuple[int, str, float]:
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=procs.ENV)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started
+
+
+def faults(run_dir: Path) -> list[dict]:
+    path = run_dir / "faults.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def starts(run_dir: Path) -> int:
+    """How many times the group started training (rank 0's log line of each start)."""
+    text = (run_dir / "train.log").read_text()
+    return text.count("| new run") + text.count("| resumed from")
+
+
+def final_state(run_dir: Path, backend: str) -> dict[str, torch.Tensor]:
+    """The final weights, and for ddp the Adam moments too (ZeRO keeps them in its shards,
+    whose bits its own resume tests compare)."""
+    state = dict(procs.final_weights(run_dir, STEPS))
+    if backend == "ddp":
+        ckpt = run_dir / "checkpoints" / f"step_{STEPS:08d}"
+        engine = torch.load(ckpt / "trainer.pt", weights_only=True)["engine"]
+        for key, slot in engine["optimizer"]["state"].items():
+            state |= {f"adam/{key}/{name}": v for name, v in slot.items() if v.dim()}
+    return state
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"{len(differ)} of {len(a)} tensors differ: {differ[:4]}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(setup):
+    """backend -> the run_dir of the same 2-rank run with no fault, made on first use."""
+    root, config = setup
+    made = {}
+
+    def get(backend: str) -> Path:
+        if backend not in made:
+            run_dir = root / f"uninterrupted_{backend}"
+            overrides = (*OPTIONS, *BACKENDS[backend])
+            procs.run(procs.torchrun(2) + procs.aiayn(config, run_dir, *overrides))
+            made[backend] = run_dir
+        return made[backend]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "backend,kind",
+    [
+        ("ddp", "sigkill"),
+        ("ddp", "raise"),
+        ("ddp", "oom"),
+        ("zero2", "sigkill"),
+        ("zero2", "raise"),
+    ],
+)
+def test_a_fault_on_one_rank_restarts_the_group_which_ends_bitwise(
+    setup, uninterrupted, backend, kind
+):
+    root, config = setup
+    step = random.randint(2, STEPS)  # before, at and after checkpoints alike
+    print(f"{kind} on rank 1 at step {step}")
+    run_dir = root / f"{backend}_{kind}"
+    cmd = launcher(2) + faulty(config, run_dir, kind, step, *BACKENDS[backend])
+    code, out, _ = launch(cmd)
+    assert code == 0, out[-4000:]
+    found = faults(run_dir)
+    failed = [f for f in found if f["rank"] == 1]
+    assert [f["action"] for f in failed] == ["restart"], found
+    expected = {"sigkill": -9, "raise": 1, "oom": 1}[kind]
+    assert failed[0]["exitcode"] == expected and failed[0]["attempt"] == 0, found
+    if kind != "sigkill":  # the worker's own message reaches the fault log
+        assert f"at step {step}" in failed[0]["error"], found
+    assert starts(run_dir) == 2
+    assert_bitwise(final_state(run_dir, backend), final_state(uninterrupted(backend), backend))
+
+
+def test_a_stalled_rank_fails_the_others_within_the_timeout_and_the_group_restarts(
+    setup, uninterrupted
+):
+    """SIGSTOP: rank 1 neither dies nor answers. Rank 0 gives up after
+    distributed.timeout_minutes (here 6 s, not the default 10 minutes) with an error naming
+    the step; the launcher kills the stopped rank and restarts the group."""
+    root, config = setup
+    step = random.randint(2, STEPS)
+    print(f"SIGSTOP to rank 1 at step {step}")
+    run_dir = root / "ddp_sigstop"
+    timeout_s = 6
+    cmd = launcher(1, "--shutdown-timeout=2") + faulty(
+        config, run_dir, "sigstop", step, f"distributed.timeout_minutes={timeout_s / 60}"
+    )
+    code, out, seconds = launch(cmd)
+    assert code == 0, out[-4000:]
+    # Two starts of ~5 s, the timeout, the stopped rank's shutdown grace (2 s): far under
+    # what the 10-minute default would take.
+    assert seconds < 60, f"the job took {seconds:.0f} s"
+    rank0 = [f for f in faults(run_dir) if f["rank"] == 0]
+    assert rank0 and rank0[0]["action"] == "restart", faults(run_dir)
+    assert f"step {step}: a collective failed on rank 0" in rank0[0]["error"], rank0
+    assert "timed out" in rank0[0]["error"].lower(), rank0
+    log = (run_dir / "train.log").read_text()
+    assert f"step {step}: a collective failed on rank 0" in log
+    assert_bitwise(final_state(run_dir, "ddp"), final_state(uninterrupted("ddp"), "ddp"))
+
+
+@pytest.mark.parametrize("kind,code,action", [("sigusr1", 75, "preempted"), ("user", 2, "stop")])
+def test_a_preemption_or_an_error_to_fix_is_not_restarted(setup, kind, code, action):
+    """75 (preempted: the checkpoint is saved, the scheduler requeues) and 2 (the message
+    names a fix) end the job with that code although restarts are left."""
+    root, config = setup
+    run_dir = root / f"not_restarted_{kind}"
+    got, out, _ = launch(launcher(3) + faulty(config, run_dir, kind, 7))
+    assert got == code, out[-4000:]
+    assert starts(run_dir) == 1, out[-4000:]
+    assert {f["action"] for f in faults(run_dir)} == {action}, faults(run_dir)
+    if kind == "sigusr1":  # signalled during step 7, both ranks stopped after step 8 and saved
+        assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000008"
+        assert "not restarted, exiting 75" in out
