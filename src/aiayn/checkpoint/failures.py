@@ -93,9 +93,11 @@ def _size(n: float) -> str:
     return ""  # unreachable
 
 
-def message(step: int, seen: list[Seen], root: Path, previous: Path | None) -> str:
-    """What every rank reports about failed save `step`: the cause, the space it needs and
-    the space there is, and that the previous checkpoint is intact."""
+def message(step: int, seen: list[Seen], root: Path, previous: Path | None) -> tuple[str, bool]:
+    """What every rank reports about failed save `step` (the cause, the space it needs and
+    the space there is, and that the previous checkpoint is intact), and whether the disk is
+    full: an exception says so, or there is less space than the checkpoint needs (torch.save's
+    zip writer reports ENOSPC as "file write failed")."""
     failed = [s for s in seen if s.error is not None]
     free = next((s.free_bytes for s in seen if s.free_bytes is not None), None)
     # The previous checkpoint is the best estimate (it holds every rank's shards); the tensors
@@ -113,11 +115,11 @@ def message(step: int, seen: list[Seen], root: Path, previous: Path | None) -> s
             f"checkpoint step {step} was not written: no space left on device ({root}){where}. "
             f"It needs about {_size(needed)}{space}. {kept} Free space, or move run_dir to a "
             "larger disk."
-        )
+        ), True
     return (
         f"checkpoint step {step} was not written: {failed[0].error}{where}. {kept} Check "
         f"{root} (permissions, disk health)."
-    )
+    ), False
 
 
 class FailedSaves:

@@ -320,15 +320,16 @@ class CheckpointManager:
             failed = env.sum([float(failed)])[0] > 0
         if not failed:
             return False
-        if exc is not None and not isinstance(exc, OSError):
-            log.error("checkpoint step %d: the write failed", step, exc_info=exc)
         mine = Seen.of(env.rank if env is not None else 0, exc, nbytes)
         if self.is_writer:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
             mine.free_bytes = free_bytes(self.root)  # what is free once the partial files went
         seen = env.gather(mine) if env is not None and env.distributed else [mine]
-        self.failures.failed(step, message(step, seen, self.root, self._pointed_checkpoint()))
+        text, disk_full = message(step, seen, self.root, self._pointed_checkpoint())
+        if exc is not None and not disk_full:  # not the usual cause: where it came from
+            log.error("checkpoint step %d: the write failed", step, exc_info=exc)
+        self.failures.failed(step, text)
         return True
 
     def _make_tmp(self, tmp: Path) -> None:
@@ -349,7 +350,10 @@ class CheckpointManager:
         final = self.root / step_dir_name(step)
         tensors, metadata = weights
         save_file(tensors, str(tmp / MODEL_FILE), metadata=metadata)
-        torch.save(trainer_state, tmp / TRAINER_FILE)
+        # Our own file object: torch.save given a path leaves it open when a write fails, and
+        # an open file keeps its space on a full disk after the partial directory is removed.
+        with open(tmp / TRAINER_FILE, "wb") as fh:
+            torch.save(trainer_state, fh)
         files = {}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
             with open(path, "rb+") as fh:
