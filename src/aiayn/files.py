@@ -33,11 +33,15 @@ def fsync_path(path: Path) -> None:
 def write_atomic(path: Path, data: bytes | str) -> None:
     """`path` holds the old content or all of `data`, whenever the process or machine stops."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data.encode() if isinstance(data, str) else data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data.encode() if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not also keep the part that fitted
+        raise
     fsync_path(path.parent)
 
 

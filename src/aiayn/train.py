@@ -429,5 +429,7 @@ def _save(run: Run, window: Window, step: int, valid: dict[str, float] | None = 
             f"non-finite training loss before step {step}; not saving. The last good checkpoint "
             f"is {latest or 'none'}. Lower schedule.factor or set train.clip_norm, then re-run."
         )
-    run.ckpts.save_step(step, run.progress, valid)
+    run.ckpts.save_step(step, run.progress, valid)  # a failed save is retried at the next one
+    failed = {"failed_saves": len(run.ckpts.failures.steps)}  # in a row, up to max_failed_saves
+    run.metrics.log("checkpoint", step, failed, console=False)
     run.metrics.flush()  # the curves up to a checkpoint survive a crash with it

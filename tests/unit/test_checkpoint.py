@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+import aiayn.checkpoint.manager
 from aiayn.checkpoint import (
     CheckpointManager,
     load_checkpoint,
@@ -243,6 +244,55 @@ def test_a_failed_background_write_is_reported_and_keeps_the_previous_checkpoint
 
     monkeypatch.setattr("aiayn.checkpoint.manager.save_file", disk_full)
     save(manager, 2)  # returns at once; the write fails in the background
-    with pytest.raises(CheckpointError, match="background checkpoint write failed.*No space"):
-        manager.wait()
+    with pytest.raises(CheckpointError, match="step 2 was not written: no space left on device"):
+        manager.wait()  # the newest save failed: a run ending here must not report success
     assert manager.latest() == first
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", first.name]
+
+
+def test_failed_saves_are_retried_until_max_failed_saves_in_a_row(tmp_path, monkeypatch):
+    """A failed synchronous save removes its partial directory and lets training go on; a
+    success resets the count; the max_failed_saves-th failure in a row stops the run."""
+    manager = CheckpointManager(tmp_path, 1, 5, is_writer=True, max_failed_saves=2)
+    first = save(manager, 1)
+    real_save = torch.save
+
+    def disk_full(obj, path, *args, **kwargs):
+        with open(path, "wb") as fh:
+            fh.write(b"part of it")  # what fitted, before the disk filled
+        raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+
+    monkeypatch.setattr("aiayn.checkpoint.manager.torch.save", disk_full)
+    assert save(manager, 2) is None
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", first.name]
+    assert manager.failures.steps == [2]
+    monkeypatch.setattr("aiayn.checkpoint.manager.torch.save", real_save)
+    third = save(manager, 3)
+    assert manager.latest() == third and manager.failures.steps == []
+    monkeypatch.setattr("aiayn.checkpoint.manager.torch.save", disk_full)
+    assert save(manager, 4) is None
+    with pytest.raises(CheckpointError, match=r"2 checkpoint saves in a row failed \(steps 4, 5;"):
+        save(manager, 5)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", first.name, third.name]
+    assert (root / "latest").read_text().strip() == third.name
+
+
+def test_a_checkpoint_whose_pointer_could_not_be_written_is_removed(tmp_path, monkeypatch):
+    """A resume takes the newest valid directory, so a complete one that `latest` does not name
+    (its write failed) would be resumed from instead of the previous checkpoint."""
+    manager = CheckpointManager(tmp_path, 1, 5, is_writer=True)
+    first = save(manager, 1)
+    real = aiayn.checkpoint.manager.write_atomic
+
+    def full_for_latest(path, data):
+        if path.name == "latest":
+            raise OSError(28, "No space left on device", str(path))
+        real(path, data)
+
+    monkeypatch.setattr("aiayn.checkpoint.manager.write_atomic", full_for_latest)
+    assert save(manager, 2) is None
+    assert manager.latest() == first
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", first.name]
+    with pytest.raises(CheckpointError, match="step 2 was not written.*step_00000001 is intact"):
+        manager.wait()

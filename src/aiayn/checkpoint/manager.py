@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from aiayn import metric_names
+from aiayn.checkpoint.failures import FailedSaves, Seen, free_bytes, message, tensor_bytes
 from aiayn.checkpoint.format import (
     CHECKPOINTS_DIR,
     FORMAT_VERSION,
@@ -90,11 +91,14 @@ class CheckpointManager:
         best_metric: str = "valid/loss",
         higher_is_better: bool = False,
         async_save: bool = False,
+        max_failed_saves: int = 3,
     ):
         self.root = Path(run_dir) / CHECKPOINTS_DIR
         self.async_save = async_save
         self._writer: threading.Thread | None = None
-        self._failure: BaseException | None = None
+        self._pending: int | None = None  # the step of an async write not yet joined, all ranks
+        self._problem: tuple[BaseException, int] | None = None  # its failure and tensor bytes
+        self.failures = FailedSaves(max_failed_saves)
         self.every_steps = every_steps
         self.keep_last = keep_last
         self.is_writer = is_writer
@@ -114,6 +118,7 @@ class CheckpointManager:
             best_metric=cfg.best_metric,
             higher_is_better=cfg.higher_is_better,
             async_save=cfg.async_save,
+            max_failed_saves=cfg.max_failed_saves,
         )
 
     def due(self, step: int) -> bool:
@@ -222,66 +227,115 @@ class CheckpointManager:
         env=None,
     ) -> Path | None:
         """Write checkpoint `step` of `engine` with `trainer_state` atomically; return its path
-        (None on non-writers). `save_step` calls it with the tracked run's state.
+        (None on non-writers, and when the save failed). `save_step` calls it with the tracked
+        run's state.
 
         Every rank must call it: a sharded engine (DeepSpeed ZeRO) writes each rank's
         partition into the same temporary directory before the writer adds the consolidated
         weights, the trainer state and the manifest that covers every file. With
         `async_save` the writer's part runs in a background thread on a host copy of the
         state, and the path exists once `wait()` returns.
+
+        A write that fails on any rank (a full disk) fails the save on every rank: each stage
+        ends in one collective that tells every rank whether some rank failed, so no rank
+        waits for one that gave up. The partial directory is removed, `latest` keeps naming
+        the previous checkpoint, and training goes on until checkpoint.max_failed_saves saves
+        in a row have failed (checkpoint/failures.py says why).
         """
         started = time.perf_counter()
-        self._join()  # one write in flight at a time
+        self._join(env)  # one write in flight at a time; every rank learns how the last ended
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{final.name}"
-        if self.is_writer:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        barrier = env.barrier if env is not None else lambda: None
-        barrier()
-        engine.save_shards(tmp)
+        problem = _attempt(self._make_tmp, tmp) if self.is_writer else None
+        if self._settle(step, env, tmp, problem):
+            return None
+        problem = _attempt(engine.save_shards, tmp)
         weights = None
-        with engine.full_module() as module:  # a collective under ZeRO-3
+        with engine.full_module() as module:  # a collective under ZeRO-3: reached by every rank
             if self.is_writer:
                 weights = weights_snapshot(module)
-        barrier()  # every rank's shards are on disk
-        if self.is_writer and self.async_save:
-            state = _host_copy(trainer_state)  # the next step changes the optimizer in place
-            args = (step, tmp, weights, state, meta, started)
-            self._writer = threading.Thread(target=self._write_in_background, args=args)
-            self._writer.start()  # not a daemon: an exiting process finishes the write
-            log.info("checkpoint %d: training blocked %.2fs", step, time.perf_counter() - started)
-        elif self.is_writer:
-            self._finish(step, tmp, weights, trainer_state, meta, started)
-        if not self.async_save:
-            # Nobody leaves before the checkpoint is complete: a rank that exits after a
-            # preemption save must not let a scheduler end the job while rank 0 still writes.
-            barrier()
+        nbytes = tensor_bytes([weights[0], trainer_state]) if self.is_writer else 0
+        if self._settle(step, env, tmp, problem, nbytes):  # every rank's shards are on disk
+            return None
+        if self.async_save:
+            if self.is_writer:
+                state = _host_copy(trainer_state)  # the next step changes the optimizer in place
+                args = (step, tmp, weights, state, meta, started)
+                self._writer = threading.Thread(target=self._write_in_background, args=args)
+                self._writer.start()  # not a daemon: an exiting process finishes the write
+                blocked = time.perf_counter() - started
+                log.info("checkpoint %d: training blocked %.2fs", step, blocked)
+            self._pending = step
+            return final if self.is_writer else None
+        if self.is_writer:
+            problem = _attempt(self._finish, step, tmp, weights, trainer_state, meta, started)
+        # Nobody leaves before the checkpoint is complete: a rank that exits after a
+        # preemption save must not let a scheduler end the job while rank 0 still writes.
+        if self._settle(step, env, tmp, problem, nbytes):
+            return None
+        self.failures.succeeded()
         return final if self.is_writer else None
 
     def wait(self, env=None) -> None:
-        """Return once every checkpoint this process started is on disk, on every rank."""
-        self._join()
+        """Return once every checkpoint this process started is on disk, on every rank;
+        CheckpointError when the newest save failed: the run's last save (at its end, or
+        before a preemption exit) must not be reported as done without its checkpoint."""
+        self._join(env)
         if env is not None:
             env.barrier()
+        self.failures.check_saved()
 
-    def _join(self) -> None:
+    def _join(self, env) -> None:
+        """Wait for the background write, then agree with every rank on how it ended. Every
+        rank takes part (a collective) whenever an async save was started: all ranks know
+        that, as they agreed on its first stages."""
+        if self._pending is None:
+            return
+        step, self._pending = self._pending, None
         if self._writer is not None:
             self._writer.join()
             self._writer = None
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
-            raise CheckpointError(
-                f"the background checkpoint write failed ({failure!r}); the previous "
-                "checkpoint is intact. Check the disk (space, permissions) and re-run."
-            ) from failure
+        problem, self._problem = self._problem, None
+        exc, nbytes = problem if problem is not None else (None, 0)
+        # The writer thread removed its partial directory itself: nothing to discard here.
+        if not self._settle(step, env, None, exc, nbytes):
+            self.failures.succeeded()
 
-    def _write_in_background(self, *args) -> None:
+    def _write_in_background(self, step, tmp, weights, state, meta, started) -> None:
         try:
-            self._finish(*args)
-        except BaseException as exc:  # reported by the next save or wait()
-            self._failure = exc
+            self._finish(step, tmp, weights, state, meta, started)
+        except Exception as exc:  # agreed on by every rank at the next save or wait()
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._problem = exc, tensor_bytes([weights[0], state])
+
+    def _settle(
+        self, step: int, env, tmp: Path | None, exc: BaseException | None, nbytes: int = 0
+    ) -> bool:
+        """Whether save `step` failed on some rank, decided by one collective on every rank
+        (where a barrier would be). After a failure the writer removes `tmp`, and a second
+        collective shares what each rank saw, so that every rank records the same failure:
+        the same message, and the same count towards max_failed_saves."""
+        failed = exc is not None
+        if env is not None and env.distributed:
+            failed = env.sum([float(failed)])[0] > 0
+        if not failed:
+            return False
+        mine = Seen.of(env.rank if env is not None else 0, exc, nbytes)
+        if self.is_writer:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            mine.free_bytes = free_bytes(self.root)  # what is free once the partial files went
+        seen = env.gather(mine) if env is not None and env.distributed else [mine]
+        text, disk_full = message(step, seen, self.root, self._pointed_checkpoint())
+        if exc is not None and not disk_full:  # not the usual cause: where it came from
+            log.error("checkpoint step %d: the write failed", step, exc_info=exc)
+        self.failures.failed(step, text)
+        return True
+
+    def _make_tmp(self, tmp: Path) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
 
     def _finish(
         self,
@@ -296,7 +350,10 @@ class CheckpointManager:
         final = self.root / step_dir_name(step)
         tensors, metadata = weights
         save_file(tensors, str(tmp / MODEL_FILE), metadata=metadata)
-        torch.save(trainer_state, tmp / TRAINER_FILE)
+        # Our own file object: torch.save given a path leaves it open when a write fails, and
+        # an open file keeps its space on a full disk after the partial directory is removed.
+        with open(tmp / TRAINER_FILE, "wb") as fh:
+            torch.save(trainer_state, fh)
         files = {}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
             with open(path, "rb+") as fh:
@@ -310,8 +367,14 @@ class CheckpointManager:
         if final.exists():  # a re-save of the same step (e.g. after a resume at the end)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        fsync_path(self.root)
-        write_atomic(self.root / "latest", final.name + "\n")
+        try:
+            fsync_path(self.root)
+            write_atomic(self.root / "latest", final.name + "\n")
+        except BaseException:
+            # A resume takes the newest valid directory: one that `latest` does not name yet
+            # must go too, or the previous checkpoint would not be the one a restart finds.
+            shutil.rmtree(final, ignore_errors=True)
+            raise
         self._prune()
         log.info("saved %s in %.2fs", final, time.perf_counter() - started)
         return final
@@ -335,6 +398,11 @@ class CheckpointManager:
         except OSError:
             return None
 
+    def _pointed_checkpoint(self) -> Path | None:
+        """The checkpoint `latest` names, when it is there."""
+        pointed = self._pointed()
+        return pointed if pointed is not None and pointed.is_dir() else None
+
     def _prune(self) -> None:
         for stale in self.root.glob(".tmp-*"):  # left by a crash during an earlier save
             shutil.rmtree(stale, ignore_errors=True)
@@ -347,6 +415,16 @@ class CheckpointManager:
         for old in ckpts:
             if old not in keep:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def _attempt(action, *args) -> Exception | None:
+    """What `action(*args)` raised, if anything: a rank that fails a stage of a save still
+    reaches the collective that ends it, where every rank learns of the failure."""
+    try:
+        action(*args)
+    except Exception as exc:
+        return exc
+    return None
 
 
 def _host_copy(obj: Any) -> Any:

@@ -379,6 +379,11 @@ class CheckpointConfig(Section):
     """Write checkpoints in a background thread: training waits only while the state is copied
     into host memory (one extra copy of weights and optimizer state while a write is in
     flight). ZeRO shards are still written by DeepSpeed before training goes on."""
+    max_failed_saves: int = bounded(3, low=1)
+    """Stop (exit code 2) after this many failed saves in a row, e.g. on a full disk. A failed
+    save loses nothing (the previous checkpoint stays `latest`) and training goes on to retry at
+    the next save, so at most this many x every_steps steps of work are at risk. The last save
+    of a run, or a preemption's, always stops the run when it fails."""
 
     @property
     def higher_is_better(self) -> bool:

@@ -139,7 +139,16 @@ class DeepSpeedEngine:
 
     def save_shards(self, directory: Path) -> None:
         # Every rank writes its ZeRO partition; this is a collective.
-        self.model.save_checkpoint(str(directory), tag=DEEPSPEED_DIR, save_latest=False)
+        try:
+            self.model.save_checkpoint(str(directory), tag=DEEPSPEED_DIR, save_latest=False)
+        except Exception:
+            # DeepSpeed writes its files between its other collectives and a closing barrier,
+            # which a rank whose write failed (a full disk) skips: join that barrier here, so
+            # that the other ranks leave it and every rank reaches the manager's next
+            # collective, which tells them all that the save failed.
+            if dist.is_initialized():
+                dist.barrier()
+            raise
 
     def state_dict(self) -> dict[str, Any]:
         return {}  # optimizer, schedule and loss scale are in the DeepSpeed shards
