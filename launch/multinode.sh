@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # One node of a multi-node run: start it on every node with the same MASTER (host:port).
 # Usage: NNODES=2 NODE_RANK=0 MASTER=node1:29500 NPROC=8 launch/multinode.sh CONFIG [key=value ...]
+# A fault on any node restarts every node's group from the latest checkpoint, up to
+# MAX_RESTARTS (default 3) times (aiayn.distributed.run; docs/distributed.md).
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: NNODES=N NODE_RANK=R MASTER=host:port [NPROC=P] $0 CONFIG ..." >&2; exit 2; }
 : "${NNODES:?set NNODES}" "${NODE_RANK:?set NODE_RANK}" "${MASTER:?set MASTER=host:port}"
 config=$1; shift
-cmd=(torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="${NPROC:-1}"
+cmd=(python -m aiayn.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK"
+     --nproc_per_node="${NPROC:-1}" --max-restarts="${MAX_RESTARTS:-3}"
      --rdzv-backend=c10d --rdzv-endpoint="$MASTER" --rdzv-id="${RDZV_ID:-aiayn}"
      -m aiayn train --config "$config" "$@")
 echo "+ ${cmd[*]}" >&2

@@ -23,7 +23,13 @@ def corpus(tmp_path_factory):
 # (script, its leading arguments, environment, processes it starts, what its command line says)
 WRAPPERS = {
     "single": ("single.sh", [], {}, 1, "python -m aiayn train"),
-    "torchrun": ("torchrun.sh", [], {"NPROC": "2"}, 2, "torchrun --standalone --nproc_per_node=2"),
+    "torchrun": (
+        "torchrun.sh",
+        [],
+        {"NPROC": "2"},
+        2,
+        "python -m aiayn.distributed.run --standalone --nproc_per_node=2 --max-restarts=3",
+    ),
     "multinode": (
         "multinode.sh",
         [],

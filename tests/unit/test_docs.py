@@ -152,7 +152,8 @@ def _is_checked(seg: list[str]) -> bool:
     head = seg[0]
     if head == "python":
         return len(seg) > 1 and (
-            seg[1:3] == ["-m", "aiayn"] or seg[1].startswith(("launch/", "benchmarks/"))
+            seg[1:3] in (["-m", "aiayn"], ["-m", "aiayn.distributed.run"])
+            or seg[1].startswith(("launch/", "benchmarks/"))
         )
     if head == "accelerate":
         return seg[1:2] == ["launch"]
@@ -258,22 +259,28 @@ def _check_sbatch(argv: list[str]) -> None:
     raise AssertionError(f"no batch script in sbatch {' '.join(argv)}")
 
 
+def _check_torchrun(argv: list[str]) -> None:
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args(argv)
+    _check_wrapped(args.module, args.training_script, args.training_script_args)
+
+
 def _check(seg: list[str]) -> None:
     head = seg[0]
     if head == "aiayn":
         _check_aiayn(seg[1:])
     elif head == "python" and seg[1:3] == ["-m", "aiayn"]:
         _check_aiayn(seg[3:])
+    elif head == "python" and seg[1:3] == ["-m", "aiayn.distributed.run"]:
+        _check_torchrun(seg[3:])  # torchrun's options and command
     elif head == "python":
         _check_script(seg[1:])
     elif head == "make":
         for target in (t for t in seg[1:] if "=" not in t and not t.startswith("-")):
             assert target in _makefile_targets(), f"make {target}: no such target in the Makefile"
     elif head == "torchrun":
-        from torch.distributed.run import get_args_parser
-
-        args = get_args_parser().parse_args(seg[1:])
-        _check_wrapped(args.module, args.training_script, args.training_script_args)
+        _check_torchrun(seg[1:])
     elif head == "accelerate":
         from accelerate.commands.launch import launch_command_parser
 

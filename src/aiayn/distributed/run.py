@@ -36,6 +36,8 @@ from aiayn.errors import AiaynError
 from aiayn.preemption import REQUEUE_EXIT_CODE
 
 PREFIX = "aiayn.distributed.run"
+# What torchrun says for a worker that left no error file: nothing its exit code does not.
+TORCH_PLACEHOLDERS = ("<", "To enable traceback", "Signal ")
 
 
 class RestartPolicyAgent(LocalElasticAgent):
@@ -75,7 +77,9 @@ def _message(message: str | dict) -> str:
     if isinstance(message, dict):
         message = message.get("message", "")
     text = str(message or "").strip()
-    return "" if not text or text.startswith("<") else text.splitlines()[0][:1000]
+    if not text or text.startswith(TORCH_PLACEHOLDERS):
+        return ""
+    return text.splitlines()[0][:1000]
 
 
 def _describe(fault: faults.Fault, left: int) -> str:
@@ -110,10 +114,11 @@ def run_dir_of(command: list[str]) -> Path | None:
 
 
 def exit_code(failures: dict) -> int:
-    """The launcher's exit code for its workers' failures: 75 when the group was preempted,
-    2 for an error a person must fix, else 1."""
+    """The launcher's exit code for its workers' failures: 75 when the group was preempted
+    (ranks saved and stopped), 2 for an error a person must fix, else 1."""
     codes = [f.exitcode for f in failures.values()]
-    if codes and all(code == REQUEUE_EXIT_CODE for code in codes):
+    # A preempted rank that had saved may be killed by the agent (SIGTERM) while it exits.
+    if REQUEUE_EXIT_CODE in codes and all(c == REQUEUE_EXIT_CODE or c < 0 for c in codes):
         return REQUEUE_EXIT_CODE
     if faults.USER_ERROR_EXIT_CODE in codes:
         return faults.USER_ERROR_EXIT_CODE

@@ -1,0 +1,59 @@
+"""The fault log and the restart policy of aiayn.distributed.run, without processes (the
+launches themselves: tests/distributed/test_restarts.py)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from aiayn.distributed import faults
+from aiayn.distributed.run import _message, exit_code, run_dir_of
+from aiayn.errors import ConfigError
+
+
+def test_faults_are_appended_and_a_torn_last_line_is_skipped(tmp_path):
+    faults.record(tmp_path, [faults.Fault(1, -9, "restart", node="n2")])
+    faults.record(tmp_path, [faults.Fault(0, 1, "stop", "PeerError: step 3", attempt=1)])
+    with open(tmp_path / faults.FAULTS_FILE, "a") as fh:
+        fh.write('{"rank": 0, "exitc')  # a crash in the middle of a write
+    got = faults.read(tmp_path)
+    assert [(f.rank, f.exitcode, f.action, f.attempt) for f in got] == [
+        (1, -9, "restart", 0),
+        (0, 1, "stop", 1),
+    ]
+    assert got[0].node == "n2" and got[0].how == "SIGKILL" and got[1].how == "exit 1"
+    assert faults.read(tmp_path / "nothing") == []
+
+
+@pytest.mark.parametrize(
+    "codes,restart",
+    [([-9], True), ([1, -15], True), ([75], False), ([75, -15], False), ([2, 1], False)],
+)
+def test_only_faults_are_restarted(codes, restart):
+    assert faults.should_restart(codes) is restart
+
+
+@pytest.mark.parametrize(
+    "codes,code", [([75, 75], 75), ([75, -15], 75), ([2, 1], 2), ([1, -9], 1), ([75, 1], 1)]
+)
+def test_the_launcher_exits_75_only_when_the_group_was_preempted(codes, code):
+    failures = {rank: SimpleNamespace(exitcode=c) for rank, c in enumerate(codes)}
+    assert exit_code(failures) == code
+
+
+def test_torchruns_placeholders_are_not_taken_for_a_workers_message():
+    assert _message({"message": "PeerError: step 4: a collective failed\nTraceback"}) == (
+        "PeerError: step 4: a collective failed"
+    )
+    for placeholder in ("<N/A>", "To enable traceback see: ...", "Signal 9 (SIGKILL) received"):
+        assert _message(placeholder) == ""
+
+
+def test_the_run_dir_comes_from_the_training_command(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("run_dir: runs/a\ndata: {train: corpus/train}\n")
+    train = ["train", "--config", str(config)]
+    assert run_dir_of(["aiayn", *train]).as_posix() == "runs/a"
+    assert run_dir_of(["faulty.py", "raise", "1", "3", *train, "run_dir=b"]).as_posix() == "b"
+    assert run_dir_of(["other.py", "--config", str(config)]) is None
+    with pytest.raises(ConfigError, match="not found"):
+        run_dir_of(["aiayn", "train", "--config", str(tmp_path / "missing.yaml")])
