@@ -124,13 +124,17 @@ def setup(
 
 
 def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
-    """The launcher's store (env://), with keys of this start only. After an in-job restart
-    torchrun's workers meet in the same agent-hosted store as the group before them, whose
-    keys are still there: a rank that read a dead peer's address failed to connect ("Gloo
-    connectFullMesh failed ... Connection refused"), in one restart of three here."""
+    """The launcher's store (env://). Where the workers share the agent's store (torchrun's
+    static rendezvous; its c10d one unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which
+    aiayn.distributed.run sets), the keys of the group before an in-job restart are still
+    there: a rank that read a dead peer's address failed to connect ("Gloo connectFullMesh
+    failed ... Connection refused") in one restart of three here. Each start's keys are kept
+    apart by torchrun's restart count, the same on every rank of a static group."""
     from torch.distributed.rendezvous import rendezvous
 
     store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timeout))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return store  # made for this start
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"aiayn/start_{attempt}/", store)
 

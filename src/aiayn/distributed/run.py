@@ -36,6 +36,7 @@ from aiayn.errors import AiaynError
 from aiayn.preemption import REQUEUE_EXIT_CODE
 
 PREFIX = "aiayn.distributed.run"
+LAUNCHER_ENV = "AIAYN_LAUNCHER"
 # What torchrun says for a worker that left no error file: nothing its exit code does not.
 TORCH_PLACEHOLDERS = ("<", "To enable traceback", "Signal ")
 
@@ -139,6 +140,13 @@ def main(argv: list[str] | None = None) -> int:
             "aiayn.distributed.run cannot apply its restart policy to this torch version"
         )
     launcher_api.LocalElasticAgent = RestartPolicyAgent
+    # Each start of the group gets a store of its own (rank 0 hosts it), not the agents'
+    # shared one: in a c10d rendezvous a node restarted for a membership change keeps its
+    # restart count, so no count names a start on every node, and a restarted rank read its
+    # dead peer's address from the shared store's old keys. AIAYN_LAUNCHER tells the workers
+    # whose policy restarts them (train.py warns under plain torchrun).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ[LAUNCHER_ENV] = PREFIX
     try:
         torchrun.run(args)
     except ChildFailedError as exc:
