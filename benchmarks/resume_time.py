@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -69,22 +68,24 @@ CASES = {
 
 
 def launcher(nproc: int) -> list[str]:
-    """The launcher command, restarting a failed group once. The one place to change it."""
+    """The launcher command, restarting a failed group once. The one place to change it.
+
+    A restarted group must not share the killed group's store: torch 2.13's workers add no
+    per-restart prefix to the launcher's store (torch/distributed/rendezvous.py assumes a new
+    store each restart), so a new rank can read a dead rank's gloo address and fail with
+    "Connection refused" (2 of 3 restarts on 2 ranks here). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    gives each rendezvous round of the c10d backend (--standalone) a store of its own.
+    """
     return [
+        "env",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",
         f"--nproc_per_node={nproc}",
         "--max-restarts=1",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
     ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_command(case: Case, run_dir: Path, corpus: Path) -> list[str]:
@@ -150,7 +151,12 @@ def worker(proc: subprocess.Popen, rank: int) -> psutil.Process:
 
 
 def end(proc: subprocess.Popen) -> None:
-    family = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    """SIGKILL to the launcher and every process under it."""
+    try:
+        family = [psutil.Process(proc.pid)]
+        family += family[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
     for member in family:
         try:
             member.send_signal(signal.SIGKILL)

@@ -213,7 +213,12 @@ def _assemble(cfg: Config, stop: StopFlag, startup: StartupTimes) -> Run:
     purge = progress.step + 1 if progress.step else None
     metrics = Metrics(run_dir, env.is_main, cfg.logging.tensorboard, purge_step=purge)
     peak = device_peak_flops(
-        env.device, cfg.train.precision, cfg.logging.peak_tflops, tf32=cfg.train.tf32
+        env.device,
+        cfg.train.precision,
+        cfg.logging.peak_tflops,
+        tf32=cfg.train.tf32,
+        kept=run_dir / "peak_flops.json",
+        keep=env.is_main,
     )
     log.info(
         "%s model, %s parameters, vocab %d | %d tokens x %d micro-batches x %d ranks per step | "
