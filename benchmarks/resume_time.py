@@ -40,6 +40,7 @@ SPLIT = (
     "model build",
     "checkpoint verify",
     "checkpoint load",
+    "memory probe",
     "data position",
     "first step",
     "other",

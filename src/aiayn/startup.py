@@ -24,6 +24,7 @@ PHASES = (
     "model build",  # parameters initialised, engine (DDP/DeepSpeed, optimizer) built
     "checkpoint verify",  # finding the checkpoint to resume from: its checksums
     "checkpoint load",  # weights and engine state (optimizer, schedule, scaler) read
+    "memory probe",  # a step on the largest batches before the first (train.memory_probe)
     "data position",  # the loader's saved position, and the wait for the first batch
     "first step",  # the rest of the first optimizer step
 )

@@ -204,9 +204,10 @@ def _assemble(cfg: Config, stop: StopFlag, startup: StartupTimes) -> Run:
     progress = ckpts.restore(resume_from, startup) if resume_from is not None else Progress()
     if memory_probe.wanted(cfg.train.memory_probe, env.device, cfg.distributed.zero_stage):
         kind, smoothing = cfg.model.kind, cfg.train.label_smoothing
-        memory_probe.probe(
-            engine, loader.largest_batches(), kind, smoothing, tok.pad_id, env.device
-        )
+        with startup.phase("memory probe"):
+            memory_probe.probe(
+                engine, loader.largest_batches(), kind, smoothing, tok.pad_id, env.device
+            )
     if env.is_main:  # after the checks a resume makes: a refused config never replaces it
         cfg.save(run_dir / "config.yaml")
     # Events an interrupted run logged after its last checkpoint are dropped from the curves.
