@@ -20,10 +20,11 @@ def test_timed_phases_and_the_rest_add_up_to_the_time_since_creation():
 
     assert list(split) == [*PHASES, "other", "total"]
     assert sum(v for k, v in split.items() if k != "total") == pytest.approx(split["total"])
-    assert split["model build"] == pytest.approx(0.05, abs=0.04)
+    # Lower bounds only: a sleep on a busy machine may last longer, never shorter.
+    assert split["model build"] >= 0.05
     assert split["data position"] == 0.02
-    assert split["first step"] == pytest.approx(0.03, abs=0.04)
-    assert 0 <= split["other"] < 0.05  # nothing here ran outside a phase
+    assert split["first step"] >= 0.03  # the 0.05 s after set-up, less the batch wait
+    assert 0 <= split["other"] < min(split["model build"], 0.5)  # nothing ran outside a phase
     assert line.startswith(f"start-up {split['total']:.2f} s: process start ")
     assert times.done
 
