@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from aiayn import startup
 from aiayn.errors import AiaynError
 
 CONFIG_HELP = "YAML run config (configs/*.yaml)"
@@ -134,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    startup.mark_main()  # the end of the interpreter's start (the start-up line of `train`)
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args) or 0

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from aiayn.config import ModelConfig
 from aiayn.data.batch import Batch
+from aiayn.files import write_atomic
 from aiayn.precision import native_bf16
 
 log = logging.getLogger("aiayn")
@@ -158,10 +162,21 @@ def datasheet_peak(device: torch.device, precision: str, tf32: bool = True) -> f
 
 
 def device_peak_flops(
-    device: torch.device, precision: str, configured: float | None, tf32: bool = True
+    device: torch.device,
+    precision: str,
+    configured: float | None,
+    tf32: bool = True,
+    kept: Path | None = None,
+    keep: bool = True,
 ) -> float:
     """FLOP/s that MFU is measured against: the configured figure, a GPU's data sheet, or (on
-    CPU, or an unknown GPU) a matrix multiply measured now."""
+    CPU, or an unknown GPU) a matrix multiply measured now.
+
+    `kept` (run_dir/peak_flops.json): a measured peak is read from there when it was measured
+    on the same kind of device, and written there (where `keep`, rank 0): a restarted run
+    reuses it instead of measuring again (0.7 s of every start on a 2-core CPU), and its MFU
+    keeps one denominator across restarts.
+    """
     if configured:
         return configured * 1e12
     sheet = datasheet_peak(device, precision, tf32)
@@ -172,4 +187,25 @@ def device_peak_flops(
         # Emulated bf16 runs on the fp32 units, which are then the ceiling; and measuring it
         # would cost minutes at start (one 2048^3 bf16 multiply takes over a minute on AVX2).
         dtype = torch.float32
-    return measure_matmul_peak(device, dtype)
+    what = f"{device_name(device)}, {dtype}, {torch.get_num_threads()} threads"
+    try:
+        saved = json.loads(kept.read_text()) if kept is not None else {}
+    except (OSError, ValueError):
+        saved = {}
+    if isinstance(saved, dict) and saved.get("device") == what:
+        return float(saved["flops"])
+    peak = measure_matmul_peak(device, dtype)
+    if kept is not None and keep:
+        write_atomic(kept, json.dumps({"device": what, "flops": peak}) + "\n")
+    return peak
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model name (from /proc/cpuinfo where there is one)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next(line.split(":", 1)[1].strip() for line in fh if "model name" in line)
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()

@@ -102,9 +102,13 @@ class Metrics:
             return
         text = " ".join(f"{k} {_fmt(v)}" for k, v in scalars.items())
         log.info("%s step %d | %s", split, step, text, extra={"file_only": not console})
-        if self.writer is not None:
-            for key, value in scalars.items():
-                self.writer.add_scalar(f"{split}/{key}", value, step)
+        self.scalars({f"{split}/{key}": value for key, value in scalars.items()}, step)
+
+    def scalars(self, scalars: dict[str, float], step: int) -> None:
+        """TensorBoard only, under the tags given: figures a log line already shows."""
+        if self.enabled and self.writer is not None:
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, step)
 
     def text(self, tag: str, step: int, text: str) -> None:
         if self.enabled and self.writer is not None:

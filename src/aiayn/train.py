@@ -43,6 +43,7 @@ from aiayn.model import build_model, count_parameters
 from aiayn.precision import resolve_precision
 from aiayn.preemption import REQUEUE_EXIT_CODE, Preempted, StopFlag
 from aiayn.seeding import seed_everything
+from aiayn.startup import StartupTimes
 from aiayn.tokenizer import Tokenizer, train_tokenizer
 from aiayn.torch_runtime import configure
 
@@ -133,13 +134,15 @@ class Run:
     progress: Progress
     peak_flops: float
     stop: StopFlag
+    startup: StartupTimes
 
 
 def train(cfg: Config) -> dict[str, float]:
     """Train until train.max_steps (or train.max_epochs); return the last validation metrics."""
+    startup = StartupTimes.of_this_process()
     try:
         with StopFlag() as stop:
-            run = _assemble(cfg, stop)
+            run = _assemble(cfg, stop, startup)
             try:
                 return _loop(run)
             finally:
@@ -162,8 +165,9 @@ def _resolved(cfg: Config, device: torch.device) -> Config:
     )
 
 
-def _assemble(cfg: Config, stop: StopFlag) -> Run:
-    env = setup(cfg.train.device, cfg.distributed.setup_timeout_minutes)
+def _assemble(cfg: Config, stop: StopFlag, startup: StartupTimes) -> Run:
+    with startup.phase("process group"):
+        env = setup(cfg.train.device, cfg.distributed.setup_timeout_minutes)
     run_dir = Path(cfg.run_dir)
     setup_logging(run_dir, env.rank)
     cfg = _resolved(cfg, env.device)
@@ -173,39 +177,49 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
     if env.device.type == "cpu" and cfg.train.malloc == "keep":
         keep_freed_memory()
     ckpts = CheckpointManager.from_config(run_dir, cfg.checkpoint, env.is_main)
-    resume_from = ckpts.resume_point(cfg.checkpoint.resume)  # before any work: may refuse
-    tok, cache = prepare_data(cfg, env)
-    seed_everything(cfg.train.seed)  # the same initial parameters on every rank
-    model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
-    n_params = count_parameters(model)  # before ZeRO-3 partitions them
-    engine = build_engine(
-        model, cfg, env, rebuild=lambda: build_model(cfg.model, tok.vocab_size, tok.pad_id)
-    )
+    with startup.phase("checkpoint verify"):
+        resume_from = ckpts.resume_point(cfg.checkpoint.resume)  # before any work: may refuse
+    with startup.phase("tokenizer/data"):
+        tok, cache = prepare_data(cfg, env)
+    with startup.phase("model build"):
+        seed_everything(cfg.train.seed)  # the same initial parameters on every rank
+        model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
+        n_params = count_parameters(model)  # before ZeRO-3 partitions them
+        engine = build_engine(
+            model, cfg, env, rebuild=lambda: build_model(cfg.model, tok.vocab_size, tok.pad_id)
+        )
     seed_everything(cfg.train.seed + 1_000_003 * env.rank)  # different dropout on each rank
-    loader = make_loader(
-        cfg,
-        cfg.data.train,
-        tok,
-        train=True,
-        rank=env.rank,
-        world_size=env.world_size,
-        cache=cache,
-        pin_memory=env.device.type == "cuda",
-    )
+    with startup.phase("tokenizer/data"):
+        loader = make_loader(
+            cfg,
+            cfg.data.train,
+            tok,
+            train=True,
+            rank=env.rank,
+            world_size=env.world_size,
+            cache=cache,
+            pin_memory=env.device.type == "cuda",
+        )
     ckpts.track(cfg, tok, engine, loader, env)
-    progress = ckpts.restore(resume_from) if resume_from is not None else Progress()
+    progress = ckpts.restore(resume_from, startup) if resume_from is not None else Progress()
     if memory_probe.wanted(cfg.train.memory_probe, env.device, cfg.distributed.zero_stage):
         kind, smoothing = cfg.model.kind, cfg.train.label_smoothing
-        memory_probe.probe(
-            engine, loader.largest_batches(), kind, smoothing, tok.pad_id, env.device
-        )
+        with startup.phase("memory probe"):
+            memory_probe.probe(
+                engine, loader.largest_batches(), kind, smoothing, tok.pad_id, env.device
+            )
     if env.is_main:  # after the checks a resume makes: a refused config never replaces it
         cfg.save(run_dir / "config.yaml")
     # Events an interrupted run logged after its last checkpoint are dropped from the curves.
     purge = progress.step + 1 if progress.step else None
     metrics = Metrics(run_dir, env.is_main, cfg.logging.tensorboard, purge_step=purge)
     peak = device_peak_flops(
-        env.device, cfg.train.precision, cfg.logging.peak_tflops, tf32=cfg.train.tf32
+        env.device,
+        cfg.train.precision,
+        cfg.logging.peak_tflops,
+        tf32=cfg.train.tf32,
+        kept=run_dir / "peak_flops.json",
+        keep=env.is_main,
     )
     log.info(
         "%s model, %s parameters, vocab %d | %d tokens x %d micro-batches x %d ranks per step | "
@@ -235,7 +249,8 @@ def _assemble(cfg: Config, stop: StopFlag) -> Run:
             os.environ.get("SLURM_RESTART_COUNT", "0"),
         )
     use_timeout(cfg.distributed.timeout_minutes, env)  # set-up is done: a lost rank fails fast
-    return Run(cfg, env, tok, engine, loader, ckpts, metrics, progress, peak, stop)
+    startup.set_up_done()
+    return Run(cfg, env, tok, engine, loader, ckpts, metrics, progress, peak, stop, startup)
 
 
 def _loop(run: Run) -> dict[str, float]:
@@ -289,6 +304,8 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
         if cfg.logging.record_ids:
             _record_ids(run, fetched)
         grad_norm = _train_step(run, micro, window, n_tokens)
+        if not run.startup.done:
+            _log_startup(run, window.data_seconds)
         step, last = progress.step, progress.step == cfg.train.max_steps
         shown, valid = None, None
         if step % cfg.logging.every_steps == 0 or last:
@@ -348,6 +365,17 @@ def _train_step(run: Run, micro: list, window: Window, n_tokens: int) -> torch.T
     run.progress.tokens += n_tokens
     window.steps += 1
     return grad_norm
+
+
+def _log_startup(run: Run, first_batch_wait: float) -> None:
+    """The start-up line, once this process's first step is over: on a restart, the time a
+    fault cost from this process's creation on (aiayn/startup.py)."""
+    if run.env.device.type == "cuda":
+        torch.cuda.synchronize(run.env.device)  # once: the first step has run, not only queued
+    line, split = run.startup.first_step_done(first_batch_wait)
+    log.info("%s", line)
+    names = {name: "startup_s/" + name.replace(" ", "_").replace("/", "_") for name in split}
+    run.metrics.scalars({names[k]: v for k, v in split.items()}, run.progress.step)
 
 
 def _stop(run: Run, window: Window, step: int) -> None:

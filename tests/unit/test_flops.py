@@ -7,6 +7,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+import aiayn.flops
 from aiayn.config import load_config
 from aiayn.flops import (
     datasheet_gpu_peak,
@@ -102,3 +103,25 @@ def test_a_configured_peak_is_used_as_given_and_a_cpu_is_measured():
     cpu = torch.device("cpu")
     assert device_peak_flops(cpu, "fp32", configured=2.5) == 2.5e12
     assert 1e8 < device_peak_flops(cpu, "fp32", configured=None) < 1e14
+
+
+def test_a_measured_peak_is_kept_for_the_restarts_of_the_run(tmp_path, monkeypatch):
+    """A restart reads the peak its run measured (one MFU denominator, no matmul at start);
+    another kind of device, or another thread count, measures its own."""
+    measured = []
+    monkeypatch.setattr(
+        aiayn.flops, "measure_matmul_peak", lambda d, dtype: measured.append(dtype) or 1e9 + 1
+    )
+    cpu, kept = torch.device("cpu"), tmp_path / "peak_flops.json"
+    assert device_peak_flops(cpu, "fp32", None, kept=kept, keep=False) == 1e9 + 1
+    assert not kept.exists()  # only rank 0 writes
+    device_peak_flops(cpu, "fp32", None, kept=kept)
+    assert device_peak_flops(cpu, "fp32", None, kept=kept) == 1e9 + 1
+    assert len(measured) == 2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        device_peak_flops(cpu, "fp32", None, kept=kept)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(measured) == 3

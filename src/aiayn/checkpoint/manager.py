@@ -43,6 +43,7 @@ from aiayn.distributed import reshard  # as a module: reshard imports checkpoint
 from aiayn.errors import CheckpointError, TrainingError
 from aiayn.files import fsync_path, sha256_of, write_atomic
 from aiayn.seeding import load_rng_state, rng_state, seed_everything
+from aiayn.startup import StartupTimes
 
 log = logging.getLogger(__name__)
 
@@ -155,27 +156,20 @@ class CheckpointManager:
             )
         return latest
 
-    def restore(self, ckpt: Path) -> Progress:
+    def restore(self, ckpt: Path, startup: StartupTimes | None = None) -> Progress:
         """Every rank restores the tracked run from `ckpt` (found by `resume_point`, which
-        verified its checksums) and gets back the counters to continue from."""
+        verified its checksums) and gets back the counters to continue from. `startup` times
+        the checkpoint's load and the data position apart (the start-up line)."""
         run = self._run
-        cfg, env, engine = run.cfg, run.env, run.engine
-        trainer_state, manifest = load_checkpoint(
-            ckpt, None, expect_model=cfg.model, tokenizer=run.tok, verify=False
-        )
-        saved = reshard.Topology.of_checkpoint(manifest, trainer_state)
-        here = reshard.Topology.of(cfg, env.world_size)
-        if saved.same_layout(here):  # the engine reads its own format: a bitwise resume
-            if engine.loads_weights:
-                load_checkpoint(ckpt, engine.module, verify=False, with_trainer_state=False)
-            engine.load_state_dict(trainer_state["engine"], ckpt)
-        else:  # weights and optimizer state resharded by parameter name
-            log.warning(
-                "checkpoint written by %s, resuming on %s: resharding its state", saved, here
+        cfg, env = run.cfg, run.env
+        startup = startup or StartupTimes.of_this_process()
+        with startup.phase("checkpoint load"):
+            trainer_state, manifest = load_checkpoint(
+                ckpt, None, expect_model=cfg.model, tokenizer=run.tok, verify=False
             )
-            names = [name for name, _ in reshard.trainable(engine.module)]
-            engine.load_portable(reshard.read(ckpt, trainer_state, saved, names))
-        run.loader.load_state_dict(trainer_state["data"])  # the position of all ranks together
+            self._load_engine(ckpt, trainer_state, manifest)
+        with startup.phase("data position"):
+            run.loader.load_state_dict(trainer_state["data"])  # the position of all ranks
         progress = Progress.from_state(trainer_state["progress"])
         rngs = trainer_state["rng"]
         if len(rngs) == env.world_size:
@@ -189,6 +183,23 @@ class CheckpointManager:
             seed_everything(cfg.train.seed + 1_000_003 * env.rank + progress.step)
         log.info("resuming from %s", ckpt)
         return progress
+
+    def _load_engine(self, ckpt: Path, trainer_state: dict, manifest: dict) -> None:
+        """Weights and engine state: in the engine's own format when the topology is
+        unchanged (bitwise), else resharded by parameter name."""
+        cfg, env, engine = self._run.cfg, self._run.env, self._run.engine
+        saved = reshard.Topology.of_checkpoint(manifest, trainer_state)
+        here = reshard.Topology.of(cfg, env.world_size)
+        if saved.same_layout(here):  # the engine reads its own format: a bitwise resume
+            if engine.loads_weights:
+                load_checkpoint(ckpt, engine.module, verify=False, with_trainer_state=False)
+            engine.load_state_dict(trainer_state["engine"], ckpt)
+        else:  # weights and optimizer state resharded by parameter name
+            log.warning(
+                "checkpoint written by %s, resuming on %s: resharding its state", saved, here
+            )
+            names = [name for name, _ in reshard.trainable(engine.module)]
+            engine.load_portable(reshard.read(ckpt, trainer_state, saved, names))
 
     def save_step(
         self, step: int, progress: Progress, valid: dict[str, float] | None = None

@@ -14,12 +14,16 @@ import random
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-
-import datasets
-from datasets import Features, IterableDataset, Value
+from typing import TYPE_CHECKING
 
 from aiayn.config import DataConfig
 from aiayn.errors import DataError
+
+if TYPE_CHECKING:
+    from datasets import IterableDataset
+
+# `datasets` is imported where a stream is made, not here: it takes about 0.5 s, and a run
+# that reads its token cache (a restart, most of all) makes no stream.
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +129,7 @@ def _parallel_source(cfg: DataConfig, split: str) -> Source:
     kwargs = {"pairs": [list(p) for p in pairs], "strict": cfg.on_invalid_utf8 == "error"}
     # No `features=`: datasets would re-encode every example through them, at many times the
     # cost of reading it (benchmarks/README.md). The generator yields plain strings anyway.
-    make = partial(IterableDataset.from_generator, _parallel_examples, gen_kwargs=kwargs)
+    make = partial(_from_generator, _parallel_examples, kwargs)
     return Source(split, make, normalize=lambda rec: rec, invalid_utf8=skipped)
 
 
@@ -133,8 +137,14 @@ def _text_source(cfg: DataConfig, split: str) -> Source:
     files = _expand(split)
     skipped = _check_lines([[f] for f in files], split, cfg.on_invalid_utf8)
     kwargs = {"files": files, "strict": cfg.on_invalid_utf8 == "error"}
-    make = partial(IterableDataset.from_generator, _text_examples, gen_kwargs=kwargs)
+    make = partial(_from_generator, _text_examples, kwargs)
     return Source(split, make, normalize=lambda rec: rec, invalid_utf8=skipped)
+
+
+def _from_generator(generator: Callable, kwargs: dict) -> IterableDataset:
+    from datasets import IterableDataset
+
+    return IterableDataset.from_generator(generator, gen_kwargs=kwargs)
 
 
 def _check_lines(groups: list, split: str, on_invalid_utf8: str) -> int:
@@ -287,11 +297,19 @@ def _utf8_error(path: str, lineno: int) -> DataError:
 # ---- records with fields (tsv, jsonl, parquet, hub) ----------------------------------------
 
 
+def _string_features(types: dict[str, str]):
+    from datasets import Features, Value
+
+    return Features({column: Value(t) for column, t in types.items()})
+
+
 def _builder_source(cfg: DataConfig, split: str, kind: str) -> Source:
     if cfg.format == "hub":
         name = f"{cfg.hub_name} ({cfg.hub_config or 'default'}, split {split})"
 
         def make() -> IterableDataset:
+            import datasets
+
             return datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=split, streaming=True)
 
         return Source(name, make, _normalizer(cfg, kind, name))
@@ -309,7 +327,7 @@ def _builder_source(cfg: DataConfig, split: str, kind: str) -> Source:
             names=columns,
             quoting=3,
             na_filter=False,
-            features=Features({c: Value(types[c]) for c in columns}),
+            features=_string_features({c: types[c] for c in columns}),
         )
         fields = {"seq2seq": ("src", "tgt"), "lm": ("text",), "classifier": ("text", "label")}
         normalize = _field_reader(kind, [[f] for f in fields[kind]], name)
@@ -319,6 +337,8 @@ def _builder_source(cfg: DataConfig, split: str, kind: str) -> Source:
         builder = {"jsonl": "json", "parquet": "parquet"}[cfg.format]
 
     def make() -> IterableDataset:
+        import datasets
+
         return datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kw)
 
     return Source(name, make, normalize)
