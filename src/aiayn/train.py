@@ -31,6 +31,7 @@ from aiayn.data import (
     sample_sentences,
 )
 from aiayn.data.batch import resolve_pad_to_multiple
+from aiayn.distributed import faults
 from aiayn.distributed.engine import Engine, build_engine
 from aiayn.distributed.env import DistEnv, setup, teardown, use_timeout
 from aiayn.errors import PeerError, TrainingError
@@ -248,9 +249,30 @@ def _assemble(cfg: Config, stop: StopFlag, startup: StartupTimes) -> Run:
             os.environ["SLURM_JOB_ID"],
             os.environ.get("SLURM_RESTART_COUNT", "0"),
         )
+    if env.is_main:
+        _log_launcher()
     use_timeout(cfg.distributed.timeout_minutes, env)  # set-up is done: a lost rank fails fast
     startup.set_up_done()
     return Run(cfg, env, tok, engine, loader, ckpts, metrics, progress, peak, stop, startup)
+
+
+def _log_launcher() -> None:
+    """Which start of the group this is under torchrun, and a warning where plain torchrun's
+    restarts would also restart a preempted run, or an error to fix (distributed/run.py)."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    count = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    launcher = os.environ.get(faults.LAUNCHER_ENV, "torchrun")
+    log.info("%s: restart %s on this node (at most %d)", launcher, count, restarts)
+    if restarts and launcher == "torchrun":
+        log.warning(
+            "torchrun --max-restarts=%d restarts a preempted run in place, and an error to fix "
+            "%d times: launch with `python -m aiayn.distributed.run` (same options), which "
+            "restarts faults only (docs/distributed.md)",
+            restarts,
+            restarts,
+        )
 
 
 def _loop(run: Run) -> dict[str, float]:

@@ -129,6 +129,46 @@ def test_a_fault_on_one_rank_restarts_the_group_which_ends_bitwise(
     assert_bitwise(final_state(run_dir, backend), final_state(uninterrupted(backend), backend))
 
 
+def test_a_fault_on_one_node_restarts_the_group_on_both(setup, uninterrupted):
+    """Two launchers ("nodes") of one process each, c10d rendezvous: rank 1's node restarts
+    for the fault, rank 0's for the lost peer, and they meet again in a new store."""
+    root, config = setup
+    step = random.randint(2, STEPS)
+    print(f"sigkill on rank 1 (node 1) at step {step}")
+    run_dir = root / "two_nodes_sigkill"
+    rendezvous = [
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--max-restarts=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{procs.free_port()}",
+        "--rdzv-id=two-nodes",
+    ]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "aiayn.distributed.run", f"--node-rank={node}", *rendezvous]
+            + faulty(config, run_dir, "sigkill", step),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=procs.ENV,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        outs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert starts(run_dir) == 2
+    # Rank 0's node logs a fault too when its worker failed before the new rendezvous
+    # round stopped it: either way is right.
+    killed = [(f["rank"], f["exitcode"], f["action"]) for f in faults(run_dir) if f["rank"] == 1]
+    assert killed == [(1, -9, "restart")], faults(run_dir)
+    assert_bitwise(final_state(run_dir, "ddp"), final_state(uninterrupted("ddp"), "ddp"))
+
+
 def test_a_stalled_rank_fails_the_others_within_the_timeout_and_the_group_restarts(
     setup, uninterrupted
 ):

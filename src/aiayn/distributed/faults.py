@@ -28,6 +28,7 @@ from aiayn.errors import AiaynError
 from aiayn.preemption import REQUEUE_EXIT_CODE
 
 FAULTS_FILE = "faults.jsonl"
+LAUNCHER_ENV = "AIAYN_LAUNCHER"  # set by aiayn.distributed.run: whose policy restarts a worker
 USER_ERROR_EXIT_CODE = AiaynError.exit_code  # the CLI's for an error whose message names a fix
 NOT_RESTARTED = (REQUEUE_EXIT_CODE, USER_ERROR_EXIT_CODE)
 

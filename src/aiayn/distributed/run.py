@@ -36,7 +36,6 @@ from aiayn.errors import AiaynError
 from aiayn.preemption import REQUEUE_EXIT_CODE
 
 PREFIX = "aiayn.distributed.run"
-LAUNCHER_ENV = "AIAYN_LAUNCHER"
 # What torchrun says for a worker that left no error file: nothing its exit code does not.
 TORCH_PLACEHOLDERS = ("<", "To enable traceback", "Signal ")
 
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     # dead peer's address from the shared store's old keys. AIAYN_LAUNCHER tells the workers
     # whose policy restarts them (train.py warns under plain torchrun).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    os.environ[LAUNCHER_ENV] = PREFIX
+    os.environ[faults.LAUNCHER_ENV] = PREFIX
     try:
         torchrun.run(args)
     except ChildFailedError as exc:
