@@ -69,20 +69,11 @@ CASES = {
 
 
 def launcher(nproc: int) -> list[str]:
-    """The launcher command, restarting a failed group once. The one place to change it.
-
-    A restarted group must not share the killed group's store: torch 2.13's workers add no
-    per-restart prefix to the launcher's store (torch/distributed/rendezvous.py assumes a new
-    store each restart), so a new rank can read a dead rank's gloo address and fail with
-    "Connection refused" (2 of 3 restarts on 2 ranks here). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-    gives each rendezvous round of the c10d backend (--standalone) a store of its own.
-    """
+    """The launcher command, restarting a failed group once: aiayn's (docs/distributed.md)."""
     return [
-        "env",
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "aiayn.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
         "--max-restarts=1",

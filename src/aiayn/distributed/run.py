@@ -71,6 +71,13 @@ class RestartPolicyAgent(LocalElasticAgent):
         return result
 
 
+    def _stop_workers(self, worker_group) -> None:
+        # torch's agent stops the group for a restart with a fixed 30 s grace, not the
+        # --shutdown-timeout it takes: a stalled (SIGSTOPped) worker, which SIGTERM cannot
+        # end, held every restart 30 s.
+        self._shutdown(timeout=self._shutdown_timeout)
+
+
 def _message(message: str | dict) -> str:
     """The first line of a worker's error from torchrun's error file (a dict when the worker
     wrote one, as aiayn's CLI does; "" when it left none, as a worker a signal killed)."""
