@@ -3,6 +3,7 @@ job is requeued avoiding the node that failed. Either way the run ends with the 
 that was never interrupted."""
 
 import json
+import re
 
 import pytest
 from jobs import (  # tests/slurm/jobs.py
@@ -21,6 +22,15 @@ from jobs import (  # tests/slurm/jobs.py
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
+# A checkpoint every 10 steps: the restarted group resumes from step 10 or 20, not from scratch.
+SAVE_OFTEN = "checkpoint.every_steps=10"
+
+
+def resumed_at(run_dir) -> list[int]:
+    text = (run_dir / "train.log").read_text()
+    return [int(s) for s in re.findall(r"resumed from \S+ \(step (\d+)\)", text)]
+
+
 def faults_logged(run_dir):
     return [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines()]
 
@@ -29,7 +39,7 @@ def test_a_fault_is_restarted_in_place_without_a_requeue(slurm, corpus, straight
     run_dir = tmp_path / "run"
     out = tmp_path / "run.slurm.out"
     env = {**job_env(), "MAX_RESTARTS": "1"}
-    job_id = slurm.sbatch(sbatch_args(corpus, run_dir, out), env=env)
+    job_id = slurm.sbatch([*sbatch_args(corpus, run_dir, out), SAVE_OFTEN], env=env)
     wait_for_step(slurm, job_id, out, run_dir, 20)
     node = kill_rank(job_id, 0)
     job = slurm.wait(job_id, timeout=300)
@@ -42,6 +52,7 @@ def test_a_fault_is_restarted_in_place_without_a_requeue(slurm, corpus, straight
     killed = [r for r in rows if r["exitcode"] == -9]
     assert [(r["rank"], r["node"], r["action"]) for r in killed] == [(0, node, "restart")], rows
     assert not (run_dir / "excluded_nodes").exists()
+    assert resumed_at(run_dir) in ([10], [20]), info
     assert_same_weights(run_dir, straight[0])
 
 
@@ -53,7 +64,7 @@ def test_a_node_that_failed_is_excluded_and_the_requeued_job_finishes_on_another
     run_dir = tmp_path / "run"
     out = tmp_path / "run.slurm.out"
     args = ["-N1", "--cpus-per-task=2", f"--chdir={ROOT}", f"--output={out}",
-            str(SBATCH), str(DEMO), *demo_overrides(corpus, run_dir)]  # fmt: skip
+            str(SBATCH), str(DEMO), *demo_overrides(corpus, run_dir), SAVE_OFTEN]  # fmt: skip
     env = {**job_env(), "MAX_RESTARTS": "0", "NPROC_PER_NODE": "2"}
     job_id = slurm.sbatch(args, env=env)
     wait_for_step(slurm, job_id, out, run_dir, 20)
@@ -71,4 +82,5 @@ def test_a_node_that_failed_is_excluded_and_the_requeued_job_finishes_on_another
     killed = [r for r in rows if r["exitcode"] == -9]
     assert [(r["node"], r["action"], r["slurm_restart"]) for r in killed] == [(node, "stop", 0)]
     assert (run_dir / "excluded_nodes").read_text() == f"{node}\n"
+    assert resumed_at(run_dir) in ([10], [20]), info
     assert_same_weights(run_dir, straight[0])
