@@ -84,3 +84,34 @@ def test_a_node_that_failed_is_excluded_and_the_requeued_job_finishes_on_another
     assert (run_dir / "excluded_nodes").read_text() == f"{node}\n"
     assert resumed_at(run_dir) in ([10], [20]), info
     assert_same_weights(run_dir, straight[0])
+
+
+def test_a_job_that_would_exclude_too_many_nodes_stops_and_says_why(slurm, corpus, tmp_path):
+    """2 nodes of 2: excluding the failed one would leave 1 for a job of 2."""
+    run_dir = tmp_path / "run"
+    out = tmp_path / "run.slurm.out"
+    job_id = slurm.sbatch(sbatch_args(corpus, run_dir, out), env={**job_env(), "MAX_RESTARTS": "0"})
+    wait_for_step(slurm, job_id, out, run_dir, 5)
+    node = kill_rank(job_id, 0)
+    job = slurm.wait(job_id, timeout=120)
+    info = describe(job, out, run_dir)
+    assert job["JobState"] == "FAILED" and job["Restarts"] == "0", info
+    text = out.read_text()
+    assert f"stopping: job {job_id} failed with 'SIGKILL'; excluding {node} would leave 1" in text
+    assert "not requeued" in text and not (run_dir / "excluded_nodes").exists(), info
+
+
+def test_a_job_that_starts_on_an_excluded_node_requeues_itself_avoiding_it(slurm, corpus, tmp_path):
+    """A resubmitted run whose excluded_nodes names n1, where Slurm puts a 1-node job first."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "excluded_nodes").write_text("n1\n")
+    out = tmp_path / "run.slurm.out"
+    args = ["-N1", f"--chdir={ROOT}", f"--output={out}", str(SBATCH), str(DEMO),
+            *demo_overrides(corpus, run_dir), "train.max_steps=5"]  # fmt: skip
+    job_id = slurm.sbatch(args, env=job_env())
+    job = slurm.wait(job_id, timeout=120)
+    info = describe(job, out, run_dir)
+    assert job["JobState"] == "COMPLETED" and job["NodeList"] == "n2", info
+    assert job["Restarts"] == "1" and job["ExcNodeList"] == "n1", info
+    assert "landed on n1, which" in out.read_text(), info
