@@ -1,0 +1,111 @@
+"""slurm/train.sbatch's policy after a failed job start (aiayn.distributed.faults): which nodes
+to blame and exclude, when to stop requeueing. No cluster: faults.jsonl is written by hand."""
+
+from pathlib import Path
+
+import pytest
+
+from aiayn.distributed import faults
+from aiayn.distributed.faults import Fault
+
+CLUSTER = ["n1", "n2", "n3"]
+DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+
+
+def fault(node, restart, exitcode=-9, error="", action="stop", job="7", rank=0, t=0.0):
+    return Fault(rank, exitcode, action, error, 0, node, t, job, restart)
+
+
+def fail(run_dir, restart, nodes=("n1",), max_failures=3, job="7", cluster=CLUSTER, rc=1):
+    return faults.after_failure(run_dir, job, restart, rc, list(nodes), cluster, max_failures)
+
+
+def test_the_node_whose_worker_failed_is_excluded_and_the_list_grows(tmp_path):
+    faults.record(tmp_path, [fault("n1", 0, error="RuntimeError: boom at step 12")])
+    first = fail(tmp_path, 0)
+    assert (first.action, first.exclude) == ("requeue", ["n1"])
+    assert faults.read_excluded(tmp_path) == ["n1"]
+    faults.record(tmp_path, [fault("n2", 1, exitcode=1, error="CUDA error: ECC at step 40")])
+    second = fail(tmp_path, 1, nodes=("n2",))
+    assert (second.action, second.exclude) == ("requeue", ["n1", "n2"])
+    assert (tmp_path / faults.EXCLUDED_FILE).read_text() == "n1\nn2\n"
+    assert "action=requeue\nexclude=n1,n2\nmessage=job 7 failed" in second.shell()
+
+
+def test_a_job_that_fails_the_same_way_n_times_in_a_row_stops_with_a_message(tmp_path):
+    for restart, node in enumerate(["n1", "n2", "n3"]):
+        # The same error at another step, on another node: not the node's fault.
+        faults.record(tmp_path, [fault(node, restart, 1, f"OutOfMemoryError at step {restart}")])
+    assert fail(tmp_path, 0, nodes=["n1"], cluster=CLUSTER + ["n4"]).action == "requeue"
+    assert fail(tmp_path, 1, nodes=["n2"], cluster=CLUSTER + ["n4"]).action == "requeue"
+    third = fail(tmp_path, 2, nodes=["n3"], cluster=CLUSTER + ["n4"])
+    assert third.action == "stop"
+    assert "3 times in a row (MAX_JOB_FAILURES=3)" in third.message
+    assert "OutOfMemoryError at step N" in third.message and "resubmit" in third.message
+    assert faults.read_excluded(tmp_path) == ["n1", "n2"]  # the stopping start adds none
+
+
+def test_failures_of_another_kind_or_a_preempted_start_between_break_the_row(tmp_path):
+    faults.record(tmp_path, [fault("n1", 0, error="boom")])
+    faults.record(tmp_path, [fault("n2", 1, exitcode=-11)])  # SIGSEGV: another way
+    faults.record(tmp_path, [fault("n3", 3, error="boom")])  # start 2 was preempted
+    assert fail(tmp_path, 0, max_failures=2).action == "requeue"
+    assert fail(tmp_path, 1, nodes=["n2"], max_failures=2).action == "requeue"
+    assert fail(tmp_path, 3, nodes=["n3"], max_failures=2, cluster=CLUSTER + ["n4"]).action == (
+        "requeue"
+    )
+
+
+def test_never_every_node_the_job_stops_when_too_few_would_be_left(tmp_path):
+    faults.record(tmp_path, [fault("n1", 0), fault("n2", 0, rank=1)])
+    decision = fail(tmp_path, 0, nodes=["n1", "n2"])  # a 2-node job on a 3-node partition
+    assert decision.action == "stop"
+    assert "would leave 1 of the partition's 3 nodes for a job of 2" in decision.message
+    assert faults.read_excluded(tmp_path) == []
+
+
+def test_a_rank_that_lost_its_peer_is_not_blamed_the_node_that_failed_is(tmp_path):
+    peer = "PeerError: step 21: a collective failed on rank 1 (gloo: Connection closed by peer)"
+    faults.record(tmp_path, [fault("n2", 0, 1, peer, rank=1, t=1.0), fault("n1", 0, t=2.0)])
+    assert fail(tmp_path, 0, nodes=["n1", "n2"]).exclude == ["n1"]
+
+
+def test_when_every_rank_lost_a_peer_the_silent_node_is_blamed(tmp_path):
+    """A stalled rank (or a node whose launcher died with it) logs nothing."""
+    peer = "PeerError: step 21: a collective failed on rank 1 (timed out)"
+    faults.record(tmp_path, [fault("n2", 0, 1, peer, rank=1)])
+    assert fail(tmp_path, 0, nodes=["n1", "n2"]).exclude == ["n1"]
+    assert faults.culprits([], ["n1", "n2"]) == []  # nothing logged: nobody to blame
+
+
+def test_only_this_jobs_start_is_read(tmp_path):
+    faults.record(tmp_path, [fault("n3", 0, job="6"), fault("n1", 1), fault("n2", 0)])
+    assert fail(tmp_path, 0, nodes=["n2"]).exclude == ["n2"]
+
+
+@pytest.mark.parametrize(
+    ("on", "job_excluded", "cluster", "action"),
+    [
+        (["n2"], [], CLUSTER, "run"),  # not on an excluded node
+        (["n1"], [], CLUSTER, "requeue"),  # landed on one: requeue avoiding it
+        (["n1"], ["n1"], CLUSTER, "run"),  # Slurm was told and put it there: would loop
+        (["n1"], [], ["n1"], "run"),  # the only node: better run than never
+    ],
+)
+def test_a_job_that_starts_on_an_excluded_node_requeues_itself(
+    tmp_path, on, job_excluded, cluster, action
+):
+    (tmp_path / faults.EXCLUDED_FILE).write_text("n1\n")
+    decision = faults.at_start(tmp_path, on, job_excluded, cluster)
+    assert decision.action == action and decision.exclude == ["n1"]
+
+
+def test_the_command_line_resolves_the_run_dir_from_the_config(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    argv = ["after-failure", "--job=7", "--restart=0", "--exit-code=1", "--nodes=n1",
+            "--cluster-nodes=n1,n2", "--config", str(DEMO), f"run_dir={run_dir}"]  # fmt: skip
+    faults.record(run_dir, [fault("n1", 0)])
+    assert faults.main(argv) == 0
+    assert capsys.readouterr().out.startswith("action=requeue\nexclude=n1\nmessage=job 7 ")
+    assert faults.read_excluded(run_dir) == ["n1"]
+    assert faults.main(["at-start", *argv[4:6], "--config", "nope.yaml"]) == 2
