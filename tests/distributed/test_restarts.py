@@ -185,9 +185,10 @@ def test_a_stalled_rank_fails_the_others_within_the_timeout_and_the_group_restar
     )
     code, out, seconds = launch(cmd)
     assert code == 0, out[-4000:]
-    # Two starts of ~5 s, the timeout, the stopped rank's shutdown grace (2 s): far under
-    # what the 10-minute default would take.
-    assert seconds < 60, f"the job took {seconds:.0f} s"
+    # Two starts of ~5 s, the timeout (6 s) and the stopped rank's grace (2 s): about 23 s.
+    # torch's own 30 s grace for a failed group (which the launcher replaces with
+    # --shutdown-timeout) would make it 50, the 10-minute default timeout far more.
+    assert seconds < 40, f"the job took {seconds:.0f} s"
     rank0 = [f for f in faults(run_dir) if f["rank"] == 0]
     assert rank0 and rank0[0]["action"] == "restart", faults(run_dir)
     assert f"step {step}: a collective failed on rank 0" in rank0[0]["error"], rank0

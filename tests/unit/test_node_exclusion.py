@@ -1,11 +1,12 @@
-"""slurm/train.sbatch's policy after a failed job start (aiayn.distributed.faults): which nodes
-to blame and exclude, when to stop requeueing. No cluster: faults.jsonl is written by hand."""
+"""slurm/train.sbatch's policy after a failed job start (aiayn.distributed.node_exclusion):
+which nodes to blame and exclude, when to stop requeueing. No cluster: faults.jsonl is written
+by hand."""
 
 from pathlib import Path
 
 import pytest
 
-from aiayn.distributed import faults
+from aiayn.distributed import faults, node_exclusion
 from aiayn.distributed.faults import Fault
 
 CLUSTER = ["n1", "n2", "n3"]
@@ -17,18 +18,19 @@ def fault(node, restart, exitcode=-9, error="", action="stop", job="7", rank=0, 
 
 
 def fail(run_dir, restart, nodes=("n1",), max_failures=3, job="7", cluster=CLUSTER, rc=1):
-    return faults.after_failure(run_dir, job, restart, rc, list(nodes), cluster, max_failures)
+    nodes = list(nodes)
+    return node_exclusion.after_failure(run_dir, job, restart, rc, nodes, cluster, max_failures)
 
 
 def test_the_node_whose_worker_failed_is_excluded_and_the_list_grows(tmp_path):
     faults.record(tmp_path, [fault("n1", 0, error="RuntimeError: boom at step 12")])
     first = fail(tmp_path, 0)
     assert (first.action, first.exclude) == ("requeue", ["n1"])
-    assert faults.read_excluded(tmp_path) == ["n1"]
+    assert node_exclusion.read_excluded(tmp_path) == ["n1"]
     faults.record(tmp_path, [fault("n2", 1, exitcode=1, error="CUDA error: ECC at step 40")])
     second = fail(tmp_path, 1, nodes=("n2",))
     assert (second.action, second.exclude) == ("requeue", ["n1", "n2"])
-    assert (tmp_path / faults.EXCLUDED_FILE).read_text() == "n1\nn2\n"
+    assert (tmp_path / node_exclusion.EXCLUDED_FILE).read_text() == "n1\nn2\n"
     assert "action=requeue\nexclude=n1,n2\nmessage=job 7 failed" in second.shell()
 
 
@@ -42,7 +44,7 @@ def test_a_job_that_fails_the_same_way_n_times_in_a_row_stops_with_a_message(tmp
     assert third.action == "stop"
     assert "3 times in a row (MAX_JOB_FAILURES=3)" in third.message
     assert "OutOfMemoryError at step N" in third.message and "resubmit" in third.message
-    assert faults.read_excluded(tmp_path) == ["n1", "n2"]  # the stopping start adds none
+    assert node_exclusion.read_excluded(tmp_path) == ["n1", "n2"]  # the stopping start adds none
 
 
 def test_failures_of_another_kind_or_a_preempted_start_between_break_the_row(tmp_path):
@@ -61,7 +63,7 @@ def test_never_every_node_the_job_stops_when_too_few_would_be_left(tmp_path):
     decision = fail(tmp_path, 0, nodes=["n1", "n2"])  # a 2-node job on a 3-node partition
     assert decision.action == "stop"
     assert "would leave 1 of the partition's 3 nodes for a job of 2" in decision.message
-    assert faults.read_excluded(tmp_path) == []
+    assert node_exclusion.read_excluded(tmp_path) == []
 
 
 def test_a_rank_that_lost_its_peer_is_not_blamed_the_node_that_failed_is(tmp_path):
@@ -75,7 +77,7 @@ def test_when_every_rank_lost_a_peer_the_silent_node_is_blamed(tmp_path):
     peer = "PeerError: step 21: a collective failed on rank 1 (timed out)"
     faults.record(tmp_path, [fault("n2", 0, 1, peer, rank=1)])
     assert fail(tmp_path, 0, nodes=["n1", "n2"]).exclude == ["n1"]
-    assert faults.culprits([], ["n1", "n2"]) == []  # nothing logged: nobody to blame
+    assert node_exclusion.culprits([], ["n1", "n2"]) == []  # nothing logged: nobody to blame
 
 
 def test_only_this_jobs_start_is_read(tmp_path):
@@ -95,8 +97,8 @@ def test_only_this_jobs_start_is_read(tmp_path):
 def test_a_job_that_starts_on_an_excluded_node_requeues_itself(
     tmp_path, on, job_excluded, cluster, action
 ):
-    (tmp_path / faults.EXCLUDED_FILE).write_text("n1\n")
-    decision = faults.at_start(tmp_path, on, job_excluded, cluster)
+    (tmp_path / node_exclusion.EXCLUDED_FILE).write_text("n1\n")
+    decision = node_exclusion.at_start(tmp_path, on, job_excluded, cluster)
     assert decision.action == action and decision.exclude == ["n1"]
 
 
@@ -105,7 +107,7 @@ def test_the_command_line_resolves_the_run_dir_from_the_config(tmp_path, capsys)
     argv = ["after-failure", "--job=7", "--restart=0", "--exit-code=1", "--nodes=n1",
             "--cluster-nodes=n1,n2", "--config", str(DEMO), f"run_dir={run_dir}"]  # fmt: skip
     faults.record(run_dir, [fault("n1", 0)])
-    assert faults.main(argv) == 0
+    assert node_exclusion.main(argv) == 0
     assert capsys.readouterr().out.startswith("action=requeue\nexclude=n1\nmessage=job 7 ")
-    assert faults.read_excluded(run_dir) == ["n1"]
-    assert faults.main(["at-start", *argv[4:6], "--config", "nope.yaml"]) == 2
+    assert node_exclusion.read_excluded(run_dir) == ["n1"]
+    assert node_exclusion.main(["at-start", *argv[4:6], "--config", "nope.yaml"]) == 2

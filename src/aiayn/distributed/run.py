@@ -70,12 +70,16 @@ class RestartPolicyAgent(LocalElasticAgent):
             faults.record(self.run_dir, found)
         return result
 
-
-    def _stop_workers(self, worker_group) -> None:
-        # torch's agent stops the group for a restart with a fixed 30 s grace, not the
-        # --shutdown-timeout it takes: a stalled (SIGSTOPped) worker, which SIGTERM cannot
-        # end, held every restart 30 s.
-        self._shutdown(timeout=self._shutdown_timeout)
+    def _start_workers(self, worker_group) -> dict:
+        ids = super()._start_workers(worker_group)
+        # When a worker fails, torch's process context stops the others with a fixed 30 s
+        # grace before SIGKILL, not the --shutdown-timeout it was given: a stalled
+        # (SIGSTOPped) worker, which SIGTERM cannot end, held every restart 30 s.
+        close, grace = self._pcontext.close, self._shutdown_timeout
+        self._pcontext.close = lambda death_sig=None, timeout=None: close(
+            death_sig, grace if timeout is None else timeout
+        )
+        return ids
 
 
 def _message(message: str | dict) -> str:
