@@ -27,6 +27,8 @@ def test_nccl_joins_with_this_ranks_device_and_the_setup_timeout(monkeypatch):
     calls = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: calls.append((a, kw)))
+    stores = []  # the launcher's store, made for this start (a TCPStore needs a live launcher)
+    monkeypatch.setattr(env_module, "_attempt_store", lambda *a: stores.append(a) or "store")
     for var, value in {"WORLD_SIZE": "8", "RANK": "7", "LOCAL_RANK": "3"}.items():
         monkeypatch.setenv(var, value)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -35,7 +37,8 @@ def test_nccl_joins_with_this_ranks_device_and_the_setup_timeout(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     env = setup("auto", timeout_minutes=90)
     assert env.device == torch.device("cuda", 3) and cuda.current == 3
-    assert calls == [
-        (("nccl",), {"timeout": timedelta(minutes=90), "device_id": torch.device("cuda", 3)})
-    ]
+    timeout = timedelta(minutes=90)
+    assert stores == [(7, 8, timeout)]
+    expected = {"store": "store", "rank": 7, "world_size": 8, "timeout": timeout}
+    assert calls == [(("nccl",), {**expected, "device_id": torch.device("cuda", 3)})]
     assert env_module.os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
