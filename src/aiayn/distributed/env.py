@@ -105,21 +105,12 @@ def setup(
             )
         timeout = timedelta(minutes=timeout_minutes)
         store = _attempt_store(rank, world_size, timeout)
-        if device.type == "cuda":
-            # device_id binds the communicator to this rank's GPU now, not at a first
-            # collective that guesses the device.
-            dist.init_process_group(
-                "nccl",
-                store=store,
-                rank=rank,
-                world_size=world_size,
-                timeout=timeout,
-                device_id=device,
-            )
-        else:
-            dist.init_process_group(
-                "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
-            )
+        # NCCL on GPUs; device_id binds the communicator to this rank's GPU now, not at a
+        # first collective that guesses the device.
+        backend, bind = ("nccl", {"device_id": device}) if device.type == "cuda" else ("gloo", {})
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **bind
+        )
     return DistEnv(rank, world_size, device)
 
 

@@ -78,13 +78,24 @@ class Fault:
 
 
 def record(run_dir: str | Path, faults: list[Fault]) -> None:
-    """Append `faults` to the run's log. One write of whole lines with O_APPEND: lines from
-    several nodes' launchers sharing the run directory do not interleave."""
-    if not faults:
+    """Append `faults` to the run's log."""
+    append_jsonl(Path(run_dir) / FAULTS_FILE, [asdict(f) for f in faults])
+
+
+def read(run_dir: str | Path) -> list[Fault]:
+    """Every fault the run has logged, oldest first."""
+    known = set(Fault.__dataclass_fields__)
+    rows = read_jsonl(Path(run_dir) / FAULTS_FILE)
+    return [Fault(**{k: v for k, v in row.items() if k in known}) for row in rows]
+
+
+def append_jsonl(path: Path, rows: list[dict]) -> None:
+    """Append `rows` to a JSON-lines log. One write of whole lines with O_APPEND: lines from
+    several nodes sharing the run directory do not interleave."""
+    if not rows:
         return
-    path = Path(run_dir) / FAULTS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = "".join(json.dumps(asdict(f), sort_keys=True) + "\n" for f in faults).encode()
+    data = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows).encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, data)
@@ -93,18 +104,14 @@ def record(run_dir: str | Path, faults: list[Fault]) -> None:
         os.close(fd)
 
 
-def read(run_dir: str | Path) -> list[Fault]:
-    """Every fault the run has logged, oldest first; a torn last line (a crash mid-write) is
-    skipped."""
-    path = Path(run_dir) / FAULTS_FILE
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines log, oldest first; a torn line (a crash mid-write) is skipped."""
     if not path.is_file():
         return []
-    known = set(Fault.__dataclass_fields__)
-    out = []
+    rows = []
     for line in path.read_text().splitlines():
         try:
-            row = json.loads(line)
+            rows.append(json.loads(line))
         except ValueError:
             continue
-        out.append(Fault(**{k: v for k, v in row.items() if k in known}))
-    return out
+    return rows

@@ -9,16 +9,22 @@ directory: `excluded_nodes` (the nodes to avoid) and `slurm_failures.jsonl` (eac
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiayn.distributed.faults import FAULTS_FILE, USER_ERROR_EXIT_CODE, Fault
+from aiayn.distributed.faults import (
+    FAULTS_FILE,
+    USER_ERROR_EXIT_CODE,
+    Fault,
+    append_jsonl,
+    read_jsonl,
+)
 from aiayn.distributed.faults import read as read_faults
 from aiayn.errors import AiaynError
+from aiayn.files import write_atomic
 
 EXCLUDED_FILE = "excluded_nodes"  # one node name a line: nodes this run's jobs avoid
 FAILURES_FILE = "slurm_failures.jsonl"  # one line per failed Slurm job attempt
@@ -48,11 +54,15 @@ def attempt_faults(faults: list[Fault], job: str, restart: int) -> list[Fault]:
     return [f for f in faults if f.slurm_job == job and f.slurm_restart == restart]
 
 
+def _lost_peer(fault: Fault) -> bool:
+    return bool(LOST_PEER.search(fault.error))
+
+
 def _final(faults: list[Fault]) -> list[Fault]:
     """The failures that ended the attempt: after its in-job restarts, the primary ones (not a
     lost peer) where there are any."""
     last = [f for f in faults if f.action == "stop"] or faults
-    return [f for f in last if not LOST_PEER.search(f.error)] or last
+    return [f for f in last if not _lost_peer(f)] or last
 
 
 def culprits(faults: list[Fault], job_nodes: list[str]) -> list[str]:
@@ -60,8 +70,7 @@ def culprits(faults: list[Fault], job_nodes: list[str]) -> list[str]:
     an exception, OOM) is; one whose workers only lost a peer is not. When every fault is a lost
     peer, the suspects are the job's nodes that logged nothing (a stalled rank, a node whose
     launcher died with it), unless that is all of them; with no fault logged at all, none."""
-    last = [f for f in faults if f.action == "stop"] or faults
-    primary = sorted({f.node for f in last if not LOST_PEER.search(f.error)})
+    primary = sorted({f.node for f in _final(faults) if not _lost_peer(f)})
     if primary:
         return primary
     silent = [n for n in job_nodes if n not in {f.node for f in faults}]
@@ -82,23 +91,6 @@ def signature(faults: list[Fault], exitcode: int) -> str:
 def read_excluded(run_dir: str | Path) -> list[str]:
     path = Path(run_dir) / EXCLUDED_FILE
     return path.read_text().split() if path.is_file() else []
-
-
-def _write_excluded(run_dir: Path, nodes: list[str]) -> None:
-    tmp = run_dir / f"{EXCLUDED_FILE}.tmp"
-    tmp.write_text("".join(f"{n}\n" for n in nodes))
-    tmp.replace(run_dir / EXCLUDED_FILE)
-
-
-def _failures(run_dir: Path) -> list[dict]:
-    path = run_dir / FAILURES_FILE
-    rows = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows
 
 
 def failed_in_a_row(history: list[dict], job: str, restart: int, sig: str) -> int:
@@ -129,9 +121,8 @@ def after_failure(
     blamed = culprits(faults, job_nodes)
     row = {"slurm_job": job, "slurm_restart": restart, "exitcode": exitcode,
            "signature": sig, "nodes": job_nodes, "blamed": blamed, "time": time.time()}  # fmt: skip
-    with open(run_dir / FAILURES_FILE, "a") as f:
-        f.write(json.dumps(row, sort_keys=True) + "\n")
-    times = failed_in_a_row(_failures(run_dir), job, restart, sig)
+    append_jsonl(run_dir / FAILURES_FILE, [row])
+    times = failed_in_a_row(read_jsonl(run_dir / FAILURES_FILE), job, restart, sig)
     before = read_excluded(run_dir)
     excluded = before + [n for n in blamed if n not in before]
     left = [n for n in cluster_nodes if n not in excluded]
@@ -151,7 +142,7 @@ def after_failure(
             f"{len(job_nodes)}: not requeued. Check those nodes, then empty "
             f"{run_dir / EXCLUDED_FILE} and resubmit",
         )  # fmt: skip
-    _write_excluded(run_dir, excluded)
+    write_atomic(run_dir / EXCLUDED_FILE, "".join(f"{n}\n" for n in excluded))
     blame = f"blaming {','.join(blamed)}" if blamed else "no node to blame"
     return Decision(
         "requeue", excluded,
