@@ -6,7 +6,9 @@ with AVX512-BF16 (AMD Zen 4, Intel Cooper Lake) or AMX (Intel Sapphire Rapids) o
 matmul runs faster than fp32; without them it is emulated, and runs several times slower
 (measured in benchmarks/README.md, cpu_precision.py and "Measurements behind defaults").
 The choice reads the CPU's flags, not a timing, so that every rank of a run on identical
-machines decides the same.
+machines decides the same; a cap on oneDNN's instruction set below AVX512_CORE_BF16
+(`ONEDNN_MAX_CPU_ISA=AVX2`, how a CPU of another kind is reproduced, tests/cpu_kinds.py) counts
+as no native bf16, since oneDNN then emulates it whatever the CPU has.
 
 A GPU multiplies bf16 natively from compute capability 8.0 (Ampere); torch's
 `is_bf16_supported()` also counts the emulation older GPUs run. Volta and Turing (7.x: V100, T4)
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+from collections.abc import Mapping
 from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
 
@@ -25,6 +29,11 @@ import torch
 log = logging.getLogger("aiayn")
 
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# oneDNN's instruction-set caps without a bf16 dot product (its names; DNNL_ is the old prefix).
+ONEDNN_ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+ONEDNN_ISAS_WITHOUT_BF16 = frozenset(
+    {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+)
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -41,12 +50,24 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
     return set()
 
 
-def native_bf16(device: torch.device, flags: set[str] | None = None) -> bool:
+def onednn_isa_cap(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The instruction set oneDNN is capped to by its environment variable, if any."""
+    for name in ONEDNN_ISA_VARIABLES:
+        if environ.get(name):
+            return environ[name].strip().upper()
+    return None
+
+
+def native_bf16(
+    device: torch.device, flags: set[str] | None = None, environ: Mapping[str, str] = os.environ
+) -> bool:
     """True where bf16 matrix multiplies run in hardware: a CUDA GPU that supports bf16, or a
-    CPU with one of CPU_BF16_FLAGS."""
+    CPU with one of CPU_BF16_FLAGS whose oneDNN is not capped below bf16."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     if device.type == "cpu":
+        if onednn_isa_cap(environ) in ONEDNN_ISAS_WITHOUT_BF16:
+            return False
         return any(f in (cpu_flags() if flags is None else flags) for f in CPU_BF16_FLAGS)
     return False
 

@@ -19,18 +19,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from cpu_kinds import CAPS
+
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 FIXTURE = FIXTURES / "resume_v1"
 sys.path.insert(0, str(FIXTURES))
 import make_resume_fixture  # noqa: E402  (tests/fixtures, how the fixture was made)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the fixture was made: one thread
-# torch's, oneDNN's and MKL's AVX2 kernels on any x86 CPU: the path of an AVX2-only machine.
-AVX2 = {
-    "ATEN_CPU_CAPABILITY": "avx2",
-    "ONEDNN_MAX_CPU_ISA": "AVX2",
-    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-}
+AVX2 = CAPS["avx2"]  # the kernels of an AVX2-only machine, on any x86 CPU (tests/cpu_kinds.py)
 # Largest difference allowed, as a fraction of each tensor's largest magnitude, between step 8
 # on other kernels and the fixture's. On the fixture's CPU, AVX2 kernels came within 3e-7 of it
 # and torch's unvectorized ones within 4e-7; a resume that loses one thing (Adam's moments, the

@@ -89,18 +89,18 @@ def _torch_log_probs(model, tok, src, tgt) -> list[list[float]]:
     return out
 
 
-def _ct2_log_probs(model_dir, tok, kind, src, tgt) -> list[list[float]]:
+def _ct2_log_probs(model_dir, tok, kind, src, tgt, **load) -> list[list[float]]:
     """CTranslate2's score_batch: per-token log-probabilities of each target token; a
     Translator appends eos to source and target itself (and returns eos's), a Generator
-    scores every token after the first."""
+    scores every token after the first. `load`: more options for loading the model."""
     if kind == "seq2seq":
-        results = ct2.Translator(str(model_dir), **ONE).score_batch(
+        results = ct2.Translator(str(model_dir), **ONE, **load).score_batch(
             _pieces(tok, src), _pieces(tok, tgt)
         )
         assert [r.tokens for r in results] == [[*p, "</s>"] for p in _pieces(tok, tgt)]
     else:
         starts = [[tok.eos_id, *t] for t in tgt]
-        results = ct2.Generator(str(model_dir), **ONE).score_batch(_pieces(tok, starts))
+        results = ct2.Generator(str(model_dir), **ONE, **load).score_batch(_pieces(tok, starts))
         assert [r.tokens for r in results] == _pieces(tok, tgt)
     return [list(r.log_probs) for r in results]
 
@@ -135,9 +135,9 @@ def _greedy_torch(model, tok, kind, prompts, n):
     return generate(model, starts, max_new_tokens=n, temperature=0, eos_id=tok.eos_id)
 
 
-def _greedy_ct2(model_dir, tok, kind, prompts, n):
+def _greedy_ct2(model_dir, tok, kind, prompts, n, **load):
     if kind == "seq2seq":
-        translator = ct2.Translator(str(model_dir), **ONE)
+        translator = ct2.Translator(str(model_dir), **ONE, **load)
         return [  # aiayn's limit: source + eos + max_len_b tokens
             _ids(
                 tok,
@@ -148,7 +148,7 @@ def _greedy_ct2(model_dir, tok, kind, prompts, n):
             for p in prompts
         ]
     starts = [[tok.eos_id, *p] for p in prompts]
-    generator = ct2.Generator(str(model_dir), **ONE)
+    generator = ct2.Generator(str(model_dir), **ONE, **load)
     return [
         generator.generate_batch([s], max_length=len(s) - 1 + n, sampling_topk=1)[0].sequences_ids[
             0
@@ -225,17 +225,37 @@ def test_metadata_records_source_step_tokenizer_and_decoding(exported, tok):
     assert (model_dir / "spm.model").read_bytes() == tok.path.read_bytes()
 
 
-def test_int8_export_gives_nearly_the_same_output(exported, tok, tmp_path):
-    weights, _ = exported[("seq2seq", "pre", "sinusoidal")]
-    model_dir = export_ctranslate2(weights, tmp_path / "int8", quantization="int8")
-    assert ct2.Translator(str(model_dir), **ONE).compute_type.startswith("int8")
-    assert max_log_prob_gap(weights, model_dir, tok) < 0.1
-    cfg, model, _, _ = load_for_inference(weights, (), "cpu")
+@pytest.mark.parametrize(
+    "case", [("seq2seq", "pre", "sinusoidal"), ("lm", "post", "learned")], ids=case_id
+)
+def test_int8_export_is_ctranslate2s_own_int8_of_the_model(exported, tok, tmp_path, case):
+    """The int8 export scores and decodes exactly as CTranslate2's own int8 of the model: the
+    float32 export, which equals the model (the tests above), quantized by CTranslate2 as it
+    loads it (compute_type=int8), on the same machine.
+
+    How far int8 is from float32 depends on the CPU, so no bound against the float model holds
+    on every kind: CTranslate2's int8 products take another path by instruction set (AVX2 has
+    no VNNI; its 16-bit intermediate sums saturate). On this tiny random model the largest
+    log-probability gap to float32 was 0.03 with AVX-512 and 0.48-1.0 with CTranslate2 and
+    oneDNN forced to AVX2 (CT2_FORCE_CPU_ISA=AVX2 ONEDNN_MAX_CPU_ISA=AVX2: what an AVX2-only
+    machine measured, 0.4798, to the digit). Against CTranslate2's own quantization on the same
+    kernels the gap is 0.0 on both, so the comparison is exact on every CPU: an export that
+    quantized a wrong or misplaced weight, or lost a scale, would score differently."""
+    weights, float_dir = exported[case]
+    int8_dir = export_ctranslate2(weights, tmp_path / "int8", quantization="int8")
+    kind = case[0]
+    runtime = ct2.Translator if kind == "seq2seq" else ct2.Generator
+    assert runtime(str(int8_dir), **ONE).compute_type.startswith("int8")
+    tgt = _rows(1, [7, 3, 12, 1], tok.vocab_size)
+    src = _rows(2, [5, 9, 1, 14], tok.vocab_size) if kind == "seq2seq" else None
+    theirs = _ct2_log_probs(float_dir, tok, kind, src, tgt, compute_type="int8")
+    assert _ct2_log_probs(int8_dir, tok, kind, src, tgt) == theirs
     prompts = _rows(4, [3, 6, 8, 2, 5], tok.vocab_size)
-    ours = _greedy_torch(model, tok, "seq2seq", prompts, 10)
-    theirs = _greedy_ct2(model_dir, tok, "seq2seq", prompts, 10)
-    pairs = [(a, b) for o, t in zip(ours, theirs, strict=True) for a, b in zip(o, t, strict=False)]
-    assert sum(a == b for a, b in pairs) >= 0.8 * len(pairs)
+    ours = _greedy_ct2(int8_dir, tok, kind, prompts, 10)
+    assert ours == _greedy_ct2(float_dir, tok, kind, prompts, 10, compute_type="int8")
+    assert min(map(len, ours)) >= 1
+    # Quantized, not float32 under another name: int8 moves some log-probability (0.03 and more).
+    assert max_log_prob_gap(weights, int8_dir, tok) > TOLERANCE
 
 
 def test_an_existing_output_is_not_overwritten(exported, tmp_path):

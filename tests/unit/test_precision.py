@@ -4,7 +4,7 @@ import torch
 import aiayn.flops
 import aiayn.precision
 from aiayn.flops import matmul_dtype
-from aiayn.precision import cpu_flags, native_bf16, resolve_precision
+from aiayn.precision import ONEDNN_ISA_VARIABLES, cpu_flags, native_bf16, resolve_precision
 
 from fake_cuda import FakeCuda
 
@@ -24,12 +24,36 @@ def test_cpu_flags_reads_the_first_processors_flags(tmp_path):
     assert cpu_flags(tmp_path / "missing") == set()
 
 
-def test_auto_is_bf16_only_on_a_cpu_with_native_bf16():
+@pytest.fixture
+def uncapped(monkeypatch):
+    """oneDNN as on a machine of the kind the flags given describe: not capped (tests/cpu_kinds.py
+    caps it to reproduce another kind)."""
+    for name in ONEDNN_ISA_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_auto_is_bf16_only_on_a_cpu_with_native_bf16(uncapped):
     assert resolve_precision("auto", CPU, {"avx512f", "avx512_bf16"}) == "bf16"
     assert resolve_precision("auto", CPU, {"amx_tile", "amx_bf16"}) == "bf16"
     # AVX-512 without its BF16 extension emulates bf16, slower than fp32.
     assert resolve_precision("auto", CPU, {"avx512f", "avx512bw", "avx2"}) == "fp32"
     assert not native_bf16(CPU, set())
+
+
+@pytest.mark.parametrize(
+    "environ, native",
+    [
+        ({}, True),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, False),
+        ({"ONEDNN_MAX_CPU_ISA": "avx512_core"}, False),
+        ({"DNNL_MAX_CPU_ISA": "AVX512_CORE_VNNI"}, False),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, True),
+        ({"ONEDNN_MAX_CPU_ISA": "ALL"}, True),
+    ],
+)
+def test_onednn_capped_below_bf16_emulates_it_on_any_cpu(environ, native):
+    """ONEDNN_MAX_CPU_ISA is how tests/cpu_kinds.py makes this machine compute as another kind."""
+    assert native_bf16(CPU, {"avx512f", "avx512_bf16", "amx_bf16"}, environ) is native
 
 
 def test_a_named_precision_is_kept_whatever_the_device():
@@ -46,7 +70,7 @@ def test_mfu_counts_a_bf16_run_against_the_bf16_matmul():
 @pytest.mark.parametrize(
     "flags, measured", [({"avx512_bf16"}, torch.bfloat16), ({"avx2"}, torch.float32)]
 )
-def test_emulated_bf16_is_measured_against_the_fp32_matmul(monkeypatch, flags, measured):
+def test_emulated_bf16_is_measured_against_the_fp32_matmul(monkeypatch, uncapped, flags, measured):
     # Without native bf16 a 2048^3 bf16 multiply takes minutes: the run would wait at start.
     seen = []
     monkeypatch.setattr(aiayn.precision, "cpu_flags", lambda: flags)
