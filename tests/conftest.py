@@ -31,6 +31,13 @@ def pytest_configure(config):
                 "lowers the instruction set"
             )
         os.environ.update(cpu_kinds.CAPS[kind])
+    # Side by side (pytest-xdist, make test) each worker, and every process its tests start,
+    # takes its share of the cores: OpenMP threads spinning on a core another worker computes on
+    # slow both. One process's default threads are torch's, as before; tests that compare runs
+    # bitwise pin the threads of both (OMP_NUM_THREADS=1, train.threads=1) either way.
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
 def pytest_report_header(config):

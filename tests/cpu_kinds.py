@@ -16,13 +16,17 @@ import sys
 
 CAPS = {
     # torch's vectorized kernels, oneDNN (torch's bf16 matmul; CTranslate2's int8 on AMD), MKL
-    # (torch's fp32 matmul), CTranslate2's own kernels. aiayn.precision reads ONEDNN_MAX_CPU_ISA:
-    # bf16 capped away is emulated, and train.precision=auto picks fp32, as on such a machine.
+    # (torch's fp32 matmul), CTranslate2's own kernels, and the -march TorchInductor compiles
+    # its C++ with: it follows ATEN_CPU_CAPABILITY for its vector width but compiles for
+    # -march=native, and AVX2-wide loops built for an AVX-512 target computed nan (measured).
+    # aiayn.precision reads ONEDNN_MAX_CPU_ISA: bf16 capped away is emulated, and
+    # train.precision=auto picks fp32, as on such a machine.
     "avx2": {
         "ATEN_CPU_CAPABILITY": "avx2",
         "ONEDNN_MAX_CPU_ISA": "AVX2",
         "MKL_ENABLE_INSTRUCTIONS": "AVX2",
         "CT2_FORCE_CPU_ISA": "AVX2",
+        "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3",
     },
     # Skylake-X: AVX-512 without VNNI or bf16 (oneDNN's AVX512_CORE).
     "avx512": {
@@ -30,6 +34,7 @@ CAPS = {
         "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
         "MKL_ENABLE_INSTRUCTIONS": "AVX512",
         "CT2_FORCE_CPU_ISA": "AVX512",
+        "TORCHINDUCTOR_CPP_MARCH": "x86-64-v4",
     },
 }
 VARIABLES = sorted({name for caps in CAPS.values() for name in caps})
