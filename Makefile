@@ -58,16 +58,18 @@ wikitext2: install
 	$(BIN)/python launch/lm_recipe.py wikitext2
 
 # Two passes. The tests of one process run side by side, one per core (pytest-xdist; most of
-# them keep one core busy, and each worker gets its share of the cores, tests/conftest.py);
-# the multi-process ones (distributed, slurm) run one at a time after them, so their ranks
-# have the cores to themselves and the timeouts they check hold. PYTEST_ARGS reaches both,
-# e.g. PYTEST_ARGS="--cpu-kind avx2" (tests/cpu_kinds.py). Tiers: docs/development.md#tests.
+# them keep one core busy, and each worker gets its share of the cores, tests/conftest.py).
+# The multi-process ones (distributed, slurm) run after them, one at a time: two at a time
+# saved 12% of their time and failed Slurm's two-node rendezvous and signal timing (measured,
+# docs/development.md#tests). The second pass runs whatever the first reported. PYTEST_ARGS
+# reaches both, e.g. PYTEST_ARGS="--cpu-kind avx2" (tests/cpu_kinds.py).
 PYTEST_ARGS ?=
-ONE_PROCESS := -m "not distributed and not slurm"
 
 test: install $(BENCH_STAMP)
-	$(BIN)/pytest -q -n auto $(ONE_PROCESS) $(PYTEST_ARGS)
-	$(BIN)/pytest -q -m "distributed or slurm" $(PYTEST_ARGS)
+	status=0; \
+	$(BIN)/pytest -q -n auto -m "not distributed and not slurm" $(PYTEST_ARGS) || status=1; \
+	$(BIN)/pytest -q -m "distributed or slurm" $(PYTEST_ARGS) || status=1; \
+	exit $$status
 
 test-fast: install
 	$(BIN)/pytest -q -n auto -m "not slow and not distributed and not slurm" $(PYTEST_ARGS)

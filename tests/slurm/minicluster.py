@@ -209,7 +209,7 @@ PartitionName=test Nodes={",".join(self.NODES)} Default=YES MaxTime=INFINITE Sta
                 return info
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} still {info.get('JobState')} after {timeout}s")
-            time.sleep(1)
+            time.sleep(0.2)
 
     # ---- stop ----
 
