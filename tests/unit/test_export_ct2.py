@@ -235,7 +235,7 @@ def test_int8_export_is_ctranslate2s_own_int8_of_the_model(exported, tok, tmp_pa
 
     How far int8 is from float32 depends on the CPU, so no bound against the float model holds
     on every kind: CTranslate2's int8 products take another path by instruction set (AVX2 has
-    no VNNI; its 16-bit intermediate sums saturate). On this tiny random model the largest
+    no VNNI, and multiplies int8 another way). On this tiny random model the largest
     log-probability gap to float32 was 0.03 with AVX-512 and 0.48-1.0 with CTranslate2 and
     oneDNN forced to AVX2 (CT2_FORCE_CPU_ISA=AVX2 ONEDNN_MAX_CPU_ISA=AVX2: what an AVX2-only
     machine measured, 0.4798, to the digit). Against CTranslate2's own quantization on the same
