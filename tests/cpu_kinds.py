@@ -17,9 +17,9 @@ import sys
 CAPS = {
     # torch's vectorized kernels, oneDNN (torch's bf16 matmul), MKL (torch's fp32 matmul),
     # CTranslate2's own dispatch (its int8 products run in oneDNN or MKL), and the -march
-    # TorchInductor compiles
-    # its C++ with: it follows ATEN_CPU_CAPABILITY for its vector width but compiles for
-    # -march=native, and AVX2-wide loops built for an AVX-512 target computed nan (measured).
+    # TorchInductor compiles its C++ with: it follows ATEN_CPU_CAPABILITY for its vector width
+    # but compiles for -march=native, and AVX2-wide loops built for an AVX-512 target computed
+    # nan (measured).
     # aiayn.precision reads ONEDNN_MAX_CPU_ISA: bf16 capped away is emulated, and
     # train.precision=auto picks fp32, as on such a machine.
     "avx2": {
