@@ -44,7 +44,11 @@ NEEDS = {"avx2": "avx2", "avx512": "avx512f"}
 
 
 def cpu_flags() -> set[str]:
-    """This machine's vector flags (Linux), for the report header."""
+    """This machine's vector flags (Linux): which kinds it can compute as, and the report header.
+
+    aiayn.precision.cpu_flags reads the same line, but importing it imports torch, and
+    conftest.py asks this before it sets the caps and OMP_NUM_THREADS: libgomp reads its
+    thread count when torch loads it, so torch must not be loaded yet."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
