@@ -57,18 +57,23 @@ tinyshakespeare: install
 wikitext2: install
 	$(BIN)/python launch/lm_recipe.py wikitext2
 
-# Two passes. The tests of one process run side by side, one per core (pytest-xdist; most of
+# Three passes. The tests of one process run side by side, one per core (pytest-xdist; most of
 # them keep one core busy, and each worker gets its share of the cores, tests/conftest.py).
-# The multi-process ones (distributed, slurm) run after them, one at a time: two at a time
-# saved 12% of their time and failed Slurm's two-node rendezvous and signal timing (measured,
-# docs/development.md#tests). The second pass runs whatever the first reported. PYTEST_ARGS
-# reaches both, e.g. PYTEST_ARGS="--cpu-kind avx2" (tests/cpu_kinds.py).
+# The multi-process ones (distributed) follow, DIST_WORKERS modules at a time: their ranks
+# wait on each other and on process start-up, so two at a time keep 2 cores 90% busy and
+# take 20% less time than one at a time (docs/development.md#tests). The Slurm tests come
+# last, alone: a loaded machine delays their two-node rendezvous and signals. Each pass runs
+# whatever the one before reported. PYTEST_ARGS reaches all three, e.g.
+# PYTEST_ARGS="--cpu-kind avx2" (tests/cpu_kinds.py).
 PYTEST_ARGS ?=
+DIST_WORKERS ?= 2
 
 test: install $(BENCH_STAMP)
 	status=0; \
 	$(BIN)/pytest -q -n auto -m "not distributed and not slurm" $(PYTEST_ARGS) || status=1; \
-	$(BIN)/pytest -q -m "distributed or slurm" $(PYTEST_ARGS) || status=1; \
+	$(BIN)/pytest -q -n $(DIST_WORKERS) --dist loadfile -m "distributed and not slurm" \
+		$(PYTEST_ARGS) || status=1; \
+	$(BIN)/pytest -q -m slurm $(PYTEST_ARGS) || status=1; \
 	exit $$status
 
 test-fast: install

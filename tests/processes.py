@@ -46,4 +46,15 @@ def kill_tree(proc: subprocess.Popen) -> None:
         except psutil.NoSuchProcess:
             pass
     proc.wait()
-    psutil.wait_procs(family, timeout=30)
+    # The ranks, orphaned, are reaped by PID 1, which may take a second or more (measured 1 s
+    # here); a zombie has exited and closed its files, which is all a test waits for.
+    deadline = time.monotonic() + 30
+    while not all(map(_exited, family)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _exited(member: psutil.Process) -> bool:
+    try:
+        return member.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

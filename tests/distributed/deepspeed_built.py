@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from aiayn.config import load_config
-from aiayn.distributed import deepspeed_config
+from aiayn.distributed import deepspeed_config, op_builds
 from aiayn.distributed.deepspeed_engine import _join_single_process_group
 from aiayn.distributed.env import DistEnv
 from aiayn.model import build_model
@@ -31,7 +31,8 @@ OVERRIDES = [
 
 
 def main() -> None:
-    _join_single_process_group(DistEnv(0, 1, torch.device("cpu")))  # as DeepSpeedEngine does
+    _join_single_process_group(DistEnv(0, 1, torch.device("cpu")))  # as DeepSpeedEngine does,
+    op_builds.skip_inference_all_reduce()  # and this
     deepspeed.utils.logger.setLevel(logging.WARNING)
     cfg = load_config(None, OVERRIDES)
     model = build_model(cfg.model, 50, 0)

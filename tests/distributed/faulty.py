@@ -1,11 +1,13 @@
-"""`aiayn train` with one fault injected, for the restart tests:
+"""`aiayn train` with faults injected, for the restart tests:
 
-    python faulty.py KIND RANK STEP train --config C [overrides]
+    python faulty.py KINDS RANK STEPS train --config C [overrides]
 
-On its first start (torchrun's TORCHELASTIC_RESTART_COUNT=0) rank RANK meets fault KIND as it
-begins step STEP: sigkill, sigstop and sigusr1 (a preemption) send the signal to itself; raise
-raises a RuntimeError, oom a torch.OutOfMemoryError, user an AiaynError (exit 2: not
-restartable). A restarted group trains without faults."""
+KINDS and STEPS are comma-separated lists of the same length: on the group's i-th start
+(torchrun's TORCHELASTIC_RESTART_COUNT=i) rank RANK meets fault KINDS[i] as it begins step
+STEPS[i]. sigkill, sigstop and sigusr1 (a preemption) send the signal to itself; raise raises a
+RuntimeError, oom a torch.OutOfMemoryError, user an AiaynError (exit 2: not restartable). A
+start past the last fault trains without one. Several faults in one job let one launch check
+several kinds of restart, each from the checkpoint the previous one left."""
 
 import os
 import signal
@@ -37,8 +39,9 @@ def inject(kind: str, step: int) -> None:
 
 
 if __name__ == "__main__":
-    kind, rank, step, *argv = sys.argv[1:]
-    first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if first_start and os.environ.get("RANK", "0") == rank:
-        inject(kind, int(step))
+    kinds, rank, steps, *argv = sys.argv[1:]
+    faults = list(zip(kinds.split(","), map(int, steps.split(",")), strict=True))
+    start = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if start < len(faults) and os.environ.get("RANK", "0") == rank:
+        inject(*faults[start])
     sys.exit(cli.main(argv))

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "slurm" / "train.sbatch"
 DEMO = ROOT / "configs" / "demo.yaml"
-STEPS = 100
+STEPS = 60  # the demo model learns within them (tests/slurm/test_sbatch.py)
 
 
 def demo_overrides(corpus, run_dir: Path) -> list[str]:

@@ -30,9 +30,10 @@ def test_the_demo_trains_to_the_end_on_two_nodes_and_its_loss_falls(straight):
     loss = losses(run_dir)
     assert sorted(loss) == list(range(5, STEPS + 1, 5))
     first, last = loss[5], loss[STEPS]
-    # Measured: 5.91 at step 5 (ln 200 = 5.3 is a uniform guess), 1.19 at step 100 with
-    # token accuracy 0.95. A run that did not learn stays above 4 (the unigram plateau).
-    assert first > 5.0 and last < 2.0, loss
+    # Measured: 5.91 at step 5 (ln 200 = 5.3 is a uniform guess), 2.70 at step 60 with token
+    # accuracy 0.57 (1.20 and 0.95 at step 100). A run that did not learn stays above 4 (the
+    # unigram plateau).
+    assert first > 5.0 and last < 3.2, loss
 
 
 def test_a_preempted_job_saves_requeues_resumes_and_ends_with_the_same_weights(

@@ -44,6 +44,7 @@ class DeepSpeedEngine:
         _join_single_process_group(env)
         deepspeed.utils.logger.setLevel(logging.WARNING)
         op_builds.wait_for_op_builds()  # deepspeed.initialize compiles ops on first use
+        op_builds.skip_inference_all_reduce()
         self.ds_config = deepspeed_config.build(cfg, env.world_size, env.device.type)
         parallelize.apply(model, cfg)
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(

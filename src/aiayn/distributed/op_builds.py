@@ -20,6 +20,7 @@ from aiayn.errors import TrainingError
 log = logging.getLogger(__name__)
 
 STALE_AFTER_S = 15 * 60
+SHM_ALL_REDUCE = "deepspeed_shm_comm"  # op_builder/cpu/comm.py ShareMemCommBuilder.NAME
 POLL_S = 2.0
 
 
@@ -62,3 +63,17 @@ def wait_for_op_builds(
                 waited_on.add(lock)
                 log.info("waiting for the op build that holds %s (%.0f s old)", lock, age)
         time.sleep(poll_s)
+
+
+def skip_inference_all_reduce() -> None:
+    """Keep DeepSpeed from compiling its CPU shared-memory all-reduce, which training never calls.
+
+    DeepSpeed's torch backend compiles that op whenever it wraps a CPU process group (about
+    25 s on 2 cores, on the first launch of every environment and every fresh container), but
+    only `inference_all_reduce` (tensor-parallel inference) calls it; ZeRO's collectives go
+    through torch.distributed. Marking it incompatible in DeepSpeed's table of ops, which
+    DeepSpeed caches in `deepspeed.ops` for edits like this one, makes the backend skip it.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_ALL_REDUCE] = False
