@@ -11,14 +11,23 @@ from contextlib import contextmanager
 from pathlib import Path
 
 _HASH_BLOCK = 1 << 24
+_hashed = 0  # bytes sha256_of has read in this process
 
 
 def sha256_of(path: Path) -> str:
+    global _hashed
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         while block := fh.read(_HASH_BLOCK):
             digest.update(block)
+            _hashed += len(block)
     return digest.hexdigest()
+
+
+def bytes_hashed() -> int:
+    """Bytes `sha256_of` has read in this process: what verifying checkpoints and token caches
+    cost it, which a start reports (train.py) because at scale it is read from shared storage."""
+    return _hashed
 
 
 def fsync_path(path: Path) -> None:

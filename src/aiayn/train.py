@@ -36,6 +36,7 @@ from aiayn.distributed.engine import Engine, build_engine
 from aiayn.distributed.env import DistEnv, setup, teardown, use_timeout
 from aiayn.errors import PeerError, TrainingError
 from aiayn.evaluate import Validation
+from aiayn.files import bytes_hashed
 from aiayn.flops import device_peak_flops, training_flops
 from aiayn.loss import batch_loss
 from aiayn.malloc import keep_freed_memory
@@ -179,7 +180,7 @@ def _assemble(cfg: Config, stop: StopFlag, startup: StartupTimes) -> Run:
         keep_freed_memory()
     ckpts = CheckpointManager.from_config(run_dir, cfg.checkpoint, env.is_main)
     with startup.phase("checkpoint verify"):
-        resume_from = ckpts.resume_point(cfg.checkpoint.resume)  # before any work: may refuse
+        resume_from = ckpts.resume_point(cfg.checkpoint.resume, env)  # before any work: may refuse
     with startup.phase("tokenizer/data"):
         tok, cache = prepare_data(cfg, env)
     with startup.phase("model build"):
@@ -203,6 +204,7 @@ def _assemble(cfg: Config, stop: StopFlag, startup: StartupTimes) -> Run:
         )
     ckpts.track(cfg, tok, engine, loader, env)
     progress = ckpts.restore(resume_from, startup) if resume_from is not None else Progress()
+    _log_checksums(env)
     if memory_probe.wanted(cfg.train.memory_probe, env.device, cfg.distributed.zero_stage):
         kind, smoothing = cfg.model.kind, cfg.train.label_smoothing
         with startup.phase("memory probe"):
@@ -297,10 +299,11 @@ def _is_collective_failure(exc: RuntimeError) -> bool:
 def _peer_error(run: Run, exc: RuntimeError) -> PeerError:
     step, minutes = run.progress.step + 1, run.cfg.distributed.timeout_minutes
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+    latest = run.ckpts.named_latest() or "none (a new run)"
     return PeerError(
         f"step {step}: a collective failed on rank {run.env.rank} ({first_line}). Another "
         f"rank died, or stalled for distributed.timeout_minutes ({minutes:g} min); its log "
-        f"says why. The latest checkpoint is {run.ckpts.latest() or 'none (a new run)'}: under "
+        f"says why. The latest checkpoint is {latest}: under "
         "`python -m aiayn.distributed.run --max-restarts=N` the group restarts from it."
     )
 
@@ -389,6 +392,20 @@ def _train_step(run: Run, micro: list, window: Window, n_tokens: int) -> torch.T
     return grad_norm
 
 
+def _log_checksums(env: DistEnv) -> None:
+    """What verifying the checkpoint and the token cache read at this start, summed over the
+    ranks: about one checkpoint and one cache, however many ranks (one verifies for all)."""
+    hashed = bytes_hashed()
+    total, ranks = env.sum([float(hashed), float(hashed > 0)])
+    if total:
+        log.info(
+            "checksums verified at start: %s bytes read by %d of %d rank(s)",
+            f"{int(total):,}",
+            ranks,
+            env.world_size,
+        )
+
+
 def _log_startup(run: Run, first_batch_wait: float) -> None:
     """The start-up line, once this process's first step is over: on a restart, the time a
     fault cost from this process's creation on (aiayn/startup.py)."""
@@ -474,7 +491,7 @@ def _log_window(run: Run, window: Window, grad_norm, console: bool) -> dict[str,
 def _save(run: Run, window: Window, step: int, valid: dict[str, float] | None = None) -> None:
     """Checkpoint `step`, never from weights a non-finite loss has touched (on any rank)."""
     if not math.isfinite(run.env.sum([float(window.loss)])[0]):
-        latest = run.ckpts.latest()
+        latest = run.ckpts.named_latest()
         raise TrainingError(
             f"non-finite training loss before step {step}; not saving. The last good checkpoint "
             f"is {latest or 'none'}. Lower schedule.factor or set train.clip_norm, then re-run."

@@ -230,3 +230,16 @@ def test_a_preemption_or_an_error_to_fix_is_not_restarted(setup, kind, code, act
     if kind == "sigusr1":  # signalled during step 7, both ranks stopped after step 8 and saved
         assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000008"
         assert "not restarted, exiting 75" in out
+
+
+def test_a_fault_log_that_cannot_be_written_is_reported_and_the_group_still_restarts(setup):
+    """faults.jsonl cannot be opened (here a directory stands in its place, as a full or
+    read-only run_dir would refuse it): the launcher says so and applies its policy anyway."""
+    root, config = setup
+    run_dir = root / "unwritable_faults"
+    (run_dir / "faults.jsonl").mkdir(parents=True)
+    code, out, _ = launch(launcher(1) + faulty(config, run_dir, ["raise"], [3]))
+    assert code == 0, out[-4000:]
+    assert f"could not write {run_dir / 'faults.jsonl'}" in out, out[-4000:]
+    assert "restarting the group from the latest checkpoint" in out
+    assert starts(run_dir) == 2

@@ -7,6 +7,7 @@ import pytest
 
 from aiayn.distributed import faults
 from aiayn.distributed.run import _message, exit_code, run_dir_of
+from aiayn.distributed.run import main as run_main
 from aiayn.errors import ConfigError
 
 
@@ -57,3 +58,10 @@ def test_the_run_dir_comes_from_the_training_command(tmp_path):
     assert run_dir_of(["other.py", "--config", str(config)]) is None
     with pytest.raises(ConfigError, match="not found"):
         run_dir_of(["aiayn", "train", "--config", str(tmp_path / "missing.yaml")])
+
+
+def test_the_launcher_refuses_a_negative_restart_count_in_one_line(capsys):
+    argv = ["--standalone", "--nproc-per-node=1", "--max-restarts=-2", "train.py"]
+    assert run_main(argv) == faults.USER_ERROR_EXIT_CODE
+    err = capsys.readouterr().err
+    assert "--max-restarts=-2" in err and "0 or more" in err and "Traceback" not in err

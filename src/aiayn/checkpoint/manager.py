@@ -35,11 +35,13 @@ from aiayn.checkpoint.format import (
     checkpoints_in,
     latest_valid,
     load_checkpoint,
+    read_manifest,
     step_dir_name,
     step_of,
     weights_snapshot,
 )
 from aiayn.distributed import reshard  # as a module: reshard imports checkpoint.format
+from aiayn.distributed.env import DistEnv
 from aiayn.errors import CheckpointError, TrainingError
 from aiayn.files import fsync_path, sha256_of, write_atomic
 from aiayn.seeding import load_rng_state, rng_state, seed_everything
@@ -139,8 +141,45 @@ class CheckpointManager:
         """The run whose state `save_step` saves and `restore` restores."""
         self._run = Tracked(cfg, tok, engine, loader, env)
 
-    def resume_point(self, resume: str) -> Path | None:
-        """The checkpoint a run starts from: None for a new run (checkpoint.resume)."""
+    def resume_point(self, resume: str, env: DistEnv | None = None) -> Path | None:
+        """The checkpoint a run starts from: None for a new run (checkpoint.resume).
+
+        Rank 0 alone lists the checkpoints and verifies their checksums, and every rank gets
+        its verdict: the same checkpoint to resume from, or the same error. Verifying on every
+        rank would read the whole checkpoint, every ZeRO shard, once per rank from shared
+        storage, and let ranks that see the directory differently pick different steps. Each
+        rank then checks that it sees that checkpoint's files at their recorded sizes (no
+        hashing): ranks whose run_dir is not the same storage stop together, saying so."""
+        if env is None or not env.distributed:
+            return self._choose(resume)
+        verdict = None
+        if env.is_main:
+            try:
+                chosen = self._choose(resume)
+                verdict = (chosen.name if chosen else None, None)
+            except (CheckpointError, OSError) as exc:
+                verdict = (None, str(exc))
+        name, error = env.broadcast(verdict)
+        if error is not None:
+            raise CheckpointError(error)
+        ckpt = None if name is None else self.root / name
+        problem = None
+        if ckpt is not None:
+            try:
+                read_manifest(ckpt, verify=False)
+            except CheckpointError as exc:
+                problem = str(exc)
+        problems = [(rank, p) for rank, p in enumerate(env.gather(problem)) if p is not None]
+        if problems:
+            rank, what = problems[0]
+            raise CheckpointError(
+                f"rank 0 verified {name} to resume from, but {len(problems)} rank(s) cannot "
+                f"read it (rank {rank}: {what}). Every rank must see the same run_dir: put it "
+                "on storage all nodes share"
+            )
+        return ckpt
+
+    def _choose(self, resume: str) -> Path | None:
         existing = self.checkpoints()
         if resume == "never":
             if existing:
@@ -155,6 +194,11 @@ class CheckpointManager:
                 f"{self.root} holds checkpoints but none is valid; move them away to start over"
             )
         return latest
+
+    def named_latest(self) -> Path | None:
+        """The checkpoint `latest` names, unverified: for a message, where hashing a
+        checkpoint on every rank would cost more than the message is worth."""
+        return self._pointed_checkpoint()
 
     def restore(self, ckpt: Path, startup: StartupTimes | None = None) -> Progress:
         """Every rank restores the tracked run from `ckpt` (found by `resume_point`, which

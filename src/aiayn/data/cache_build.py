@@ -60,17 +60,21 @@ def ensure_cache(
     """Open the cache of `split`, building it first if it is missing (or if rebuild).
 
     Every rank calls it; the ranks share the tokenising and rank 0 writes the result. An
-    existing cache that does not fit the config is refused, never silently replaced.
+    existing cache that does not fit the config is refused, never silently replaced. Rank 0
+    alone verifies an existing cache's checksums (every rank hashing every array would read
+    the cache once per rank); the others check its manifest and sizes, and all stop together
+    if any rank finds it wrong.
     """
     sync = sync or (lambda value: [value])
     root = cache_dir(cfg, split)
     expected = fingerprint(cfg, split, tok)
     work = root.parent / f"{root.name}.partial"
-    if not rebuild and (root / MANIFEST).is_file():
-        cache = open_cache(root, expected)
+    if not rebuild and sync((root / MANIFEST).is_file())[0]:  # as rank 0 sees it, for all
+        opened: list[TokenCache] = []
+        _all_ok(sync, lambda: opened.append(open_cache(root, expected, verify=rank == 0)))
         if rank == 0 and work.is_dir():  # killed after the manifest, before the clean-up
             shutil.rmtree(work, ignore_errors=True)
-        return cache
+        return opened[0]
     started = time.perf_counter()
     _all_ok(sync, lambda: _start_build(cfg, split, tok, root, work, rebuild) if rank == 0 else None)
     built = _all_ok(sync, lambda: _build_parts(cfg, split, tok, work, rank, world_size))

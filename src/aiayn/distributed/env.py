@@ -59,6 +59,14 @@ class DistEnv:
         dist.all_gather_object(out, obj)
         return out
 
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every rank: what one rank decided, for all (host memory)."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.host_group)
+        return box[0]
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()

@@ -67,7 +67,15 @@ class RestartPolicyAgent(LocalElasticAgent):
         for fault in found:
             print(f"{PREFIX}: {_describe(fault, left)}", file=sys.stderr, flush=True)
         if self.run_dir is not None:
-            faults.record(self.run_dir, found)
+            try:
+                faults.record(self.run_dir, found)
+            except OSError as exc:  # a full or read-only run_dir: the policy above still holds
+                print(
+                    f"{PREFIX}: could not write {self.run_dir / faults.FAULTS_FILE} ({exc}); "
+                    "the faults above are not in the run's fault log",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return result
 
     def _start_workers(self, worker_group) -> dict:
@@ -138,6 +146,13 @@ def exit_code(failures: dict) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = torchrun.parse_args(argv)
+    if args.max_restarts < 0:  # torch's agent fails on it with a bare AssertionError
+        print(
+            f"{PREFIX}: error: --max-restarts={args.max_restarts}: give the number of restarts "
+            "allowed after a fault, 0 or more",
+            file=sys.stderr,
+        )
+        return faults.USER_ERROR_EXIT_CODE
     command = [args.training_script, *args.training_script_args]
     try:
         RestartPolicyAgent.run_dir = run_dir_of(command)

@@ -1,0 +1,79 @@
+"""What a start reads, per rank (real processes, gloo): one rank verifies the checkpoint and the
+token cache for all, and every rank resumes from the checkpoint it chose, or all stop with one
+message."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from aiayn.config import load_config
+from aiayn.data.cache import cache_dir
+
+from procs import aiayn, run, torchrun
+
+pytestmark = pytest.mark.distributed
+
+VERIFIED = re.compile(r"checksums verified at start: ([\d,]+) bytes read by (\d+) of (\d+) rank")
+WORKER = str(Path(__file__).with_name("resume_verdict.py"))
+
+
+def manifest_bytes(directory: Path) -> int:
+    files = json.loads((directory / "manifest.json").read_text())["files"]
+    return sum(meta["bytes"] for meta in files.values())
+
+
+def test_one_rank_of_four_verifies_the_checkpoint_and_the_cache(setup):
+    """Four ranks train, save and resume. The checksums read at the resume, summed over the
+    ranks, are one token cache and one checkpoint, read by one rank; every rank hashing
+    everything would read four of each."""
+    root, config = setup
+    run_dir = root / "four_ranks"
+    options = ("train.eval_every=0", "checkpoint.every_steps=10")
+    run(torchrun(4) + aiayn(config, run_dir, *options, "train.max_steps=10"))
+    run(torchrun(4) + aiayn(config, run_dir, *options, "train.max_steps=12"))
+    cache = manifest_bytes(cache_dir(load_config(config), "train"))
+    ckpt = manifest_bytes(run_dir / "checkpoints" / "step_00000010")
+    log = (run_dir / "train.log").read_text()
+    first, resumed = VERIFIED.findall(log)
+    assert first[1:] == ("1", "4")  # the cache: verified, or hashed as rank 0 wrote it
+    assert resumed == (f"{cache + ckpt:,}", "1", "4")
+    assert f"resuming from {run_dir / 'checkpoints' / 'step_00000010'}" in log
+    assert "training done at step 12" in log
+
+
+def verdicts(tmp_path: Path, *run_dirs: Path) -> list[dict]:
+    out = tmp_path / "out"
+    out.mkdir()
+    run(torchrun(2) + [WORKER, str(out), *map(str, run_dirs)], timeout=300)
+    return [json.loads((out / f"rank_{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_rank_0_verifies_and_every_rank_resumes_from_its_choice(ddp_run, tmp_path):
+    """The newest checkpoint is corrupt (same size, one byte changed: only its checksum can
+    tell): rank 0 skips it and both ranks resume from the one before; rank 1 hashed nothing."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(ddp_run / "checkpoints", run_dir / "checkpoints")
+    weights = run_dir / "checkpoints" / "step_00000020" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    rank0, rank1 = verdicts(tmp_path, run_dir)
+    older = str(run_dir / "checkpoints" / "step_00000010")
+    assert rank0["checkpoint"] == rank1["checkpoint"] == older, (rank0, rank1)
+    assert rank0["hashed"] > 0 and rank1["hashed"] == 0
+
+
+def test_a_rank_that_cannot_see_the_chosen_checkpoint_stops_every_rank(ddp_run, tmp_path):
+    """Rank 1's run_dir lacks the checkpoint rank 0 chose (storage that is not shared): both
+    ranks stop with the same error, naming the rank and the fix, instead of loading different
+    steps or waiting for each other until the timeout."""
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    shutil.copytree(ddp_run / "checkpoints", run_dir / "checkpoints")
+    elsewhere.mkdir()
+    rank0, rank1 = verdicts(tmp_path, run_dir, elsewhere)
+    assert rank0.get("error") == rank1.get("error"), (rank0, rank1)
+    assert "1 rank(s) cannot read it (rank 1:" in rank0["error"]
+    assert "storage all nodes share" in rank0["error"]
