@@ -3,6 +3,7 @@ the errors a bad corpus gives."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import itertools
 import json
@@ -244,6 +245,50 @@ def test_loading_a_position_from_other_settings_is_refused(corpus, tok):
         other.load_state_dict(ld.state_dict())
     assert "max_tokens: checkpoint 200, now 300" in str(err.value)
     assert "max_len: checkpoint 64, now 32" in str(err.value)
+
+
+def test_a_position_in_a_changed_corpus_is_refused_naming_what_changed(corpus, tok, tmp_path):
+    """A streaming position counts records: in a corpus that grew, read the other way round or
+    taken from another dataset, the same count means other records."""
+    for suffix in ("en", "de"):
+        (tmp_path / f"train.{suffix}").write_bytes((corpus / f"train.{suffix}").read_bytes())
+    ld = loader(s2s_cfg(tmp_path / "train"), tok)
+    take(iter(ld), 3)
+    state = roundtrip(ld.state_dict())
+    loader(s2s_cfg(tmp_path / "train"), tok).load_state_dict(state)  # unchanged: resumes
+    with (tmp_path / "train.de").open("ab") as fh:
+        fh.write(b"noch ein satz\n")
+    with (tmp_path / "train.en").open("ab") as fh:
+        fh.write(b"one more sentence\n")
+    with pytest.raises(DataError) as err:
+        loader(s2s_cfg(tmp_path / "train"), tok).load_state_dict(state)
+    grown = tmp_path.resolve() / "train.de"
+    assert f"{grown}: checkpoint {len((corpus / 'train.de').read_bytes())} bytes" in str(err.value)
+    reversed_cfg = dataclasses.replace(s2s_cfg(tmp_path / "train"), src_lang="de", tgt_lang="en")
+    with pytest.raises(DataError, match="fields read: checkpoint"):
+        loader(reversed_cfg, tok).load_state_dict(state)
+
+
+def test_a_position_saved_before_the_source_was_recorded_still_resumes(corpus, tok):
+    ld = loader(s2s_cfg(corpus / "train"), tok)
+    take(iter(ld), 3)
+    state = roundtrip(ld.state_dict())
+    del state["fingerprint"]["source"]  # as checkpoints written before it was recorded
+    resumed = loader(s2s_cfg(corpus / "train"), tok)
+    resumed.load_state_dict(state)
+    assert same(next(iter(resumed)), take(iter(ld), 1)[0])
+
+
+def test_a_hub_positions_identity_is_the_dataset_not_files():
+    from aiayn.data.sources import source_identity
+
+    cfg = DataConfig(
+        format="hub", hub_name="wmt/wmt14", hub_config="de-en", train="train", src_lang="de"
+    )
+    assert source_identity(cfg, "train", "seq2seq") == {
+        "fields": {"src_lang": "de", "tgt_lang": "en", "src_field": None, "tgt_field": None},
+        "hub": {"name": "wmt/wmt14", "config": "de-en"},
+    }
 
 
 # ---- ranks -------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from aiayn.config import Config
-from aiayn.data.sources import source_files
+from aiayn.data.sources import read_fields, source_files
 from aiayn.errors import DataError
 from aiayn.files import sha256_of
 from aiayn.tokenizer import Tokenizer
@@ -179,19 +179,11 @@ def fingerprint(cfg: Config, split: str, tok: Tokenizer, hashes: bool = False) -
     compares sizes and modification times first)."""
     data, kind = cfg.data, cfg.model.kind
     spec = getattr(data, split)
-    if data.format == "parallel":
-        fields = ("src_lang", "tgt_lang")  # the file suffixes
-    elif data.format == "text":
-        fields = ()
-    elif kind == "seq2seq":
-        fields = ("src_lang", "tgt_lang", "src_field", "tgt_field")
-    else:
-        fields = ("text_field", "label_field") if kind == "classifier" else ("text_field",)
     out = {
         "kind": kind,
         "format": data.format,
         "split": spec,
-        "fields": {f: getattr(data, f) for f in fields},
+        "fields": read_fields(data, kind),
         "on_invalid_utf8": data.on_invalid_utf8,
         "tokenizer_sha256": tok.sha256,
         "vocab_size": tok.vocab_size,

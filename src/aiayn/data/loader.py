@@ -35,7 +35,7 @@ from aiayn.data.cached_loader import CachedLoader
 from aiayn.data.plan import budget_bounds
 from aiayn.data.position import check_loader_args, saved_position, saved_state
 from aiayn.data.prefetch import AHEAD, BATCH_THREAD, prefetch
-from aiayn.data.sources import KINDS, open_split
+from aiayn.data.sources import KINDS, open_split, source_identity
 from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer
 
@@ -129,6 +129,7 @@ class BatchLoader:
             "shuffle_buffer": data_cfg.shuffle_buffer,
             "max_len": data_cfg.max_len,
             "tokenizer_sha256": tokenizer.contract()["sha256"],
+            "source": source_identity(data_cfg, split, kind),
         }
         if self.multiple != 1:  # it changes the batches; older positions have 1
             self._fingerprint["pad_to_multiple"] = self.multiple

@@ -44,11 +44,13 @@ def saved_position(state: dict, version: int, fingerprint: dict, what: str) -> d
             f"data position has version {state.get('version')}, this code reads {version}; "
             "resume with the aiayn version that wrote the checkpoint"
         )
-    diffs = [
-        f"  - {key}: checkpoint {saved.get(key)!r}, now {value!r}"
-        for key, value in fingerprint.items()
-        if saved.get(key) != value
-    ]
+    diffs = []
+    for key, value in fingerprint.items():
+        if key == "source":
+            if key in saved:  # positions saved before it was recorded have nothing to compare
+                diffs += _source_diffs(saved[key], value)
+        elif saved.get(key) != value:
+            diffs.append(f"  - {key}: checkpoint {saved.get(key)!r}, now {value!r}")
     if diffs:
         raise DataError(
             f"the saved data position does not fit this loader of {what}:\n"
@@ -57,3 +59,22 @@ def saved_position(state: dict, version: int, fingerprint: dict, what: str) -> d
             "restore those settings, or train in a new run_dir."
         )
     return copy.deepcopy(state["position"])
+
+
+def _source_diffs(saved: dict, now: dict) -> list[str]:
+    """What changed in the corpus a streaming position counts records of (source_identity)."""
+    diffs = []
+    for key, what in (("fields", "fields read"), ("hub", "hub dataset")):
+        if saved.get(key) != now.get(key):
+            diffs.append(f"  - {what}: checkpoint {saved.get(key)!r}, now {now.get(key)!r}")
+    old, new = saved.get("files", []), now.get("files", [])
+    if [f["path"] for f in old] != [f["path"] for f in new]:
+        paths = [f["path"] for f in old], [f["path"] for f in new]
+        diffs.append("  - files: checkpoint {}, now {}".format(*paths))
+    else:
+        diffs += [
+            f"  - {b['path']}: checkpoint {a['bytes']} bytes, now {b['bytes']} bytes"
+            for a, b in zip(old, new, strict=True)
+            if a["bytes"] != b["bytes"]
+        ]
+    return diffs

@@ -92,6 +92,36 @@ def source_files(cfg: DataConfig, split: str) -> list[str]:
     return _expand(split)
 
 
+def read_fields(cfg: DataConfig, kind: str) -> dict[str, str | None]:
+    """The settings that say which fields (or file suffixes) a split's records come from, and
+    so which side is the source: swapping src_lang and tgt_lang reads other records."""
+    if cfg.format == "parallel":
+        names: tuple[str, ...] = ("src_lang", "tgt_lang")  # the file suffixes
+    elif cfg.format == "text":
+        names = ()
+    elif kind == "seq2seq":
+        names = ("src_lang", "tgt_lang", "src_field", "tgt_field")
+    else:
+        names = ("text_field", "label_field") if kind == "classifier" else ("text_field",)
+    return {name: getattr(cfg, name) for name in names}
+
+
+def source_identity(cfg: DataConfig, split: str, kind: str) -> dict:
+    """What names the records of `split` without reading them: the hub dataset, or each local
+    file's resolved path and size, and the fields read. A saved streaming position counts
+    records, so it is only meaningful for the same identity (data/loader.py). Sizes, not
+    checksums: every rank would read the whole corpus at every start to hash it."""
+    identity: dict = {"fields": read_fields(cfg, kind)}
+    if cfg.format == "hub":
+        identity["hub"] = {"name": cfg.hub_name, "config": cfg.hub_config}
+    else:
+        files = [Path(p) for p in source_files(cfg, split)]
+        identity["files"] = [
+            {"path": str(f.resolve()), "bytes": f.stat().st_size} for f in files if f.is_file()
+        ]
+    return identity
+
+
 def sample_sentences(cfg: DataConfig, kind: str, n: int, seed: int) -> list[str]:
     """A deterministic, shuffled sample of at most n sentences of the training split.
 
