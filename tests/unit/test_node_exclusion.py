@@ -36,15 +36,49 @@ def test_the_node_whose_worker_failed_is_excluded_and_the_list_grows(tmp_path):
 
 def test_a_job_that_fails_the_same_way_n_times_in_a_row_stops_with_a_message(tmp_path):
     for restart, node in enumerate(["n1", "n2", "n3"]):
-        # The same error at another step, on another node: not the node's fault.
-        faults.record(tmp_path, [fault(node, restart, 1, f"OutOfMemoryError at step {restart}")])
+        # A node's failure (a signal) three times, each on another node.
+        faults.record(tmp_path, [fault(node, restart, -7, f"bus error at step {restart}")])
     assert fail(tmp_path, 0, nodes=["n1"], cluster=CLUSTER + ["n4"]).action == "requeue"
     assert fail(tmp_path, 1, nodes=["n2"], cluster=CLUSTER + ["n4"]).action == "requeue"
     third = fail(tmp_path, 2, nodes=["n3"], cluster=CLUSTER + ["n4"])
     assert third.action == "stop"
     assert "3 times in a row (MAX_JOB_FAILURES=3)" in third.message
-    assert "OutOfMemoryError at step N" in third.message and "resubmit" in third.message
+    assert "SIGBUS: bus error at step N" in third.message and "resubmit" in third.message
     assert node_exclusion.read_excluded(tmp_path) == ["n1", "n2"]  # the stopping start adds none
+
+
+def test_an_error_that_is_no_nodes_blames_none_and_stops_when_it_repeats(tmp_path):
+    """A bug, a corpus, the batch out of memory: the same on any node. The first is requeued
+    (it may have been passing) excluding nobody; the same error again stops the job with it."""
+    for restart, node in enumerate(["n1", "n2"]):
+        faults.record(tmp_path, [fault(node, restart, 1, f"OutOfMemoryError at step {restart}")])
+    first = fail(tmp_path, 0, nodes=["n1"])
+    assert (first.action, first.exclude) == ("requeue", [])
+    assert "no node to blame" in first.message
+    second = fail(tmp_path, 1, nodes=["n2"])
+    assert second.action == "stop" and node_exclusion.read_excluded(tmp_path) == []
+    assert "'exit N: OutOfMemoryError at step N' again, on n2" in second.message
+    assert "fails the same way on any node" in second.message
+
+
+@pytest.mark.parametrize(
+    ("exitcode", "error", "nodes"),
+    [
+        (-9, "", True),  # SIGKILL: the kernel's OOM killer, a node going down
+        (-11, "", True),  # SIGSEGV
+        (1, "RuntimeError: CUDA error: uncorrectable ECC error encountered", True),
+        (1, "torch.distributed.DistBackendError: NCCL error in: ...", True),
+        (1, "RuntimeError: injected fault at step 4", False),  # a bug would be everywhere
+        (1, "DataError: corpus file not found: /data/train.de", False),
+        (1, "ConnectionError: Couldn't reach 'wmt/wmt14' on the Hub", False),
+        (1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", False),
+    ],
+)
+def test_a_node_is_blamed_for_signals_and_device_errors_only(exitcode, error, nodes):
+    assert node_exclusion.node_fault(fault("n1", 0, exitcode, error)) is nodes
+    assert node_exclusion.culprits([fault("n1", 0, exitcode, error)], ["n1"]) == (
+        ["n1"] if nodes else []
+    )
 
 
 def test_failures_of_another_kind_or_a_preempted_start_between_break_the_row(tmp_path):

@@ -33,6 +33,14 @@ FAILURES_FILE = "slurm_failures.jsonl"  # one line per failed Slurm job attempt
 LOST_PEER = re.compile(
     r"a collective failed|connection (closed|reset|refused)|broken pipe|rendezvous", re.I
 )
+# What a node's hardware or drivers say when they fail. A signal (the kernel's OOM killer, a
+# SIGSEGV or SIGBUS, a node going down) is the node's too. An exception otherwise (a bug, a
+# corpus, the Hub, out of memory for the batch) would fail the same way on any node.
+NODE_ERROR = re.compile(
+    r"CUDA error|cudaError|CUBLAS_STATUS|CUDNN_STATUS|NCCL|ECC|Xid|uncorrectable|"
+    r"device (lost|not ready|unavailable)|no CUDA-capable device|Input/output error",
+    re.I,
+)
 
 
 @dataclass
@@ -58,6 +66,11 @@ def _lost_peer(fault: Fault) -> bool:
     return bool(LOST_PEER.search(fault.error))
 
 
+def node_fault(fault: Fault) -> bool:
+    """Whether `fault` is the node's: a signal, or a device, driver or NCCL error."""
+    return fault.exitcode < 0 or bool(NODE_ERROR.search(fault.error))
+
+
 def _final(faults: list[Fault]) -> list[Fault]:
     """The failures that ended the attempt: after its in-job restarts, the primary ones (not a
     lost peer) where there are any."""
@@ -66,13 +79,15 @@ def _final(faults: list[Fault]) -> list[Fault]:
 
 
 def culprits(faults: list[Fault], job_nodes: list[str]) -> list[str]:
-    """The nodes to blame for a failed attempt. A node whose worker failed on its own (a signal,
-    an exception, OOM) is; one whose workers only lost a peer is not. When every fault is a lost
-    peer, the suspects are the job's nodes that logged nothing (a stalled rank, a node whose
-    launcher died with it), unless that is all of them; with no fault logged at all, none."""
-    primary = sorted({f.node for f in _final(faults) if not _lost_peer(f)})
+    """The nodes to blame for a failed attempt. A node whose worker failed in a way that is the
+    node's (node_fault: a signal, a device or NCCL error) is; one whose worker raised another
+    exception is not (it would fail the same way elsewhere), nor one whose workers only lost a
+    peer. When every fault is a lost peer, the suspects are the job's nodes that logged nothing
+    (a stalled rank, a node whose launcher died with it), unless that is all of them; with no
+    fault logged at all, none."""
+    primary = [f for f in _final(faults) if not _lost_peer(f)]
     if primary:
-        return primary
+        return sorted({f.node for f in primary if node_fault(f)})
     silent = [n for n in job_nodes if n not in {f.node for f in faults}]
     return silent if faults and len(silent) < len(job_nodes) else []
 
@@ -127,6 +142,14 @@ def after_failure(
     excluded = before + [n for n in blamed if n not in before]
     left = [n for n in cluster_nodes if n not in excluded]
     what = f"failed with {sig!r}"
+    if times >= 2 and faults and not blamed and not any(map(_lost_peer, _final(faults))):
+        return Decision(
+            "stop", before,
+            f"job {job} {what} again, on {','.join(job_nodes)}: an error that is no node's "
+            f"(not a signal, a device or NCCL error) and fails the same way on any node; not "
+            f"requeued. {run_dir / FAULTS_FILE} has the message. Fix the cause and resubmit: "
+            "the run resumes from its latest checkpoint",
+        )  # fmt: skip
     if times >= max_failures:
         return Decision(
             "stop", before,
