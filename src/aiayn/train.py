@@ -31,6 +31,7 @@ from aiayn.data import (
     sample_sentences,
 )
 from aiayn.data.batch import resolve_pad_to_multiple
+from aiayn.data.run_splits import with_run_copy
 from aiayn.distributed import faults
 from aiayn.distributed.engine import Engine, build_engine
 from aiayn.distributed.env import DistEnv, setup, teardown, use_timeout
@@ -310,7 +311,10 @@ def _peer_error(run: Run, exc: RuntimeError) -> PeerError:
 
 def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
     cfg, engine, loader, progress = run.cfg, run.engine, run.loader, run.progress
-    validation = Validation(cfg, run.tok, run.env) if cfg.data.valid else None
+    validation = None
+    if cfg.data.valid:  # on the run's copy of the split: a restart reads no source
+        local = with_run_copy(cfg, "valid", run.env.rank, run.env.gather)
+        validation = Validation(local, run.tok, run.env)
     bar = ProgressBar(cfg.train.max_steps, progress.step, run.env.is_main)
     window, last_eval = Window(), {}
     saved_step, epoch = progress.step, loader.epoch

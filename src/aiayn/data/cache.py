@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,8 @@ from aiayn.data.sources import read_fields, source_files
 from aiayn.errors import DataError
 from aiayn.files import sha256_of
 from aiayn.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 CACHE_VERSION = 1
 MANIFEST = "manifest.json"
@@ -89,15 +92,27 @@ class TokenCache:
         return dict(self.manifest["counts"])
 
 
-def open_cache(root: Path, expected: dict, verify: bool = True) -> TokenCache:
-    """Open the cache at root, refusing one that does not fit `expected` or is damaged."""
+def open_cache(root: Path, expected: dict | None, verify: bool = True) -> TokenCache:
+    """Open the cache at root, refusing one that does not fit `expected` or is damaged.
+
+    expected=None skips the comparison, for a rank that another rank has compared for (a
+    start: data/cache_build.py). An `expected` whose corpus files are gone (None) compares
+    everything else: once built, the cache stands for its corpus, and a run whose corpus was
+    moved away resumes from it."""
     manifest = _read_manifest(root)
     if manifest.get("version") != CACHE_VERSION:
         raise DataError(
             f"token cache {root} has format version {manifest.get('version')}, this code reads "
             f"{CACHE_VERSION}; rebuild it with {prepare_command()}"
         )
-    diffs = _fingerprint_diffs(manifest["fingerprint"], expected)
+    diffs = [] if expected is None else _fingerprint_diffs(manifest["fingerprint"], expected)
+    if expected is not None and expected.get("files", []) is None:
+        log.info(
+            "token cache %s: its corpus is no longer where it was built from (%s); training "
+            "from the cache as built",
+            root,
+            ", ".join(f["path"] for f in manifest["fingerprint"].get("files", [])[:3]),
+        )
     if diffs:
         raise DataError(
             f"token cache {root} was built from other data or another tokenizer:\n"
@@ -155,6 +170,8 @@ def _fingerprint_diffs(saved: dict, expected: dict) -> list[str]:
     diffs = []
     for key in sorted(set(saved) | set(expected)):
         if key == "files":
+            if expected.get("files") is None:  # the corpus is gone: the cache stands for it
+                continue
             diffs += _file_diffs(saved.get("files", []), expected.get("files", []))
         elif saved.get(key) != expected.get(key):
             diffs.append(f"{key}: cache {saved.get(key)!r}, now {expected.get(key)!r}")
@@ -190,8 +207,12 @@ def fingerprint(cfg: Config, split: str, tok: Tokenizer, hashes: bool = False) -
     }
     if data.format == "hub":
         out["hub"] = {"name": data.hub_name, "config": data.hub_config}
-    else:
-        out["files"] = [_file_entry(Path(p), hashes) for p in source_files(data, spec)]
+        return out
+    try:
+        files = source_files(data, spec)
+    except DataError:  # the corpus is gone (moved, or staged away): None, checked by the caller
+        files = None
+    out["files"] = None if files is None else [_file_entry(Path(p), hashes) for p in files]
     return out
 
 

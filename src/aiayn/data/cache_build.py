@@ -67,14 +67,22 @@ def ensure_cache(
     """
     sync = sync or (lambda value: [value])
     root = cache_dir(cfg, split)
-    expected = fingerprint(cfg, split, tok)
     work = root.parent / f"{root.name}.partial"
     if not rebuild and sync((root / MANIFEST).is_file())[0]:  # as rank 0 sees it, for all
+        # Rank 0 compares the corpus (file sizes and times) and verifies for all.
         opened: list[TokenCache] = []
-        _all_ok(sync, lambda: opened.append(open_cache(root, expected, verify=rank == 0)))
+        _all_ok(
+            sync,
+            lambda: opened.append(
+                open_cache(root, fingerprint(cfg, split, tok), verify=True)
+                if rank == 0
+                else open_cache(root, None, verify=False)
+            ),
+        )
         if rank == 0 and work.is_dir():  # killed after the manifest, before the clean-up
             shutil.rmtree(work, ignore_errors=True)
         return opened[0]
+    expected = fingerprint(cfg, split, tok)
     started = time.perf_counter()
     _all_ok(sync, lambda: _start_build(cfg, split, tok, root, work, rebuild) if rank == 0 else None)
     built = _all_ok(sync, lambda: _build_parts(cfg, split, tok, work, rank, world_size))

@@ -1,0 +1,98 @@
+"""The run's own copy of its validation split, so that a restart reads nothing but the run
+directory and the token cache.
+
+The first start copies the split's records, as the loaders see them (normalised fields, empty
+and undecodable lines already handled), into `run_dir/data/valid.jsonl`, on rank 0, with what
+it was copied from; every later start validates on the copy. A corpus moved away, a Hub that
+cannot be reached from the compute nodes, or a dev set edited mid-run then changes nothing:
+the run keeps scoring the same sentences, so its curves stay comparable. A dev set is small
+(newstest2013: 3,000 pairs, under 1 MB), so a copy costs nothing worth caching in tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from aiayn.config import Config
+from aiayn.data.sources import open_split, source_identity
+from aiayn.errors import AiaynError, DataError
+from aiayn.files import write_atomic
+
+log = logging.getLogger(__name__)
+
+COPY_DIR = "data"  # under run_dir
+# The copy's fields: the names the loaders normalise every format's records to.
+FIELDS = {
+    "seq2seq": {"src_field": "src", "tgt_field": "tgt"},
+    "lm": {"text_field": "text"},
+    "classifier": {"text_field": "text", "label_field": "label"},
+}
+
+Sync = Callable[[object], list]
+"""Every rank calls it with a value and gets every rank's value, in rank order (DistEnv.gather)."""
+
+
+def with_run_copy(cfg: Config, split: str, rank: int = 0, sync: Sync | None = None) -> Config:
+    """`cfg` with data.<split> read from the run's copy, which rank 0 makes from the source if
+    the run has none yet. Every rank calls it; all raise together if the copy cannot be made."""
+    sync = sync or (lambda value: [value])
+    path = Path(cfg.run_dir) / COPY_DIR / f"{split}.jsonl"
+    error = None
+    if rank == 0:
+        try:
+            _ensure_copy(cfg, split, path)
+        except (AiaynError, OSError) as exc:
+            error = f"copying data.{split} into the run: {exc}"
+    errors = [e for e in sync(error) if e is not None]
+    if errors:
+        raise DataError(errors[0])
+    data = dataclasses.replace(
+        cfg.data, format="jsonl", **{split: str(path)}, **FIELDS[cfg.model.kind]
+    )
+    return dataclasses.replace(cfg, data=data)
+
+
+def _ensure_copy(cfg: Config, split: str, path: Path) -> None:
+    spec, kind = getattr(cfg.data, split), cfg.model.kind
+    meta_path = path.with_suffix(".json")
+    if path.is_file() and meta_path.is_file():
+        _warn_if_changed(cfg, split, json.loads(meta_path.read_text()), path)
+        return
+    records = list(open_split(cfg.data, spec, kind))
+    if not records:
+        raise DataError(f"data.{split} ({spec}) holds no records")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "split": spec,
+        "format": cfg.data.format,
+        "source": source_identity(cfg.data, spec, kind),
+    }
+    lines = "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
+    write_atomic(path, lines.encode())
+    write_atomic(meta_path, json.dumps(meta, indent=1).encode())  # last: marks the copy done
+    log.info("data.%s copied into the run: %s (%d records)", split, path, len(records))
+
+
+def _warn_if_changed(cfg: Config, split: str, meta: dict, path: Path) -> None:
+    """A source still there that differs from the copy is reported; the run keeps its copy."""
+    spec = getattr(cfg.data, split)
+    try:
+        now = {"split": spec, "format": cfg.data.format}
+        now["source"] = source_identity(cfg.data, spec, cfg.model.kind)
+    except (AiaynError, OSError):  # gone or unreachable: the copy is what the run reads
+        return
+    if now["source"].get("files") == [] or now == meta:
+        return
+    log.warning(
+        "data.%s differs from the copy the run made at its first start (%s); the run goes on "
+        "validating on its copy, so that its curves stay comparable. For the new one, delete "
+        "%s and %s",
+        split,
+        meta["split"],
+        path,
+        path.with_suffix(".json"),
+    )
