@@ -7,6 +7,9 @@ import dataclasses
 import gzip
 import itertools
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -444,6 +447,76 @@ def test_hub_source_calls_load_dataset_streaming_with_name_config_and_split(monk
     cfg = DataConfig(format="hub", hub_name="wmt14", hub_config="de-en", train="train")
     assert list(open_split(cfg, "validation", "seq2seq")) == [{"src": "eins", "tgt": "one"}]
     assert calls[0] == (("wmt14", "de-en"), {"split": "validation", "streaming": True})
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (ConnectionError("Couldn't reach 'wmt/wmt14' on the Hub (ConnectTimeout)"), "network"),
+        (FileNotFoundError("Dataset 'nobody/nothing' doesn't exist on the Hub"), "hub_name"),
+        (
+            RuntimeError("Dataset scripts are no longer supported, but found wmt14.py"),
+            "script-free",
+        ),
+    ],
+)
+def test_a_hub_error_at_open_is_a_data_error_saying_what_to_check(monkeypatch, error, said):
+    """Not an exception a launcher restarts and blames a node for: any node would meet it."""
+    import datasets
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(datasets, "load_dataset", fail)
+    cfg = DataConfig(format="hub", hub_name="wmt/wmt14", hub_config="de-en", train="train")
+    with pytest.raises(DataError, match="could not read the Hub dataset wmt/wmt14") as err:
+        open_split(cfg, "train", "seq2seq")
+    assert said in str(err.value) and type(error).__name__ in str(err.value)
+
+
+def test_a_hub_error_mid_stream_is_a_data_error_and_a_bug_stays_a_bug(monkeypatch):
+    import datasets
+
+    def records(fault):
+        yield {"translation": {"de": "eins", "en": "one"}}
+        raise fault
+
+    for fault, expected in (
+        (ConnectionError("Read timed out"), DataError),
+        (KeyError("x"), KeyError),
+    ):
+        monkeypatch.setattr(
+            datasets,
+            "load_dataset",
+            lambda *a, fault=fault, **kw: datasets.IterableDataset.from_generator(
+                records, gen_kwargs={"fault": fault}
+            ),
+        )
+        source = open_split(DataConfig(format="hub", hub_name="x/y", train="t"), "t", "seq2seq")
+        with pytest.raises(expected):
+            list(source)
+
+
+def test_an_offline_node_gets_the_same_one_line_error(tmp_path):
+    """The real path, in a process of its own (the Hub libraries read HF_HUB_OFFLINE and
+    HF_HOME when imported): offline, and a dataset that is in no cache."""
+    script = (
+        "from aiayn.config import DataConfig\n"
+        "from aiayn.data import open_split\n"
+        "from aiayn.errors import DataError\n"
+        "cfg = DataConfig(format='hub', hub_name='nobody/no-such-dataset', train='train')\n"
+        "try:\n"
+        "    open_split(cfg, 'train', 'seq2seq')\n"
+        "except DataError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.stdout.startswith("could not read the Hub dataset nobody/no-such-dataset"), (
+        out.stdout + out.stderr[-2000:]
+    )
 
 
 def test_parallel_prefix_glob_reads_every_shard(tmp_path, tok):

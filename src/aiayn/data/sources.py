@@ -12,6 +12,7 @@ import gzip
 import logging
 import random
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,6 +60,39 @@ class Source:
 
     def __iter__(self) -> Iterator[dict]:
         return self.records(self.dataset())
+
+
+class HubSource(Source):
+    """A Hub dataset: its records arrive over the network as they are read, so a network
+    error can come at any record (hub_errors)."""
+
+    def records(self, ds: IterableDataset) -> Iterator[dict]:
+        with hub_errors(self.name):
+            yield from super().records(ds)
+
+
+@contextmanager
+def hub_errors(name: str) -> Iterator[None]:
+    """A Hub or network error reading `name` as a DataError: one line that says what to check,
+    exit 2. As an exception it would count as a fault: restarted in place, and blaming the
+    node that met it, when any node would meet it (slurm/train.sbatch's node exclusion)."""
+    try:
+        yield
+    except (OSError, RuntimeError, ValueError) as exc:  # requests' and huggingface_hub's
+        text = (
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        )
+        if isinstance(exc, RuntimeError | ValueError) and "script" not in str(exc):
+            raise  # not the Hub's: a bug, to be seen whole
+        hint = (
+            "datasets 4 and later load no dataset scripts: use a script-free (parquet) "
+            "repository or a local copy"
+            if "script" in str(exc)
+            else "check data.hub_name, hub_config and the split, and the network; a node "
+            "without internet needs HF_HUB_OFFLINE=1 and the dataset in the Hub cache, or a "
+            "local copy (data.format jsonl or parquet), or the token cache built elsewhere"
+        )
+        raise DataError(f"could not read the Hub dataset {name} ({text[:300]}): {hint}") from None
 
 
 def open_split(cfg: DataConfig, split: str, kind: str) -> Source:
@@ -340,9 +374,12 @@ def _builder_source(cfg: DataConfig, split: str, kind: str) -> Source:
         def make() -> IterableDataset:
             import datasets
 
-            return datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=split, streaming=True)
+            with hub_errors(name):
+                return datasets.load_dataset(
+                    cfg.hub_name, cfg.hub_config, split=split, streaming=True
+                )
 
-        return Source(name, make, _normalizer(cfg, kind, name))
+        return HubSource(name, make, _normalizer(cfg, kind, name))
     files = _expand(split)
     name = ", ".join(files)
     if all(Path(f).stat().st_size == 0 for f in files):  # datasets fails obscurely on these
