@@ -2,6 +2,7 @@
 after the first start, the run resumes, validates on its own copy of the dev set, and ends as
 an uninterrupted run does."""
 
+import json
 import re
 import shutil
 
@@ -44,3 +45,39 @@ def test_a_run_whose_corpus_was_moved_away_resumes_validates_and_finishes(tmp_pa
     final = "checkpoints/step_00000008/model.safetensors"
     a, b = load_file(tmp_path / "moved" / final), load_file(tmp_path / "straight" / final)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def hub_folder(root, numbers):
+    """The numbers corpus as a local Hub-layout dataset: a folder of JSON-lines splits, which
+    `datasets.load_dataset(folder)` reads as it reads a downloaded Hub repository."""
+    root.mkdir()
+    for split, name in (("train", "train"), ("valid", "validation")):
+        en = (numbers / f"{split}.en").read_text().splitlines()
+        de = (numbers / f"{split}.de").read_text().splitlines()
+        rows = [
+            json.dumps({"translation": {"en": e, "de": d}}) for e, d in zip(en, de, strict=True)
+        ]
+        (root / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
+    return root
+
+
+def test_a_hub_run_resumes_offline_with_its_dataset_gone(tmp_path, numbers, monkeypatch):
+    """The same from the Hub path: the dataset folder removed after the first start and
+    HF_HUB_OFFLINE=1; the restart reads the token cache and the run's copy of the dev set."""
+    folder = hub_folder(tmp_path / "hub", numbers)
+    hub = ("data.format=hub", f"data.hub_name={folder}", "data.train=train",
+           "data.valid=validation", "data.src_field=translation.en",
+           "data.tgt_field=translation.de")  # fmt: skip
+
+    def hub_run(steps: int) -> None:
+        extra = (*hub, f"train.max_steps={steps}", "checkpoint.every_steps=4",
+                 "train.eval_every=4", "train.threads=1")  # fmt: skip
+        train(load_config(None, tiny.overrides(tmp_path / "run", folder, *extra)))
+
+    hub_run(4)
+    shutil.rmtree(folder)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_run(8)
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "resuming from" in log and "training done at step 8" in log
+    assert [m[0] for m in VALID.findall(log)] == ["4", "8"]
