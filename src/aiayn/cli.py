@@ -193,6 +193,7 @@ def cmd_data(args) -> int:
     import time
 
     from aiayn.config import load_config
+    from aiayn.data.hub_revision import pin_hub_revision
     from aiayn.distributed.env import setup, teardown
     from aiayn.metrics import setup_logging
     from aiayn.train import prepare_data
@@ -204,6 +205,7 @@ def cmd_data(args) -> int:
     try:
         setup_logging(None, env.rank)
         started = time.perf_counter()
+        cfg = pin_hub_revision(cfg, env.rank, env.broadcast)  # as the run will read it
         _, cache = prepare_data(cfg, env, rebuild=args.force)
         seconds = time.perf_counter() - started
     finally:

@@ -31,6 +31,7 @@ from aiayn.data import (
     sample_sentences,
 )
 from aiayn.data.batch import resolve_pad_to_multiple
+from aiayn.data.hub_revision import pin_hub_revision
 from aiayn.data.run_splits import with_run_copy
 from aiayn.distributed import faults
 from aiayn.distributed.engine import Engine, build_engine
@@ -174,6 +175,7 @@ def _assemble(cfg: Config, stop: StopFlag, startup: StartupTimes) -> Run:
     run_dir = Path(cfg.run_dir)
     setup_logging(run_dir, env.rank)
     cfg = _resolved(cfg, env.device)
+    cfg = pin_hub_revision(cfg, env.rank, env.broadcast)  # before any record is read
     configure(env.device, cfg.train.tf32, cfg.train.deterministic)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)

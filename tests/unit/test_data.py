@@ -290,7 +290,7 @@ def test_a_hub_positions_identity_is_the_dataset_not_files():
     )
     assert source_identity(cfg, "train", "seq2seq") == {
         "fields": {"src_lang": "de", "tgt_lang": "en", "src_field": None, "tgt_field": None},
-        "hub": {"name": "wmt/wmt14", "config": "de-en"},
+        "hub": {"name": "wmt/wmt14", "config": "de-en", "revision": None},
     }
 
 

@@ -120,9 +120,13 @@ class DataConfig(Section):
     label_field: str = "label"
     """Field holding the integer class (classifier)."""
     hub_name: str | None = None
-    """Hub dataset name for format hub, e.g. bentrevett/multi30k or wmt14."""
+    """Hub dataset name for format hub, e.g. bentrevett/multi30k or wmt/wmt14."""
     hub_config: str | None = None
     """Hub dataset configuration, e.g. de-en."""
+    hub_revision: str | None = None
+    """Hub dataset revision (a commit, tag or branch) for format hub. Unset, the first start
+    records the commit the Hub serves (run_dir/data/hub_revision.json) and every later start
+    reads that one, so a restart reads the same records after the dataset changed."""
     max_len: int = bounded(256, low=2)
     """Examples with more tokens than this on either side are dropped and counted."""
     shuffle_buffer: int = bounded(10_000, low=0)

@@ -207,6 +207,8 @@ def fingerprint(cfg: Config, split: str, tok: Tokenizer, hashes: bool = False) -
     }
     if data.format == "hub":
         out["hub"] = {"name": data.hub_name, "config": data.hub_config}
+        if data.hub_revision:  # caches built before revisions were pinned have none
+            out["hub"]["revision"] = data.hub_revision
         return out
     try:
         files = source_files(data, spec)

@@ -147,7 +147,11 @@ def source_identity(cfg: DataConfig, split: str, kind: str) -> dict:
     checksums: every rank would read the whole corpus at every start to hash it."""
     identity: dict = {"fields": read_fields(cfg, kind)}
     if cfg.format == "hub":
-        identity["hub"] = {"name": cfg.hub_name, "config": cfg.hub_config}
+        identity["hub"] = {
+            "name": cfg.hub_name,
+            "config": cfg.hub_config,
+            "revision": cfg.hub_revision,
+        }
     else:
         files = [Path(p) for p in source_files(cfg, split)]
         identity["files"] = [
@@ -374,9 +378,10 @@ def _builder_source(cfg: DataConfig, split: str, kind: str) -> Source:
         def make() -> IterableDataset:
             import datasets
 
+            pinned = {"revision": cfg.hub_revision} if cfg.hub_revision else {}
             with hub_errors(name):
                 return datasets.load_dataset(
-                    cfg.hub_name, cfg.hub_config, split=split, streaming=True
+                    cfg.hub_name, cfg.hub_config, split=split, streaming=True, **pinned
                 )
 
         return HubSource(name, make, _normalizer(cfg, kind, name))
