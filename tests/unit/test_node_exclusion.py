@@ -69,6 +69,7 @@ def test_an_error_that_is_no_nodes_blames_none_and_stops_when_it_repeats(tmp_pat
         (1, "RuntimeError: CUDA error: uncorrectable ECC error encountered", True),
         (1, "torch.distributed.DistBackendError: NCCL error in: ...", True),
         (1, "RuntimeError: injected fault at step 4", False),  # a bug would be everywhere
+        (1, "ValueError: no oxide in the becca table", False),  # Xid and ECC as words only
         (1, "DataError: corpus file not found: /data/train.de", False),
         (1, "ConnectionError: Couldn't reach 'wmt/wmt14' on the Hub", False),
         (1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", False),

@@ -79,20 +79,20 @@ def hub_errors(name: str) -> Iterator[None]:
     try:
         yield
     except (OSError, RuntimeError, ValueError) as exc:  # requests' and huggingface_hub's
-        text = (
-            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        )
-        if isinstance(exc, RuntimeError | ValueError) and "script" not in str(exc):
+        script = "script" in str(exc)  # datasets 4 refusing a repository's loading script
+        if isinstance(exc, RuntimeError | ValueError) and not script:
             raise  # not the Hub's: a bug, to be seen whole
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         hint = (
             "datasets 4 and later load no dataset scripts: use a script-free (parquet) "
             "repository or a local copy"
-            if "script" in str(exc)
+            if script
             else "check data.hub_name, hub_config and the split, and the network; a node "
             "without internet needs HF_HUB_OFFLINE=1 and the dataset in the Hub cache, or a "
             "local copy (data.format jsonl or parquet), or the token cache built elsewhere"
         )
-        raise DataError(f"could not read the Hub dataset {name} ({text[:300]}): {hint}") from None
+        text = f"{type(exc).__name__}: {first}"[:300]
+        raise DataError(f"could not read the Hub dataset {name} ({text}): {hint}") from None
 
 
 def open_split(cfg: DataConfig, split: str, kind: str) -> Source:

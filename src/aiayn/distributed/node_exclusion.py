@@ -37,7 +37,7 @@ LOST_PEER = re.compile(
 # SIGSEGV or SIGBUS, a node going down) is the node's too. An exception otherwise (a bug, a
 # corpus, the Hub, out of memory for the batch) would fail the same way on any node.
 NODE_ERROR = re.compile(
-    r"CUDA error|cudaError|CUBLAS_STATUS|CUDNN_STATUS|NCCL|ECC|Xid|uncorrectable|"
+    r"CUDA error|cudaError|CUBLAS_STATUS|CUDNN_STATUS|NCCL|\bECC\b|\bXid\b|uncorrectable|"
     r"device (lost|not ready|unavailable)|no CUDA-capable device|Input/output error",
     re.I,
 )
