@@ -205,7 +205,7 @@ def cmd_data(args) -> int:
     try:
         setup_logging(None, env.rank)
         started = time.perf_counter()
-        cfg = pin_hub_revision(cfg, env.rank, env.broadcast)  # as the run will read it
+        cfg = pin_hub_revision(cfg, env.decide)  # as the run will read it
         _, cache = prepare_data(cfg, env, rebuild=args.force)
         seconds = time.perf_counter() - started
     finally:

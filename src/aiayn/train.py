@@ -175,7 +175,7 @@ def _assemble(cfg: Config, stop: StopFlag, startup: StartupTimes) -> Run:
     run_dir = Path(cfg.run_dir)
     setup_logging(run_dir, env.rank)
     cfg = _resolved(cfg, env.device)
-    cfg = pin_hub_revision(cfg, env.rank, env.broadcast)  # before any record is read
+    cfg = pin_hub_revision(cfg, env.decide)  # before any record is read
     configure(env.device, cfg.train.tf32, cfg.train.deterministic)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -315,7 +315,7 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
     cfg, engine, loader, progress = run.cfg, run.engine, run.loader, run.progress
     validation = None
     if cfg.data.valid:  # on the run's copy of the split: a restart reads no source
-        local = with_run_copy(cfg, "valid", run.env.rank, run.env.gather)
+        local = with_run_copy(cfg, "valid", run.env.decide)
         validation = Validation(local, run.tok, run.env)
     bar = ProgressBar(cfg.train.max_steps, progress.step, run.env.is_main)
     window, last_eval = Window(), {}

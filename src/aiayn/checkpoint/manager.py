@@ -152,16 +152,7 @@ class CheckpointManager:
         hashing): ranks whose run_dir is not the same storage stop together, saying so."""
         if env is None or not env.distributed:
             return self._choose(resume)
-        verdict = None
-        if env.is_main:
-            try:
-                chosen = self._choose(resume)
-                verdict = (chosen.name if chosen else None, None)
-            except (CheckpointError, OSError) as exc:
-                verdict = (None, str(exc))
-        name, error = env.broadcast(verdict)
-        if error is not None:
-            raise CheckpointError(error)
+        name = env.decide(lambda: self._chosen_name(resume))
         ckpt = None if name is None else self.root / name
         problem = None
         if ckpt is not None:
@@ -178,6 +169,13 @@ class CheckpointManager:
                 "on storage all nodes share"
             )
         return ckpt
+
+    def _chosen_name(self, resume: str) -> str | None:
+        try:
+            chosen = self._choose(resume)
+        except OSError as exc:  # storage rank 0 cannot read: every rank stops with its message
+            raise CheckpointError(str(exc)) from None
+        return None if chosen is None else chosen.name
 
     def _choose(self, resume: str) -> Path | None:
         existing = self.checkpoints()

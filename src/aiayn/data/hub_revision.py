@@ -24,24 +24,21 @@ log = logging.getLogger(__name__)
 RECORD = Path("data") / "hub_revision.json"  # under run_dir
 
 
-def pin_hub_revision(
-    cfg: Config, rank: int = 0, broadcast: Callable[[object], object] = lambda x: x
-) -> Config:
+def pin_hub_revision(cfg: Config, decide: Callable = lambda choose: choose()) -> Config:
     """`cfg` with data.hub_revision fixed for the run (see the module's docstring). Rank 0
-    reads, resolves and records it; every rank gets the same answer (DistEnv.broadcast)."""
+    reads, resolves and records it; every rank gets the same answer (DistEnv.decide)."""
     data = cfg.data
     if data.format != "hub" or Path(str(data.hub_name)).is_dir():  # a local folder has none
         return cfg
-    answer = None
-    if rank == 0:
-        try:
-            answer = (_decide(cfg, Path(cfg.run_dir) / RECORD), None)
-        except OSError as exc:
-            answer = (None, f"could not record the Hub revision in {cfg.run_dir}: {exc}")
-    revision, error = broadcast(answer)
-    if error is not None:
-        raise DataError(error)
+    revision = decide(lambda: _recorded_or_resolved(cfg))
     return dataclasses.replace(cfg, data=dataclasses.replace(data, hub_revision=revision))
+
+
+def _recorded_or_resolved(cfg: Config) -> str | None:
+    try:
+        return _decide(cfg, Path(cfg.run_dir) / RECORD)
+    except OSError as exc:
+        raise DataError(f"could not record the Hub revision in {cfg.run_dir}: {exc}") from None
 
 
 def _decide(cfg: Config, path: Path) -> str | None:

@@ -32,28 +32,23 @@ FIELDS = {
     "classifier": {"text_field": "text", "label_field": "label"},
 }
 
-Sync = Callable[[object], list]
-"""Every rank calls it with a value and gets every rank's value, in rank order (DistEnv.gather)."""
 
-
-def with_run_copy(cfg: Config, split: str, rank: int = 0, sync: Sync | None = None) -> Config:
+def with_run_copy(cfg: Config, split: str, decide: Callable = lambda choose: choose()) -> Config:
     """`cfg` with data.<split> read from the run's copy, which rank 0 makes from the source if
-    the run has none yet. Every rank calls it; all raise together if the copy cannot be made."""
-    sync = sync or (lambda value: [value])
+    the run has none yet (DistEnv.decide); all ranks raise together if it cannot be made."""
     path = Path(cfg.run_dir) / COPY_DIR / f"{split}.jsonl"
-    error = None
-    if rank == 0:
-        try:
-            _ensure_copy(cfg, split, path)
-        except (AiaynError, OSError) as exc:
-            error = f"copying data.{split} into the run: {exc}"
-    errors = [e for e in sync(error) if e is not None]
-    if errors:
-        raise DataError(errors[0])
+    decide(lambda: _copied(cfg, split, path))
     data = dataclasses.replace(
         cfg.data, format="jsonl", **{split: str(path)}, **FIELDS[cfg.model.kind]
     )
     return dataclasses.replace(cfg, data=data)
+
+
+def _copied(cfg: Config, split: str, path: Path) -> None:
+    try:
+        _ensure_copy(cfg, split, path)
+    except (AiaynError, OSError) as exc:
+        raise DataError(f"copying data.{split} into the run: {exc}") from None
 
 
 def _ensure_copy(cfg: Config, split: str, path: Path) -> None:

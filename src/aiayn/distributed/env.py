@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from aiayn.config import DistributedConfig
-from aiayn.errors import ConfigError
+from aiayn.errors import AiaynError, ConfigError
 from aiayn.torch_runtime import use_expandable_segments
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,23 @@ class DistEnv:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.host_group)
         return box[0]
+
+    def decide(self, choose: Callable[[], T]) -> T:
+        """Rank 0's `choose()` on every rank: one rank reads and decides, for all. If it raised
+        an aiayn or OS error, every rank raises that error, instead of the others waiting for
+        rank 0 at the next collective."""
+        if not self.distributed:
+            return choose()
+        outcome = None
+        if self.is_main:
+            try:
+                outcome = (choose(), None)
+            except (AiaynError, OSError) as exc:
+                outcome = (None, exc)
+        result, error = self.broadcast(outcome)
+        if error is not None:
+            raise error
+        return result
 
     def barrier(self) -> None:
         if self.distributed:
