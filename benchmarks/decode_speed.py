@@ -1,4 +1,4 @@
-"""Translation speed of `aiayn translate` (evaluate.translate: beam or greedy search) on CPU.
+"""Translation speed of `aiayn translate` (evaluate.translate: beam or greedy search), CPU or GPU.
 
     python benchmarks/decode_speed.py --checkpoint runs/multi30k_de_en/averaged \\
         --input ../shared/data/multi30k/test_2016_flickr.de.gz --beam 4 1 --threads 2
@@ -44,9 +44,14 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     overrides = [f"decode.batch_size={args.batch_size}", *args.set]
-    cfg, model, tok, _ = load_for_inference(args.checkpoint, overrides, "cpu")
+    device = torch.device(args.device)
+    cfg, model, tok, _ = load_for_inference(args.checkpoint, overrides, args.device)
     lines = read_lines(args.input, args.limit)
-    device = torch.device("cpu")
+
+    def sync() -> None:  # the translation's last tokens come back to the host anyway; to be sure
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     warm: set[int] = set()
     for request in sys.stdin:
         beam = int(request)
@@ -54,8 +59,10 @@ def worker(args: argparse.Namespace) -> None:
         if beam not in warm:  # the first batch once, untimed
             translate(model, tok, lines[: args.batch_size], dcfg, device)
             warm.add(beam)
+        sync()
         start = time.perf_counter()
         hyps = translate(model, tok, lines, dcfg, device)
+        sync()
         seconds = time.perf_counter() - start
         tokens = sum(map(len, tok.encode(hyps)))
         print(json.dumps({"seconds": seconds, "tokens": tokens, "hyps": hyps}), flush=True)
@@ -68,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--beam", type=int, nargs="+", default=[4, 1], help="1: greedy search")
     p.add_argument("--batch-size", type=int, default=32, help="sentences per batch")
     p.add_argument("--threads", type=int, default=2, help="torch threads of every worker")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--limit", type=int, default=None, help="first N sentences only")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
@@ -95,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         f"--input={args.input}",
         f"--batch-size={args.batch_size}",
         f"--threads={args.threads}",
+        f"--device={args.device}",
         *([f"--limit={args.limit}"] if args.limit else []),
         *(f"--set={item}" for item in args.set),
     ]
@@ -117,7 +126,12 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"the worker for {name} ({srcs[name]}) failed")
         return json.loads(line)
 
-    print(f"Machine: {machine()}")
+    where = machine()
+    if args.device == "cuda":
+        import torch
+
+        where = f"{torch.cuda.get_device_name()}, torch {torch.__version__}; host {where}"
+    print(f"Machine: {where}")
     print(
         f"Input: {args.input}, {len(read_lines(args.input, args.limit))} sentences, batch "
         f"{args.batch_size}; checkpoint {args.checkpoint}; {args.repeats} repeats\n"

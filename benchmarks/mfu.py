@@ -3,6 +3,7 @@
     python benchmarks/mfu.py                                   # CUDA: base and big, bf16
     python benchmarks/mfu.py --presets transformer_big --max-tokens 32768
     python benchmarks/mfu.py --device cpu --presets tiny --precision fp32 --quick   # smoke test
+    python benchmarks/mfu.py --no-compile --profile runs/bench/profile   # + where the time goes
 
 For each preset, the trainer that train.py runs (model, label-smoothed loss, LocalEngine with
 fused Adam and the warmup schedule) steps through padded batches of similar-length sentences,
@@ -21,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
+import shutil
 import time
+from pathlib import Path
 
 import torch
 from _common import AiaynTrainer, fmt, machine, markdown_table, run_config, summary
@@ -34,6 +38,38 @@ from aiayn.torch_runtime import use_tf32
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+MODES = {"eager": False, "compile": True}
+
+
+def mode_name(compile: bool) -> str:
+    return "compile" if compile else "eager"
+
+
+def profile(trainer, batches: list, device: torch.device, stem: Path) -> None:
+    """torch.profiler over a few steps: the operators by device time (a table to read) and a
+    Chrome trace (gzip: chrome://tracing or ui.perfetto.dev)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profiler(activities=activities, record_shapes=True) as prof:
+        for batch in batches:
+            trainer.step(batch)
+        sync(device)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=70)
+    stem.with_suffix(".txt").write_text(table)
+    trace = stem.with_suffix(".json")
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    trace.unlink()
+    print(f"profile of {len(batches)} steps: {stem}.txt, {trace}.gz", flush=True)
 
 
 def bench(preset: str, compile: bool, args, device: torch.device) -> dict:
@@ -65,6 +101,8 @@ def bench(preset: str, compile: bool, args, device: torch.device) -> dict:
         sync(device)
         seconds.append(time.perf_counter() - start)
     memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    if args.profile:
+        profile(trainer, timed[:3], device, Path(args.profile) / f"{preset}_{mode_name(compile)}")
     n_params = sum(p.numel() for p in trainer.engine.module.parameters())
     del trainer
     gc.collect()
@@ -91,8 +129,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", type=int, default=10, help="timed steps per repeat")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=5, help="untimed steps (compiling included)")
-    p.add_argument("--no-compile", action="store_true", help="eager only")
+    p.add_argument("--modes", nargs="+", default=["eager", "compile"], choices=MODES)
+    p.add_argument("--no-compile", action="store_true", help="eager only (--modes eager)")
     p.add_argument("--quick", action="store_true", help="2 batches x 2 repeats, 3 warm-up steps")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="after timing, profile 3 steps of each row: DIR/<preset>_<mode>.txt (operators by "
+        "device time) and .json.gz (Chrome trace)",
+    )
     args = p.parse_args(argv)
     if args.quick:  # warm-up still sees several shapes: compile turns dynamic on the second
         args.batches, args.repeats, args.warmup = 2, 2, 3
@@ -117,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     rows = []
     for preset in args.presets:
-        for compile in (False,) if args.no_compile else (False, True):
+        modes = ["eager"] if args.no_compile else args.modes
+        for compile in [MODES[m] for m in modes]:
             r = bench(preset, compile, args, device)
             med, lo, hi = summary([r["tokens"] / s for s in r["seconds"]])
             achieved = r["flops"] / summary(r["seconds"])[0]

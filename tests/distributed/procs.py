@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from aiayn import demo_data
 from aiayn.config import load_config
@@ -90,3 +91,10 @@ def assert_close(a: dict, b: dict, atol: float) -> None:
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst <= atol, f"largest parameter difference {worst:.3g} > {atol}"
+
+
+def scalars(run_dir: Path, tag: str = "train/loss") -> dict[int, float]:
+    """Step -> value of one TensorBoard scalar the run logged."""
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)}

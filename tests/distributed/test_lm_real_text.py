@@ -11,13 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from aiayn.config import load_config
 from aiayn.data import sample_sentences
 from aiayn.tokenizer import train_tokenizer
 
-from procs import aiayn, run, torchrun
+from procs import aiayn, run, scalars, torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt.gz"
@@ -52,12 +51,6 @@ def setup(tmp_path_factory):
     sents = sample_sentences(cfg.data, "lm", 50_000, 1)
     train_tokenizer(cfg.tokenizer, sents, cfg.tokenizer_path)
     return root, config, overrides
-
-
-def scalars(run_dir: Path, tag: str) -> dict[int, float]:
-    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {e.step: e.value for e in acc.Scalars(tag)}
 
 
 def test_ddp_and_zero2_follow_one_process_on_tiny_shakespeare(setup):

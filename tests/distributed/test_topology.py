@@ -23,9 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from procs import STEPS, aiayn, assert_close, final_weights, run, torchrun
+from procs import STEPS, aiayn, assert_close, final_weights, run, scalars, torchrun
 
 pytestmark = pytest.mark.distributed
 HALF = STEPS // 2
@@ -52,12 +51,6 @@ TOPOLOGIES = {  # name -> (launcher, options, how train.log names it)
 def train(config: Path, run_dir: Path, topology: str, steps: int) -> None:
     launcher, options, _ = TOPOLOGIES[topology]
     run(launcher() + aiayn(config, run_dir, *options, *COMMON, f"train.max_steps={steps}"))
-
-
-def scalars(run_dir: Path, tag: str) -> dict[int, float]:
-    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {e.step: e.value for e in acc.Scalars(tag)}
 
 
 def consumed(run_dir: Path) -> dict[int, list[int]]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -237,13 +236,17 @@ class DeepSpeedEngine:
 
 
 def _join_single_process_group(env: DistEnv) -> None:
-    """DeepSpeed needs a process group even for one process; torchrun's would be there."""
+    """DeepSpeed needs a process group even for one process; with two or more, setup() made it.
+
+    Its store lives in this process (a HashStore): under a launcher (torchrun, accelerate
+    launch or srun with one process) a tcp:// or env:// store would be a client of the
+    launcher's agent store (TORCHELASTIC_USE_AGENT_STORE), and a tcp:// address on a port of
+    our own is one nobody serves, so the run waited there without a word until the store's
+    timeout (seen on a GPU with torchrun --nproc_per_node=1).
+    """
     if dist.is_initialized():
         return
     for name, value in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
         os.environ.setdefault(name, str(value))  # DeepSpeed's sanity check reads them
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     backend = "nccl" if env.device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
