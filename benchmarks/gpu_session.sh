@@ -5,7 +5,8 @@
 #   benchmarks/gpu_session.sh env mfu tests nccl        # then: compile train decode
 #
 # env      GPU, driver, package versions; imports the project
-# mfu      benchmarks/mfu.py eager, base and big, 25k tokens, a profile of 3 steps of each
+# mfu      benchmarks/mfu.py eager, base and big, 25k tokens, three attention kernels, a
+#          profile of 3 steps of each row
 # compile  benchmarks/mfu.py train.compile rows (compiling takes a minute or more)
 # tests    pytest -m gpu tests/gpu: the engines on CUDA, fp16 loss scaling, a bitwise resume
 # nccl     whether NCCL lets two ranks share one GPU (the trainer refuses it before NCCL does)
@@ -84,9 +85,10 @@ export PY WORK CORPUS
 for stage in "$@"; do
     case $stage in
     env) run_stage env 90 bash -c stage_env ;;
-    mfu) run_stage mfu 120 $PY benchmarks/mfu.py --modes eager --max-tokens 25000 \
-        --profile "$LOGS" ;;
-    compile) run_stage compile 200 $PY benchmarks/mfu.py --modes compile --max-tokens 25000 ;;
+    mfu) run_stage mfu 150 $PY benchmarks/mfu.py --modes eager --max-tokens 25000 \
+        --attention-kernels auto efficient math --profile "$LOGS" ;;
+    compile) run_stage compile 240 $PY benchmarks/mfu.py --modes compile --max-tokens 25000 \
+        --warmup 12 ;;
     tests) TAIL=60 run_stage tests 240 $PY -m pytest -m gpu tests/gpu -n 8 -p no:cacheprovider \
         -rA --durations=0 -q --basetemp="$WORK/pytest" ;;
     nccl) run_stage nccl 60 $PY benchmarks/nccl_shared_gpu.py ;;

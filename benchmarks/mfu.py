@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import gzip
+import itertools
 import shutil
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ from _common import AiaynTrainer, fmt, machine, markdown_table, run_config, summ
 from throughput import synthetic_batches
 
 from aiayn.flops import datasheet_peak, matmul_dtype, measure_matmul_peak, training_flops
-from aiayn.torch_runtime import use_tf32
+from aiayn.torch_runtime import use_attention_kernel, use_tf32
 
 
 def sync(device: torch.device) -> None:
@@ -72,7 +73,7 @@ def profile(trainer, batches: list, device: torch.device, stem: Path) -> None:
     print(f"profile of {len(batches)} steps: {stem}.txt, {trace}.gz", flush=True)
 
 
-def bench(preset: str, compile: bool, args, device: torch.device) -> dict:
+def bench(preset: str, compile: bool, args, device: torch.device, kernel: str) -> dict:
     """Time one trainer: warm-up steps, then `repeats` passes over the timed batches."""
     cfg = run_config(
         preset,
@@ -102,7 +103,8 @@ def bench(preset: str, compile: bool, args, device: torch.device) -> dict:
         seconds.append(time.perf_counter() - start)
     memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     if args.profile:
-        profile(trainer, timed[:3], device, Path(args.profile) / f"{preset}_{mode_name(compile)}")
+        stem = f"{preset}_{mode_name(compile)}" + ("" if kernel == "auto" else f"_{kernel}")
+        profile(trainer, timed[:3], device, Path(args.profile) / stem)
     n_params = sum(p.numel() for p in trainer.engine.module.parameters())
     del trainer
     gc.collect()
@@ -131,6 +133,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps (compiling included)")
     p.add_argument("--modes", nargs="+", default=["eager", "compile"], choices=MODES)
     p.add_argument("--no-compile", action="store_true", help="eager only (--modes eager)")
+    p.add_argument(
+        "--attention-kernels",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "cudnn", "flash", "efficient", "math"],
+        help="a row for each (train.attention_kernel; CUDA only)",
+    )
     p.add_argument("--quick", action="store_true", help="2 batches x 2 repeats, 3 warm-up steps")
     p.add_argument(
         "--profile",
@@ -163,8 +172,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for preset in args.presets:
         modes = ["eager"] if args.no_compile else args.modes
-        for compile in [MODES[m] for m in modes]:
-            r = bench(preset, compile, args, device)
+        for kernel, compile in itertools.product(args.attention_kernels, [MODES[m] for m in modes]):
+            if device.type == "cuda":
+                use_attention_kernel(kernel)
+            r = bench(preset, compile, args, device, kernel)
             med, lo, hi = summary([r["tokens"] / s for s in r["seconds"]])
             achieved = r["flops"] / summary(r["seconds"])[0]
             mfus = [r["flops"] / s / peak for s in r["seconds"]]
@@ -173,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
                     preset,
                     f"{r['params'] / 1e6:.0f}M",
                     "train.compile" if compile else "eager",
+                    kernel,
                     fmt(med),
                     f"{fmt(lo)} - {fmt(hi)}",
                     f"{achieved / 1e12:.3g}",
@@ -193,6 +205,7 @@ HEADER = [
     "preset",
     "parameters",
     "mode",
+    "attention kernel",
     "target tokens/s (median)",
     "min - max",
     "TFLOP/s",

@@ -66,10 +66,28 @@ def use_deterministic_kernels() -> None:
     inductor.deterministic = True  # no autotuning by timing, no numerics-changing choices
 
 
-def configure(device: torch.device, tf32: bool, deterministic: bool) -> None:
+def use_attention_kernel(kernel: str) -> None:
+    """The fused kernel scaled_dot_product_attention may pick on CUDA (train.attention_kernel).
+
+    auto allows them all, in torch's own order (cuDNN's first on Hopper in torch 2.11). Any
+    other value allows that kernel alone, with torch's math path where it does not apply
+    (flash attention takes no padding mask: the encoder and cross-attention then run the math
+    path). Process-wide switches, read at each call, the backward's too.
+    """
+    auto = kernel == "auto"
+    torch.backends.cuda.enable_cudnn_sdp(auto or kernel == "cudnn")
+    torch.backends.cuda.enable_flash_sdp(auto or kernel == "flash")
+    torch.backends.cuda.enable_mem_efficient_sdp(auto or kernel == "efficient")
+    torch.backends.cuda.enable_math_sdp(True)
+
+
+def configure(
+    device: torch.device, tf32: bool, deterministic: bool, attention_kernel: str = "auto"
+) -> None:
     """The settings of a run on `device` (after setup(), before the model is built)."""
     if device.type == "cuda":
         use_tf32(tf32)
+        use_attention_kernel(attention_kernel)
     if deterministic:
         use_deterministic_kernels()
         log.info("train.deterministic: deterministic kernels (slower; docs/gpu.md)")

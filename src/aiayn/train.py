@@ -176,7 +176,7 @@ def _assemble(cfg: Config, stop: StopFlag, startup: StartupTimes) -> Run:
     setup_logging(run_dir, env.rank)
     cfg = _resolved(cfg, env.device)
     cfg = pin_hub_revision(cfg, env.decide)  # before any record is read
-    configure(env.device, cfg.train.tf32, cfg.train.deterministic)
+    configure(env.device, cfg.train.tf32, cfg.train.deterministic, cfg.train.attention_kernel)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if env.device.type == "cpu" and cfg.train.malloc == "keep":

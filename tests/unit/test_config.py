@@ -197,3 +197,16 @@ def test_a_step_cooldown_longer_than_a_short_run_points_to_the_fraction():
                                   "schedule.cooldown_fraction=null"])  # fmt: skip
     assert "schedule.cooldown (380) must be at most train.max_steps (30)" in str(err.value)
     assert "schedule.cooldown_fraction" in str(err.value)
+
+
+def test_cudnn_attention_with_deterministic_kernels_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="cuDNN's attention has no deterministic backward"):
+        load_config(
+            None, ["data.train=x", "train.deterministic=true", "train.attention_kernel=cudnn"]
+        )
+    with pytest.raises(ConfigError, match="attention_kernel"):
+        load_config(None, ["data.train=x", "train.attention_kernel=fast"])
+    cfg = load_config(
+        None, ["data.train=x", "train.deterministic=true", "train.attention_kernel=math"]
+    )
+    assert cfg.train.attention_kernel == "math"

@@ -13,6 +13,22 @@ from aiayn.torch_runtime import configure, use_expandable_segments
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
 
 
+def SDPA_FLAGS() -> tuple[bool, bool, bool]:  # noqa: N802  (cuDNN's is saved on its own)
+    b = torch.backends.cuda
+    return b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled()
+
+
+def allowed() -> set[str]:
+    b = torch.backends.cuda
+    flags = {
+        "cudnn": b.cudnn_sdp_enabled(),
+        "flash": b.flash_sdp_enabled(),
+        "efficient": b.mem_efficient_sdp_enabled(),
+        "math": b.math_sdp_enabled(),
+    }
+    return {name for name, on in flags.items() if on}
+
+
 @pytest.fixture
 def clean(monkeypatch):
     """Every setting configure() may touch, restored after the test."""
@@ -28,8 +44,12 @@ def clean(monkeypatch):
         torch.backends.cuda.matmul.allow_tf32,
         torch.backends.cudnn.allow_tf32,
         inductor.deterministic,
+        *SDPA_FLAGS(),
     )
     yield
+    torch.backends.cuda.enable_flash_sdp(saved[8])
+    torch.backends.cuda.enable_mem_efficient_sdp(saved[9])
+    torch.backends.cuda.enable_math_sdp(saved[10])
     inductor.deterministic = saved[7]
     torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2:4]
@@ -87,3 +107,16 @@ def test_expandable_segments_unless_the_user_configured_the_allocator(clean, mon
     assert not use_expandable_segments()
     assert "PYTORCH_ALLOC_CONF" not in os.environ
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+
+
+def test_attention_kernel_allows_one_fused_kernel_and_math_on_cuda_only(clean):
+    assert Config().train.attention_kernel == "auto"
+    configure(CPU, tf32=True, deterministic=False, attention_kernel="efficient")
+    assert allowed() == {"cudnn", "flash", "efficient", "math"}  # CPU: nothing changes
+    for kernel in ("cudnn", "flash", "efficient", "math"):
+        configure(GPU, tf32=True, deterministic=False, attention_kernel=kernel)
+        assert allowed() == {kernel, "math"}
+    configure(GPU, tf32=True, deterministic=False, attention_kernel="auto")
+    assert allowed() == {"cudnn", "flash", "efficient", "math"}
+    configure(GPU, tf32=True, deterministic=True, attention_kernel="efficient")
+    assert allowed() == {"efficient", "math"}

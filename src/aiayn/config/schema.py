@@ -299,6 +299,12 @@ class TrainConfig(Section):
     deterministic mode, no cuDNN attention. Costs speed (docs/gpu.md); an operation without a
     deterministic kernel stops the run with torch's error naming it. On CPU the kernels
     already are: a run with the same settings on the same machine repeats without it."""
+    attention_kernel: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
+    """On CUDA, the fused kernel attention may use: auto is torch's choice (cuDNN's on Hopper);
+    another value allows that kernel alone, with torch's math path where it does not apply
+    (flash takes no padding mask). On an H200 cuDNN's attention took a third of a
+    transformer_big step at translation lengths (benchmarks/README.md, mfu.py
+    --attention-kernel compares them). No effect on CPU."""
     memory_probe: Literal["auto", "always", "never"] = "auto"
     """Before the first step (of a new or resumed run), one forward and backward pass of the
     epoch's largest batch, gradients then dropped and no random state moved, so that an
@@ -478,6 +484,12 @@ class Config:
                 "train.compile is for distributed.backend ddp (and one process): DeepSpeed's "
                 "hooks gather and reduce inside the layers torch.compile would trace; set "
                 "train.compile=false or distributed.backend=ddp"
+            )
+        if self.train.deterministic and self.train.attention_kernel == "cudnn":
+            errs.append(
+                "train.attention_kernel=cudnn with train.deterministic=true: cuDNN's attention "
+                "has no deterministic backward; set train.attention_kernel=auto (deterministic "
+                "runs use flash or memory-efficient attention) or train.deterministic=false"
             )
         if (self.schedule.cooldown or 0) > self.train.max_steps:
             errs.append(
