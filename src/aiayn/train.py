@@ -391,6 +391,7 @@ def _train_step(run: Run, micro: list, window: Window, n_tokens: int) -> torch.T
             # accumulation and data parallelism compute the same update as one big batch.
             engine.backward(loss / max(n_tokens, 1))
         window.add(loss, correct, batch.n_tokens)
+    run.ckpts.before_update()  # an async save may still be copying the weights it changes
     grad_norm = engine.step()
     run.progress.step += 1
     run.progress.tokens += n_tokens

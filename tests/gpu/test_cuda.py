@@ -106,14 +106,15 @@ def test_two_ranks_on_one_gpu_are_refused_with_the_fix(setup):
 
 
 def test_killed_run_resumes_bitwise_on_cuda(setup):
-    """train.deterministic=true, dropout on: SIGKILL at a random step, the same command again;
-    the final weights equal an uninterrupted run's bit for bit."""
+    """train.deterministic=true, dropout on, asynchronous saves: SIGKILL at a random step, the
+    same command again; the final weights equal an uninterrupted run's bit for bit."""
     root, config = setup
     options = (
         "train.precision=bf16",
         "train.deterministic=true",
         "model.dropout=0.1",
         "checkpoint.every_steps=20",
+        "checkpoint.async_save=true",  # the copies run beside the next step (staging.py)
         "train.eval_every=0",
     )
     straight, killed = root / "straight", root / "killed"

@@ -14,6 +14,7 @@ from aiayn.checkpoint import (
     read_manifest,
     resolve_checkpoint,
 )
+from aiayn.checkpoint.staging import Staging
 from aiayn.config import ModelConfig, load_config
 from aiayn.errors import CheckpointError, ConfigError, TokenizerError
 
@@ -230,6 +231,55 @@ def test_async_save_writes_what_the_state_was_when_save_returned(tmp_path):
     assert torch.equal(fresh.emb.weight, expected_weights)
     assert torch.equal(state["engine"]["exp_avg"], torch.arange(1000.0))
     assert manager.latest() == path
+
+
+def test_async_saves_reuse_their_host_buffers_and_each_writes_its_own_state(tmp_path):
+    """The second save copies into the first one's buffers (no fresh host memory per save,
+    checkpoint/staging.py), after the first write has finished: both checkpoints hold their
+    own step's state."""
+    manager = CheckpointManager(tmp_path, 1, 5, is_writer=True, async_save=True)
+    model = Tied()
+    moments = torch.arange(1000.0)
+    meta = {"config": {"model": vars(ModelConfig())}, "tokenizer": CONTRACT}
+    paths, weights = [], []
+    for step in (1, 2):
+        weights.append(model.emb.weight.detach().clone())
+        state = {"engine": {"exp_avg": moments, "step": step}, "note": ["kept", step]}
+        paths.append(manager.save(step, Unsharded(model), state, meta))
+        buffers = [id(b) for b in manager._staging._buffers]
+        if step == 1:
+            first_buffers = buffers
+        with torch.no_grad():
+            model.emb.weight.add_(1.0)
+        moments.add_(1.0)
+    assert buffers == first_buffers and len(buffers) == 2  # the weight (tied: once), exp_avg
+    manager.wait()
+    for step, path, expected in zip((1, 2), paths, weights, strict=True):
+        fresh = Tied()
+        state, _ = load_checkpoint(
+            path, fresh, expect_model=ModelConfig(), tokenizer=fake_tokenizer()
+        )
+        assert torch.equal(fresh.emb.weight, expected)
+        assert torch.equal(state["engine"]["exp_avg"], torch.arange(1000.0) + step - 1)
+        assert state["engine"]["step"] == step and state["note"] == ["kept", step]
+
+
+def test_staging_copies_into_kept_buffers_and_replaces_one_whose_shape_changed():
+    staging = Staging()
+    a, b = torch.arange(6.0).view(2, 3).t(), torch.ones(4, dtype=torch.bfloat16)  # a: strided
+    staging.begin()
+    tree = staging.copy_tree({"a": a, "rest": (b, 7, "x")})
+    assert staging.end() is None  # on a CPU the copies are done when copy() returns
+    assert torch.equal(tree["a"], a) and tree["a"].is_contiguous()
+    assert tree["rest"][0].dtype == torch.bfloat16 and tree["rest"][1:] == (7, "x")
+    a.add_(1)
+    assert torch.equal(tree["a"], a - 1)  # a copy, not a view
+    kept = [id(t) for t in staging._buffers]
+    staging.begin()
+    again = staging.copy_tree({"a": a, "rest": (torch.ones(5, dtype=torch.bfloat16), 7, "x")})
+    assert id(again["a"]) == kept[0] and torch.equal(again["a"], a)
+    assert id(again["rest"][0]) != kept[1] and again["rest"][0].shape == (5,)
+    staging.guard()  # nothing to wait for on a CPU
 
 
 def test_a_failed_background_write_is_reported_and_keeps_the_previous_checkpoint(

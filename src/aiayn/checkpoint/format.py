@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +57,15 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def weights_snapshot(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True).contiguous()
+
+
+def weights_snapshot(
+    module: nn.Module, copy: Callable[[torch.Tensor], torch.Tensor] = host_copy
+) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
     """A host copy of `module`'s weights for safetensors, each tensor once, and its metadata.
+    `copy` makes each tensor's (checkpoint/staging.py's, for an async save).
 
     Tied names (the same tensor under several names) keep the first in sorted order, with the
     others recorded in the metadata, as `safetensors.torch.save_model` does, so `load_model`
@@ -71,7 +79,7 @@ def weights_snapshot(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[s
     tensors, metadata = {}, {}
     for names in groups.values():
         keep, *tied = sorted(names)
-        tensors[keep] = state[keep].detach().to("cpu", copy=True).contiguous()
+        tensors[keep] = copy(state[keep])
         metadata.update({name: keep for name in tied})
     return tensors, metadata or None
 

@@ -9,7 +9,6 @@ changed (distributed/reshard.py). The files themselves are checkpoint/format.py'
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
@@ -25,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from aiayn import metric_names
+from aiayn.checkpoint import staging
 from aiayn.checkpoint.failures import FailedSaves, Seen, free_bytes, message, tensor_bytes
 from aiayn.checkpoint.format import (
     CHECKPOINTS_DIR,
@@ -33,6 +33,7 @@ from aiayn.checkpoint.format import (
     MODEL_FILE,
     TRAINER_FILE,
     checkpoints_in,
+    host_copy,
     latest_valid,
     load_checkpoint,
     read_manifest,
@@ -101,6 +102,7 @@ class CheckpointManager:
         self._writer: threading.Thread | None = None
         self._pending: int | None = None  # the step of an async write not yet joined, all ranks
         self._problem: tuple[BaseException, int] | None = None  # its failure and tensor bytes
+        self._staging = staging.Staging()  # an async save's host copies
         self.failures = FailedSaves(max_failed_saves)
         self.every_steps = every_steps
         self.keep_last = keep_last
@@ -304,16 +306,21 @@ class CheckpointManager:
             return None
         problem = _attempt(engine.save_shards, tmp)
         weights = None
+        staged = self.async_save and self.is_writer
+        if staged:
+            self._staging.begin()
         with engine.full_module() as module:  # a collective under ZeRO-3: reached by every rank
             if self.is_writer:
-                weights = weights_snapshot(module)
+                weights = weights_snapshot(module, self._staging.copy if staged else host_copy)
         nbytes = tensor_bytes([weights[0], trainer_state]) if self.is_writer else 0
         if self._settle(step, env, tmp, problem, nbytes):  # every rank's shards are on disk
             return None
         if self.async_save:
             if self.is_writer:
-                state = _host_copy(trainer_state)  # the next step changes the optimizer in place
-                args = (step, tmp, weights, state, meta, started)
+                # The next update changes the optimizer's state in place: the write reads
+                # copies, queued here and made beside the next step (checkpoint/staging.py).
+                state = self._staging.copy_tree(trainer_state)
+                args = (step, tmp, weights, state, meta, started, self._staging.end())
                 self._writer = threading.Thread(target=self._write_in_background, args=args)
                 self._writer.start()  # not a daemon: an exiting process finishes the write
                 blocked = time.perf_counter() - started
@@ -328,6 +335,11 @@ class CheckpointManager:
             return None
         self.failures.succeeded()
         return final if self.is_writer else None
+
+    def before_update(self) -> None:
+        """Call before each optimizer update: it must not change what an async save is still
+        copying (on CUDA the copies run beside the step; the host does not wait)."""
+        self._staging.guard()
 
     def wait(self, env=None) -> None:
         """Return once every checkpoint this process started is on disk, on every rank;
@@ -354,8 +366,9 @@ class CheckpointManager:
         if not self._settle(step, env, None, exc, nbytes):
             self.failures.succeeded()
 
-    def _write_in_background(self, step, tmp, weights, state, meta, started) -> None:
+    def _write_in_background(self, step, tmp, weights, state, meta, started, copied) -> None:
         try:
+            staging.wait(copied)
             self._finish(step, tmp, weights, state, meta, started)
         except Exception as exc:  # agreed on by every rank at the next save or wait()
             shutil.rmtree(tmp, ignore_errors=True)
@@ -478,14 +491,3 @@ def _attempt(action, *args) -> Exception | None:
     except Exception as exc:
         return exc
     return None
-
-
-def _host_copy(obj: Any) -> Any:
-    """`obj` with every tensor copied to host memory: what the next step will not change."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _host_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_host_copy(v) for v in obj)
-    return copy.deepcopy(obj)
