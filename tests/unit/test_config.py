@@ -147,7 +147,7 @@ def test_the_ranges_are_declared_on_the_fields():
         "distributed.zero_stage",
         "data.pad_to_multiple",
     } <= declared
-    assert len(declared) == 46  # every numeric field with a bound
+    assert len(declared) == 47  # every numeric field with a bound
 
 
 SHAKESPEARE = Path(__file__).parents[2] / "configs" / "tinyshakespeare_lm.yaml"
@@ -210,3 +210,11 @@ def test_cudnn_attention_with_deterministic_kernels_is_refused_with_the_fix():
         None, ["data.train=x", "train.deterministic=true", "train.attention_kernel=math"]
     )
     assert cfg.train.attention_kernel == "math"
+
+
+def test_the_first_fp16_loss_scale_must_be_a_power_of_two():
+    with pytest.raises(
+        ConfigError, match=r"loss_scale_init must be a power of two, got 1000 \(e.g. 1024\)"
+    ):
+        load_config(None, ["data.train=x", "train.loss_scale_init=1000"])
+    assert load_config(None, ["data.train=x", "train.loss_scale_init=1"]).train.loss_scale_init == 1

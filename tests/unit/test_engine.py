@@ -56,6 +56,9 @@ def test_generated_deepspeed_config_follows_the_run_config():
         cfg_with("train.precision=fp16", "optim.name=adamw"), 1, "cuda"
     )
     assert fp16["fp16"]["enabled"] and fp16["fp16"]["loss_scale"] == 0  # dynamic
+    assert fp16["fp16"]["initial_scale_power"] == 16  # 2^16, train.loss_scale_init's default
+    start = cfg_with("train.precision=fp16", "train.loss_scale_init=128")
+    assert deepspeed_config.generate(start, 1, "cuda")["fp16"]["initial_scale_power"] == 7
     assert fp16["optimizer"]["type"] == "AdamW" and fp16["optimizer"]["params"]["adam_w_mode"]
     assert fp16["zero_optimization"] == {"stage": 0}
 
@@ -171,9 +174,11 @@ def engine_for(*overrides) -> LocalEngine:
 
 
 def test_fp16_overflow_skips_the_step_and_the_schedule_then_training_goes_on():
-    engine = engine_for("train.precision=fp16")
+    assert engine_for("train.precision=fp16").loss_scale == 2.0**16
+    engine = engine_for("train.precision=fp16", "train.loss_scale_init=1024")
     before = [p.detach().clone() for p in engine.module.parameters()]
     scale, lr = engine.loss_scale, engine.lr
+    assert scale == 1024
     engine.backward(
         torch.tensor(float("inf"), requires_grad=True)
         * sum(p.sum() for p in engine.module.parameters())
@@ -193,7 +198,7 @@ def test_fp16_overflow_skips_the_step_and_the_schedule_then_training_goes_on():
         torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True)
     )
     state = engine.state_dict()
-    restored = engine_for("train.precision=fp16")
+    restored = engine_for("train.precision=fp16", "train.loss_scale_init=1024")
     restored.load_state_dict(state, checkpoint=None)
     assert restored.loss_scale == engine.loss_scale and restored.skipped_steps == 1
 

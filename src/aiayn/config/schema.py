@@ -275,6 +275,11 @@ class TrainConfig(Section):
     for GPUs without bf16. auto: bf16 where the device multiplies bf16 natively (a GPU with
     bf16; a CPU with AVX512-BF16 or AMX), else fp16 on a GPU with fp16 tensor cores (V100,
     T4), else fp32 (precision.py)."""
+    loss_scale_init: float = bounded(2.0**16, low=1)
+    """fp16's first loss scale, a power of two (torch's and DeepSpeed's default, 2^16).
+    Dynamic scaling halves it at each overflow, skipping that step (train/loss_scale and
+    train/skipped_steps show it), and doubles it after 2000 (torch) or 1000 (DeepSpeed) steps
+    without one; a smaller start skips fewer of the first steps."""
     threads: int | None = None
     """torch intra-op threads on CPU (None: torch's default)."""
     malloc: Literal["keep", "system"] = "keep"
@@ -484,6 +489,12 @@ class Config:
                 "train.compile is for distributed.backend ddp (and one process): DeepSpeed's "
                 "hooks gather and reduce inside the layers torch.compile would trace; set "
                 "train.compile=false or distributed.backend=ddp"
+            )
+        scale = self.train.loss_scale_init
+        if scale >= 1 and not math.log2(scale).is_integer():
+            errs.append(
+                f"train.loss_scale_init must be a power of two, got {scale:g} "
+                f"(e.g. {2 ** round(math.log2(scale)):g})"
             )
         if self.train.deterministic and self.train.attention_kernel == "cudnn":
             errs.append(

@@ -43,7 +43,9 @@ class LocalEngine:
         self.optimizer = build_optimizer(self.module, cfg, device)
         self.scheduler = paper_schedule(self.optimizer, cfg)
         # fp16 needs loss scaling; fp32 and bf16 do not, and a disabled scaler is a no-op.
-        self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
+        self.scaler = torch.amp.GradScaler(
+            device.type, init_scale=cfg.train.loss_scale_init, enabled=self.precision == "fp16"
+        )
         self.skipped_steps = 0
         parallelize.apply(self.module, cfg)
 

@@ -11,6 +11,7 @@ key that contradicts a generated value is an error naming both values.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,8 @@ def generate(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
         }
     elif train.precision == "fp16":
         # fp16 weights with fp32 master copies and dynamic loss scaling (loss_scale 0).
-        ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+        power = round(math.log2(train.loss_scale_init))  # a power of two (config/schema.py)
+        ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": power}
     return ds
 
 
