@@ -19,7 +19,11 @@
 # machine's folder of files to bring back) they are also packed into $OUT/gpu_session.tgz
 # after every stage, so a stage stopped by the lease's limit leaves the others'. Python packages
 # the machine lacks can travel as wheels in .whl/ (installed to /tmp/site); Multi30k in
-# .gpu/multi30k (else ../shared/data/multi30k).
+# .gpu/multi30k (else ../shared/data/multi30k). The image lent here on 2026-11-26 (torch 2.11,
+# Python 3.12) lacked datasets, dill, multiprocess, deepspeed, hjson and pydantic (with
+# pydantic_core, annotated-types, typing-inspection): `pip download --no-deps --only-binary=:all:
+# --python-version 3.12 ...` them into .whl, deepspeed as the py3-none-any wheel pip builds from
+# its sdist.
 set -u
 cd "$(dirname "$0")/.."
 LOGS=${LOGS:-runs/bench/gpu_session}
@@ -89,7 +93,7 @@ for stage in "$@"; do
         --attention-kernels auto efficient math --profile "$LOGS" ;;
     compile) run_stage compile 240 $PY benchmarks/mfu.py --modes compile --max-tokens 25000 \
         --warmup 12 ;;
-    tests) TAIL=60 run_stage tests 240 $PY -m pytest -m gpu tests/gpu -n 8 -p no:cacheprovider \
+    tests) TAIL=60 run_stage tests 300 $PY -m pytest -m gpu tests/gpu -n 8 -p no:cacheprovider \
         -rA --durations=0 -q --basetemp="$WORK/pytest" ;;
     nccl) run_stage nccl 60 $PY benchmarks/nccl_shared_gpu.py ;;
     train) run_stage train 180 $PY benchmarks/gpu_train.py --corpus "$CORPUS" \

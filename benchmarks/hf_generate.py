@@ -30,7 +30,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help="default: the export's generation_config"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--compare", default=None)
@@ -46,9 +48,8 @@ def main() -> None:
     def translate(batch: list[str]) -> list[str]:
         enc = tok(batch, return_tensors="pt", padding=True).to(args.device)
         with torch.inference_mode():
-            out = model.generate(
-                **enc, num_beams=args.beam, max_new_tokens=args.max_new_tokens, do_sample=False
-            )
+            limit = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
+            out = model.generate(**enc, num_beams=args.beam, do_sample=False, **limit)
         return tok.batch_decode(out, skip_special_tokens=True)
 
     def sync() -> None:

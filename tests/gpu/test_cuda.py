@@ -60,8 +60,16 @@ CASES = {
 
 
 def train(launcher: list[str] | None, config: Path, run_dir: Path, *options: str) -> str:
+    """Run to the end, or fail with what the run said: a stall shows where it stopped."""
     cmd = (launcher or torchrun(1)) + aiayn(config, run_dir, *ON_CUDA, *options)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=ENV)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=ENV)
+    except subprocess.TimeoutExpired as exc:
+        log = run_dir / "train.log"
+        said = exc.stderr or ""
+        said = (said.decode(errors="replace") if isinstance(said, bytes) else said)[-3000:]
+        tail = log.read_text()[-2000:] if log.is_file() else "(no train.log)"
+        pytest.fail(f"no end within {exc.timeout:.0f} s; train.log ends:\n{tail}\nstderr:\n{said}")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     return out

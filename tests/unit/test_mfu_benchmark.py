@@ -18,20 +18,21 @@ def test_the_mfu_table_reports_every_preset_with_its_tokens_and_utilisation():
         [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stderr
-    table = out.stdout.split("| preset |")[-1]
+    lines = ("| preset |" + out.stdout.split("| preset |")[-1]).splitlines()
+    header = [c.strip() for c in lines[0].strip("| ").split("|")]
     rows = {}
-    for line in table.splitlines()[2:]:
-        cells = [c.strip() for c in line.strip("| ").split("|")]
-        rows[cells[0]] = cells
+    for line in lines[2:]:
+        cells = dict(zip(header, (c.strip() for c in line.strip("| ").split("|")), strict=True))
+        rows[cells["preset"]] = cells
     assert set(rows) == {"tiny", "small"}, out.stdout
+    tokens = {p: float(c["target tokens/s (median)"].replace(",", "")) for p, c in rows.items()}
     for preset, cells in rows.items():
-        assert cells[2] == "eager"
-        tokens = float(cells[3].replace(",", ""))
-        mfu = float(cells[6].rstrip("%"))
-        assert tokens > 0 and 0 < mfu < 200, (preset, cells)
+        assert cells["mode"] == "eager" and cells["attention kernel"] == "auto"
+        mfu = float(cells["MFU"].rstrip("%"))
+        assert tokens[preset] > 0 and 0 < mfu < 200, (preset, cells)
     # The larger model does more work per token. FLOP/s over tokens/s is the work per token,
     # whatever the machine's speed at the time: no timing is compared.
-    work = {p: float(c[5]) / float(c[3].replace(",", "")) for p, c in rows.items()}
+    work = {p: float(c["TFLOP/s"]) / tokens[p] for p, c in rows.items()}
     assert work["small"] > 2 * work["tiny"], work
     assert re.search(r"MFU against [\d.]+ TFLOP/s", out.stdout)
 

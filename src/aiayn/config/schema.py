@@ -308,8 +308,8 @@ class TrainConfig(Section):
     """On CUDA, the fused kernel attention may use: auto is torch's choice (cuDNN's on Hopper);
     another value allows that kernel alone, with torch's math path where it does not apply
     (flash takes no padding mask). On an H200 cuDNN's attention took a third of a
-    transformer_big step at translation lengths (benchmarks/README.md, mfu.py
-    --attention-kernel compares them). No effect on CPU."""
+    transformer_big step at translation lengths (benchmarks/README.md; mfu.py
+    --attention-kernels compares them). No effect on CPU."""
     memory_probe: Literal["auto", "always", "never"] = "auto"
     """Before the first step (of a new or resumed run), one forward and backward pass of the
     epoch's largest batch, gradients then dropped and no random state moved, so that an
