@@ -14,11 +14,18 @@ import torch
 from safetensors.torch import load_model
 from torch import nn
 
-from aiayn.checkpoint import TOKENIZER_FILE, load_checkpoint, read_manifest, resolve_checkpoint
+from aiayn.checkpoint import (
+    CHECKPOINTS_DIR,
+    TOKENIZER_FILE,
+    load_checkpoint,
+    read_manifest,
+    resolve_checkpoint,
+)
 from aiayn.checkpoint.tools import read_export
 from aiayn.config import Config, DecodeConfig, apply_override, config_from_dict
 from aiayn.data import make_loader, open_split
 from aiayn.data.batch import Batch
+from aiayn.data.run_splits import copied_split
 from aiayn.decode import beam_search, greedy_search
 from aiayn.errors import CheckpointError
 from aiayn.lm_eval import lm_scores, sample_text
@@ -276,6 +283,8 @@ def evaluate(checkpoint: str | Path, split: str = "test", overrides: list[str] =
     """Score a checkpoint on a data split: BLEU (seq2seq), perplexity (lm), accuracy."""
     cfg, model, tok, ckpt = load_for_inference(checkpoint, overrides, "auto")
     device = next(model.parameters()).device
+    if ckpt.parent.name == CHECKPOINTS_DIR:  # a training run's: it may hold a copy of the split
+        cfg = copied_split(cfg, split, ckpt.parent.parent) or cfg
     spec = getattr(cfg.data, split, None)
     if spec is None:
         from aiayn.errors import ConfigError

@@ -36,7 +36,7 @@ from aiayn.data.run_splits import with_run_copy
 from aiayn.distributed import faults
 from aiayn.distributed.engine import Engine, build_engine
 from aiayn.distributed.env import DistEnv, setup, teardown, use_timeout
-from aiayn.errors import PeerError, TrainingError
+from aiayn.errors import DataError, PeerError, TrainingError
 from aiayn.evaluate import Validation
 from aiayn.files import bytes_hashed
 from aiayn.flops import device_peak_flops, training_flops
@@ -317,6 +317,11 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
     if cfg.data.valid:  # on the run's copy of the split: a restart reads no source
         local = with_run_copy(cfg, "valid", run.env.decide)
         validation = Validation(local, run.tok, run.env)
+    if cfg.data.test:  # for `aiayn evaluate`; training does not need it, so it cannot stop it
+        try:
+            with_run_copy(cfg, "test", run.env.decide)
+        except DataError as exc:
+            log.warning("%s; `aiayn evaluate --split test` will read the source", exc)
     bar = ProgressBar(cfg.train.max_steps, progress.step, run.env.is_main)
     window, last_eval = Window(), {}
     saved_step, epoch = progress.step, loader.epoch

@@ -1,6 +1,6 @@
 """A restart needs nothing but the run directory and the token cache: the corpus moved away
 after the first start, the run resumes, validates on its own copy of the dev set, and ends as
-an uninterrupted run does."""
+an uninterrupted run does; `aiayn evaluate` of it then scores the test set from the run's copy."""
 
 import json
 import re
@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from aiayn.config import load_config
+from aiayn.evaluate import evaluate
 from aiayn.train import train
 
 import tiny  # tests/e2e/tiny.py, beside this file
@@ -20,6 +21,7 @@ VALID = re.compile(r"valid step (\d+) \| loss ([\d.]+) accuracy ([\d.]+)")
 def run(run_dir, corpus, steps: int) -> None:
     extra = (
         f"data.valid={corpus}/valid",
+        f"data.test={corpus}/test",
         f"train.max_steps={steps}",
         "checkpoint.every_steps=4",
         "train.eval_every=4",
@@ -45,6 +47,13 @@ def test_a_run_whose_corpus_was_moved_away_resumes_validates_and_finishes(tmp_pa
     final = "checkpoints/step_00000008/model.safetensors"
     a, b = load_file(tmp_path / "moved" / final), load_file(tmp_path / "straight" / final)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # The test set too: copied at the first start, scored from the copy with the corpus gone.
+    assert (tmp_path / "moved" / "data" / "test.jsonl").is_file()
+    scores = evaluate(tmp_path / "moved", "test")
+    n_test = len((tmp_path / "elsewhere" / "test.en").read_text().splitlines())
+    with open(scores["hypotheses_file"]) as fh:
+        assert len(fh.readlines()) == n_test
+    assert scores["bleu"] == evaluate(tmp_path / "straight", "test")["bleu"]
 
 
 def hub_folder(root, numbers):

@@ -13,7 +13,7 @@ from batch_checks import same
 from aiayn.config import Config, DataConfig, ModelConfig
 from aiayn.data import open_split
 from aiayn.data.loader import BatchLoader
-from aiayn.data.run_splits import with_run_copy
+from aiayn.data.run_splits import copied_split, with_run_copy
 from aiayn.errors import DataError
 
 
@@ -77,3 +77,17 @@ def test_a_missing_source_at_the_first_start_names_the_split(tmp_path):
     data = dict(format="parallel", valid=str(tmp_path / "nowhere"), src_lang="en", tgt_lang="de")
     with pytest.raises(DataError, match="copying data.valid into the run: corpus file not found"):
         with_run_copy(config(tmp_path / "run", "seq2seq", **data), "valid")
+
+
+def test_evaluating_reads_the_runs_copy_of_the_split_it_names_and_makes_none(corpus, tmp_path):
+    data = dict(format="parallel", test=str(corpus / "valid"), src_lang="en", tgt_lang="de")
+    cfg = config(tmp_path / "run", "seq2seq", **data)
+    assert copied_split(cfg, "test", tmp_path / "run") is None  # no copy: the source
+    assert not (tmp_path / "run").exists()  # and none was made
+    with_run_copy(cfg, "test")  # what a training run's first start does
+    local = copied_split(cfg, "test", tmp_path / "run")
+    assert local.data.test == str(tmp_path / "run" / "data" / "test.jsonl")
+    source = list(open_split(cfg.data, cfg.data.test, "seq2seq"))
+    assert list(open_split(local.data, local.data.test, "seq2seq")) == source
+    other = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, test=str(corpus / "test")))
+    assert copied_split(other, "test", tmp_path / "run") is None  # an override names another

@@ -1,7 +1,7 @@
-"""The run's own copy of its validation split, so that a restart reads nothing but the run
-directory and the token cache.
+"""The run's own copies of its validation and test splits, so that a restart reads nothing but
+the run directory and the token cache, and `aiayn evaluate` of the run's checkpoints no source.
 
-The first start copies the split's records, as the loaders see them (normalised fields, empty
+The first start copies each split's records, as the loaders see them (normalised fields, empty
 and undecodable lines already handled), into `run_dir/data/valid.jsonl`, on rank 0, with what
 it was copied from; every later start validates on the copy. A corpus moved away, a Hub that
 cannot be reached from the compute nodes, or a dev set edited mid-run then changes nothing:
@@ -38,6 +38,25 @@ def with_run_copy(cfg: Config, split: str, decide: Callable = lambda choose: cho
     the run has none yet (DistEnv.decide); all ranks raise together if it cannot be made."""
     path = Path(cfg.run_dir) / COPY_DIR / f"{split}.jsonl"
     decide(lambda: _copied(cfg, split, path))
+    return _reading(cfg, split, path)
+
+
+def copied_split(cfg: Config, split: str, run_dir: Path) -> Config | None:
+    """`cfg` reading data.<split> from the copy a training run made in `run_dir`, where it made
+    one of the split the config names (an override that names another split reads that);
+    None where there is none. Makes no copy: evaluating must not write into a run."""
+    path = run_dir / COPY_DIR / f"{split}.jsonl"
+    try:
+        meta = json.loads(path.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not path.is_file() or meta.get("split") != getattr(cfg.data, split, None):
+        return None
+    _warn_if_changed(cfg, split, meta, path)
+    return _reading(cfg, split, path)
+
+
+def _reading(cfg: Config, split: str, path: Path) -> Config:
     data = dataclasses.replace(
         cfg.data, format="jsonl", **{split: str(path)}, **FIELDS[cfg.model.kind]
     )
@@ -84,7 +103,7 @@ def _warn_if_changed(cfg: Config, split: str, meta: dict, path: Path) -> None:
         return
     log.warning(
         "data.%s differs from the copy the run made at its first start (%s); the run goes on "
-        "validating on its copy, so that its curves stay comparable. For the new one, delete "
+        "reading its copy, so that its scores stay comparable. For the new one, delete "
         "%s and %s",
         split,
         meta["split"],
