@@ -19,11 +19,9 @@
 # machine's folder of files to bring back) they are also packed into $OUT/gpu_session.tgz
 # after every stage, so a stage stopped by the lease's limit leaves the others'. Python packages
 # the machine lacks can travel as wheels in .whl/ (installed to /tmp/site); Multi30k in
-# .gpu/multi30k (else ../shared/data/multi30k). The image lent here on 2026-11-26 (torch 2.11,
-# Python 3.12) lacked datasets, dill, multiprocess, deepspeed, hjson and pydantic (with
-# pydantic_core, annotated-types, typing-inspection): `pip download --no-deps --only-binary=:all:
-# --python-version 3.12 ...` them into .whl, deepspeed as the py3-none-any wheel pip builds from
-# its sdist.
+# .gpu/multi30k (else ../shared/data/multi30k): benchmarks/gpu_prepare.sh makes both on the
+# development machine (the image lent on 2026-11-26, torch 2.11 and Python 3.12, lacked
+# datasets and DeepSpeed and some of their dependencies).
 set -u
 cd "$(dirname "$0")/.."
 LOGS=${LOGS:-runs/bench/gpu_session}
