@@ -1,10 +1,12 @@
 """`aiayn data prepare` in real processes: two ranks under torchrun split the tokenising and
-write the same bytes as one process; a SIGKILL at any moment leaves nothing that is read, and
-the same command then completes."""
+write the same bytes as one process; four ranks over a corpus of five files each read only
+their files, and write the same bytes again; a SIGKILL at any moment leaves nothing that is
+read, and the same command then completes."""
 
 from __future__ import annotations
 
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -33,7 +35,9 @@ def big(tmp_path_factory, setup) -> tuple[Path, Path]:
     return corpus, config
 
 
-def prepare(config: Path, corpus: Path, cache: Path, *launcher: str) -> list[str]:
+def prepare(
+    config: Path, corpus: Path, cache: Path, *launcher: str, split: str = "train"
+) -> list[str]:
     cmd = [*launcher] if launcher else [sys.executable]
     return cmd + [
         "-m",
@@ -42,9 +46,25 @@ def prepare(config: Path, corpus: Path, cache: Path, *launcher: str) -> list[str
         "prepare",
         "--config",
         str(config),
-        f"data.train={corpus}/train",
+        f"data.train={corpus}/{split}",
         f"data.cache_dir={cache}",
     ]
+
+
+@pytest.fixture(scope="module")
+def five_files(big) -> Path:
+    """The big corpus cut into five file pairs, which the prefix part* reads in order."""
+    corpus, _ = big
+    for lang in ("en", "de"):
+        lines = (corpus / f"train.{lang}").read_text().splitlines(keepends=True)
+        size = -(-len(lines) // 5)
+        for i in range(5):
+            (corpus / f"part{i}.{lang}").write_text("".join(lines[i * size : (i + 1) * size]))
+    return corpus
+
+
+def most_read(out: str) -> int:
+    return int(re.search(r"the busiest reading (\d+) records", out).group(1))
 
 
 def files(root: Path) -> dict[str, bytes]:
@@ -67,6 +87,24 @@ def test_two_ranks_build_the_same_bytes_as_one(big, tmp_path):
     }
     assert one == two
     assert not (tmp_path / "two" / "train.partial").exists()
+
+
+def test_four_ranks_read_a_fifth_or_two_of_five_files_and_build_the_same_bytes(
+    five_files, big, tmp_path
+):
+    """Split by file, each rank reads its files only (2 of 5 at most, where one rank reading
+    the whole stream read all 5), and the cache is the same, ids and counts included."""
+    _, config = big
+    one = procs.run(prepare(config, five_files, tmp_path / "one", split="part*"))
+    four = procs.run(
+        prepare(config, five_files, tmp_path / "four", *procs.torchrun(4), split="part*"),
+        timeout=900,
+    )
+    total = len((five_files / "train.en").read_text().splitlines())
+    assert most_read(one) == total
+    assert most_read(four) <= 2 * -(-total // 5)  # ranks 0 has files 0 and 4
+    assert files(tmp_path / "one" / "train") == files(tmp_path / "four" / "train")
+    assert not (tmp_path / "four" / "train.partial").exists()
 
 
 def test_a_prepare_killed_at_random_moments_leaves_nothing_read_then_completes(big, tmp_path):

@@ -357,3 +357,36 @@ def test_a_partial_build_is_never_read_and_a_torn_part_is_redone(tmp_path, corpu
     ld = cached(cfg, tok)  # rebuilds: no manifest, so the arrays there are not trusted
     assert cache_bytes(root) == reference and not work.exists()
     assert sum(b.size for b in itertools.islice(iter(ld), 5)) > 0
+
+
+def test_a_build_split_by_file_resumes_an_unfinished_shard_and_equals_one_reader(
+    tmp_path, corpus, tok
+):
+    """Ranks run one after the other here (their shards need no collective): 3 ranks over 4
+    file pairs, rank 1 interrupted inside its shard; the next build redoes that shard only,
+    and the merge writes what one rank reading the whole stream writes."""
+    from aiayn.data.cache import fingerprint
+    from aiayn.data.cache_build import _build_parts, _merge, _start_build
+
+    split = tmp_path / "split"
+    split.mkdir()
+    for lang in ("en", "de"):
+        rows = (corpus / f"train.{lang}").read_text().splitlines(keepends=True)
+        for i in range(4):
+            (split / f"part{i}.{lang}").write_text("".join(rows[i::4]))
+    one = ensure_cache(s2s(tmp_path / "one", split / "part*"), "train", tok)
+    cfg = s2s(tmp_path / "three", split / "part*")
+    root = cache_dir(cfg, "train")
+    work = root.with_name("train.partial")
+    _start_build(cfg, "train", tok, root, work, rebuild=False)
+    built = [_build_parts(cfg, "train", tok, work, r, 3) for r in range(3)]
+    assert [b["read"] for b in built] == [
+        sum(len((split / f"part{i}.en").read_text().splitlines()) for i in shards)
+        for shards in ([0, 3], [1], [2])
+    ]
+    (work / "shard_000001.json").unlink()  # rank 1 killed before its shard's note
+    (work / "shard_000001_part_00000000.npz").write_bytes(b"torn")
+    again = [_build_parts(cfg, "train", tok, work, r, 3) for r in range(3)]
+    assert [b["read"] for b in again] == [0, built[1]["read"], 0]  # only the unfinished one
+    _merge(work, root, again, fingerprint(cfg, "train", tok), cfg)
+    assert cache_bytes(root) == cache_bytes(one.root) and not work.exists()

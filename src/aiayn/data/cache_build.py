@@ -1,11 +1,13 @@
 """Building a token cache (data/cache.py) once, on every rank at a time.
 
-Building streams the source through `datasets` in chunks of _CHUNK records. Chunk c is
-tokenised by rank c mod W, in pieces over a pool of threads (SentencePiece's encode releases
-the GIL, so one process uses every core it is given), and written as a part file, atomically.
-Rank 0 then concatenates the parts in chunk order: the cache does not depend on the number of
-ranks. An interrupted build keeps its finished parts in `<split>.partial/` and the next build
-reuses them if they were made from the same fingerprint.
+Building streams the source through `datasets` in chunks of _CHUNK records, tokenised in
+pieces over a pool of threads (SentencePiece's encode releases the GIL, so one process uses
+every core it is given), each written as a part file, atomically. A source of at least as many
+shards (files) as ranks is split by shard: rank r reads, checks and tokenises shards r, r + W,
+..., 1/W of the corpus. Otherwise every rank reads the whole stream and tokenises chunks c with
+c mod W = r. Rank 0 then concatenates the parts in corpus order: the cache does not depend on
+the number of ranks. An interrupted build keeps its finished parts (and shards) in
+`<split>.partial/` and the next build reuses them if they were made from the same fingerprint.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def ensure_cache(
     _all_ok(sync, lambda: _merge(work, root, built, expected, cfg) if rank == 0 else None)
     cache = open_cache(root, expected, verify=False)  # just written and hashed
     if rank == 0:
-        _log_built(cache, time.perf_counter() - started, world_size)
+        _log_built(cache, time.perf_counter() - started, world_size, max(b["read"] for b in built))
     return cache
 
 
@@ -111,11 +113,16 @@ def _all_ok(sync: Sync, step: Callable[[], object]) -> list:
 def _start_build(
     cfg: Config, split: str, tok: Tokenizer, root: Path, work: Path, rebuild: bool
 ) -> None:
-    """Invalidate the old cache (its manifest goes first) and make the work directory."""
+    """Invalidate the old cache (its manifest goes first) and make the work directory.
+
+    The work directory is stamped with the corpus files' sizes and modification times: parts
+    left by a build of other files or settings are not reused. The files' sha256 come later,
+    each from the rank that reads the file (`_merge`), so that no rank reads the whole corpus
+    to hash it."""
     if rebuild and (root / MANIFEST).exists():
         log.info("rebuilding the token cache %s", root)
         (root / MANIFEST).unlink()
-    stamp = json.dumps(fingerprint(cfg, split, tok, hashes=True), indent=1, sort_keys=True)
+    stamp = json.dumps(fingerprint(cfg, split, tok), indent=1, sort_keys=True)
     if work.is_dir() and _read_text(work / "build.json") != stamp:
         log.info("%s was left by a build from other settings: starting over", work)
         shutil.rmtree(work)
@@ -134,22 +141,73 @@ def _read_text(path: Path) -> str | None:
 def _build_parts(
     cfg: Config, split: str, tok: Tokenizer, work: Path, rank: int, world_size: int
 ) -> dict:
-    """Tokenise this rank's chunks into part files; return the stream's chunk count."""
+    """Tokenise this rank's share into part files; return what the merge needs.
+
+    A source of at least as many shards (files) as ranks is split by shard: each rank opens,
+    checks and reads only its shards, 1/W of the corpus. Otherwise every rank reads the whole
+    stream and tokenises its chunks (c mod W). Either way the merge concatenates the same
+    records in corpus order: the cache is the same for any W.
+    """
     kind = cfg.model.kind
-    source = open_split(cfg.data, getattr(cfg.data, split), kind)
-    threads = _threads_per_rank()
+    spec = getattr(cfg.data, split)
+    source = open_split(cfg.data, spec, kind, check=False)
+    n_shards = source.dataset().num_shards
     dtype = np.uint16 if tok.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
-    mine = _my_chunks(source, rank, world_size, work)
-    n_chunks = 0
+    threads = _threads_per_rank()
     encoders = ThreadPoolExecutor(threads, thread_name_prefix="aiayn-encode")
     with _no_cyclic_gc(), encoders:
-        for c, read, records in prefetch(mine):
-            n_chunks = c + 1
+        if world_size > 1 and n_shards >= world_size:
+            return _build_shards(source, n_shards, kind, tok, dtype, encoders, threads, work,
+                                 rank, world_size)  # fmt: skip
+        source = open_split(cfg.data, spec, kind)  # checked whole: every rank reads it all
+        n_chunks, read = 0, 0
+        for c, before, records, size in prefetch(_my_chunks(source, rank, world_size, work)):
+            n_chunks, read = c + 1, read + size
             if records is None:  # another rank's chunk, or one a previous build finished
                 continue
-            arrays = _tokenize_chunk(records, read, kind, tok, dtype, encoders, threads)
+            arrays = _tokenize_chunk(records, before, kind, tok, dtype, encoders, threads)
             _write_part(work / _part_name(c), arrays)
-    return {"chunks": n_chunks, "invalid_utf8": source.invalid_utf8}
+    return {"chunks": n_chunks, "invalid_utf8": source.invalid_utf8, "read": read}
+
+
+def _build_shards(
+    source, n_shards: int, kind: str, tok, dtype, encoders, threads, work, rank, world_size
+) -> dict:
+    """This rank's shards (s mod W), each in chunks of local ids, then a note of its size."""
+    read = 0
+    for s in range(rank, n_shards, world_size):
+        done = work / _shard_name(s)
+        if _read_text(done) is not None:  # a previous build finished it
+            continue
+        skipped = source.check_shard(s)
+        hashes = _shard_hashes(source, n_shards, s)
+        n_chunks, records = 0, 0
+        for k, before, block, _ in prefetch(_shard_chunks(source, n_shards, s)):
+            arrays = _tokenize_chunk(block, before, kind, tok, dtype, encoders, threads)
+            _write_part(work / _shard_part_name(s, k), arrays)
+            n_chunks, records = k + 1, before + len(block)
+        note = {"chunks": n_chunks, "records": records, "invalid_utf8": skipped}
+        note["sha256"] = hashes
+        write_atomic(done, json.dumps(note).encode())  # last: marks the shard done
+        read += records
+    return {"shards": n_shards, "read": read}
+
+
+def _shard_hashes(source, n_shards: int, s: int) -> dict[str, str]:
+    """sha256 of the files only shard s reads, by resolved path (the fingerprint's keys)."""
+    if source.shard_files is None or len(source.shard_files) != n_shards:
+        return {}  # not known which files the shard reads: the merge hashes them
+    return {str(Path(f).resolve()): sha256_of(Path(f)) for f in source.shard_files[s]}
+
+
+def _shard_chunks(source, n_shards: int, s: int) -> Iterator:
+    """(chunk index, records of the shard before it, normalised records, size) of shard s."""
+    records = source.records(source.shard(n_shards, s))
+    for k in itertools.count():
+        block = list(itertools.islice(records, _CHUNK))
+        if not block:
+            return
+        yield k, k * _CHUNK, block, len(block)
 
 
 @contextlib.contextmanager
@@ -167,14 +225,14 @@ def _no_cyclic_gc() -> Iterator[None]:
 
 
 def _my_chunks(source, rank: int, world_size: int, work: Path) -> Iterator:
-    """(chunk index, records before it, normalised records or None) for every chunk."""
+    """(chunk index, records before it, normalised records or None, size) for every chunk."""
     raw = iter(source.dataset())
     for c in itertools.count():
         block = list(itertools.islice(raw, _CHUNK))
         if not block:
             return
         todo = c % world_size == rank and not _part_ok(work / _part_name(c))
-        yield c, c * _CHUNK, [source.normalize(r) for r in block] if todo else None
+        yield c, c * _CHUNK, [source.normalize(r) for r in block] if todo else None, len(block)
 
 
 def _threads_per_rank() -> int:
@@ -241,6 +299,14 @@ def _part_name(c: int) -> str:
     return f"part_{c:08d}.npz"
 
 
+def _shard_part_name(s: int, k: int) -> str:
+    return f"shard_{s:06d}_part_{k:08d}.npz"
+
+
+def _shard_name(s: int) -> str:
+    return f"shard_{s:06d}.json"
+
+
 def _part_ok(path: Path) -> bool:
     try:
         with np.load(path) as part:
@@ -259,11 +325,10 @@ def _write_part(path: Path, arrays: dict[str, np.ndarray]) -> None:
 
 
 def _merge(work: Path, root: Path, built: list[dict], expected: dict, cfg: Config) -> None:
-    """Concatenate the parts in chunk order into the cache's arrays, then write its manifest."""
-    n_chunks = built[0]["chunks"]
-    if not n_chunks:
+    """Concatenate the parts in corpus order into the cache's arrays, then write its manifest."""
+    parts, offsets, invalid_utf8, hashes = _parts_in_order(work, built)
+    if not parts:
         raise DataError(f"corpus {expected['split']} holds no records; check the data section")
-    parts = [work / _part_name(c) for c in range(n_chunks)]
     missing = [p.name for p in parts if not p.is_file()]
     if missing:
         raise DataError(f"the data preparation lost its parts {missing[:3]}; run it again")
@@ -299,9 +364,11 @@ def _merge(work: Path, root: Path, built: list[dict], expected: dict, cfg: Confi
         at, total = 0, 0
         if out_name.endswith("_offsets"):
             arr[0], at = 0, 1
-        for p in parts:
+        for p, offset in zip(parts, offsets, strict=True):
             with np.load(p) as part:
                 chunk = part[name]
+            if name == "ids":  # a shard's part counts its records from the shard's start
+                chunk = chunk + offset
             if out_name.endswith("_offsets"):
                 chunk = total + np.cumsum(chunk)
                 total = int(chunk[-1]) if len(chunk) else total
@@ -316,14 +383,14 @@ def _merge(work: Path, root: Path, built: list[dict], expected: dict, cfg: Confi
         "records_read": n + empty,
         "examples": n,
         "dropped_empty": empty,
-        "invalid_utf8_skipped": built[0]["invalid_utf8"],
+        "invalid_utf8_skipped": invalid_utf8,
     }
     for side in ("src", "tgt"):
         if f"{side}_tokens" in sizes:
             counts[f"{side}_tokens"] = sizes[f"{side}_tokens"]
     manifest = {
         "version": CACHE_VERSION,
-        "fingerprint": json.loads((work / "build.json").read_text()),
+        "fingerprint": _with_hashes(json.loads((work / "build.json").read_text()), hashes),
         "filters": {
             "empty": "an lm keeps its empty lines"
             if cfg.model.kind == "lm"
@@ -338,11 +405,38 @@ def _merge(work: Path, root: Path, built: list[dict], expected: dict, cfg: Confi
     shutil.rmtree(work)
 
 
-def _log_built(cache: TokenCache, seconds: float, world_size: int) -> None:
+def _parts_in_order(work: Path, built: list[dict]) -> tuple[list[Path], list[int], int, dict]:
+    """The part files in corpus order, the record index each one's ids count from, the lines
+    skipped as not UTF-8, and the source files' sha256 that the shards' readers took."""
+    if "shards" not in built[0]:  # chunks of the whole stream, ids already global
+        parts = [work / _part_name(c) for c in range(built[0]["chunks"])]
+        return parts, [0] * len(parts), built[0]["invalid_utf8"], {}
+    parts, offsets, start, invalid, hashes = [], [], 0, 0, {}
+    for s in range(built[0]["shards"]):
+        note = json.loads(_read_text(work / _shard_name(s)) or "null")
+        if note is None:
+            raise DataError(f"the data preparation lost shard {s}'s note; run it again")
+        parts += [work / _shard_part_name(s, k) for k in range(note["chunks"])]
+        offsets += [start] * note["chunks"]
+        start += note["records"]
+        invalid += note["invalid_utf8"]
+        hashes.update(note["sha256"])
+    return parts, offsets, invalid, hashes
+
+
+def _with_hashes(stamp: dict, hashes: dict[str, str]) -> dict:
+    """The build's fingerprint with each source file's sha256: from its shard's reader, or
+    hashed here (a build that read the whole stream, where every rank read every file)."""
+    for entry in stamp.get("files") or []:
+        entry["sha256"] = hashes.get(entry["path"]) or sha256_of(Path(entry["path"]))
+    return stamp
+
+
+def _log_built(cache: TokenCache, seconds: float, world_size: int, most_read: int) -> None:
     c = cache.counts()
     log.info(
         "token cache %s: %d examples of %d records (%d empty dropped, %d not UTF-8 skipped), "
-        "%d source tokens, built in %.1f s by %d rank(s)",
+        "%d source tokens, built in %.1f s by %d rank(s), the busiest reading %d records",
         cache.root,
         c["examples"],
         c["records_read"],
@@ -351,4 +445,5 @@ def _log_built(cache: TokenCache, seconds: float, world_size: int) -> None:
         c["src_tokens"],
         seconds,
         world_size,
+        most_read,
     )

@@ -41,12 +41,28 @@ class Source:
         make: Callable[[], IterableDataset],
         normalize: Callable[[dict], dict],
         invalid_utf8: int = 0,
+        check_shard: Callable[[int], int] | None = None,
+        shard_files: list[list[str]] | None = None,
     ):
         self.name = name
         self._make = make
         self.normalize = normalize
         self.invalid_utf8 = invalid_utf8
         """Lines (pairs, for parallel data) skipped in one pass because they are not UTF-8."""
+        self._check_shard = check_shard
+        self.shard_files = shard_files
+        """The local files of each shard, where shard i reads files of its own (None: not
+        known, e.g. a Hub dataset)."""
+
+    def shard(self, num_shards: int, index: int) -> IterableDataset:
+        """Shard `index` of `num_shards` (contiguous: files, or a Hub repository's files, in
+        order), for a rank that reads only its share."""
+        return self._make().shard(num_shards, index, contiguous=True)
+
+    def check_shard(self, index: int) -> int:
+        """For a source opened with check=False: check the line-aligned files of one shard as
+        the whole check would (alignment, UTF-8) and return its lines that will be skipped."""
+        return self._check_shard(index) if self._check_shard else 0
 
     def dataset(self, state: dict | None = None) -> IterableDataset:
         # A new object each time: IterableDataset keeps a loaded state for every later pass.
@@ -95,8 +111,11 @@ def hub_errors(name: str) -> Iterator[None]:
         raise DataError(f"could not read the Hub dataset {name} ({text}): {hint}") from None
 
 
-def open_split(cfg: DataConfig, split: str, kind: str) -> Source:
-    """Open `split` (a prefix, path, glob or hub split name) of the corpus described by cfg."""
+def open_split(cfg: DataConfig, split: str, kind: str, check: bool = True) -> Source:
+    """Open `split` (a prefix, path, glob or hub split name) of the corpus described by cfg.
+
+    check=False leaves out reading every line-aligned file through (alignment, UTF-8) at
+    open: for a reader of some shards only, which checks those (Source.check_shard)."""
     if kind not in KINDS:
         raise DataError(f"unknown model kind {kind!r}; choose from {KINDS}")
     if not split:
@@ -104,14 +123,14 @@ def open_split(cfg: DataConfig, split: str, kind: str) -> Source:
     if cfg.format == "parallel":
         if kind != "seq2seq":
             raise DataError(f"data.format parallel is for seq2seq; a {kind} model reads text/jsonl")
-        return _parallel_source(cfg, split)
+        return _parallel_source(cfg, split, check)
     if cfg.format == "text":
         if kind != "lm":
             raise DataError(
                 f"data.format text holds bare documents (lm); a {kind} model needs fields: use "
                 "data.format tsv, jsonl or parquet"
             )
-        return _text_source(cfg, split)
+        return _text_source(cfg, split, check)
     source = _builder_source(cfg, split, kind)
     _check_first_record(source)
     return source
@@ -191,22 +210,38 @@ def sample_sentences(cfg: DataConfig, kind: str, n: int, seed: int) -> list[str]
 # ---- line-aligned files (parallel, text) --------------------------------------------------
 
 
-def _parallel_source(cfg: DataConfig, split: str) -> Source:
+def _parallel_source(cfg: DataConfig, split: str, check: bool = True) -> Source:
     pairs = _parallel_files(split, cfg.src_lang, cfg.tgt_lang)
-    skipped = _check_lines(pairs, split, cfg.on_invalid_utf8)
     kwargs = {"pairs": [list(p) for p in pairs], "strict": cfg.on_invalid_utf8 == "error"}
     # No `features=`: datasets would re-encode every example through them, at many times the
     # cost of reading it (benchmarks/README.md). The generator yields plain strings anyway.
     make = partial(_from_generator, _parallel_examples, kwargs)
-    return Source(split, make, normalize=lambda rec: rec, invalid_utf8=skipped)
+    return _line_source(cfg, split, make, [list(p) for p in pairs], check)
 
 
-def _text_source(cfg: DataConfig, split: str) -> Source:
+def _text_source(cfg: DataConfig, split: str, check: bool = True) -> Source:
     files = _expand(split)
-    skipped = _check_lines([[f] for f in files], split, cfg.on_invalid_utf8)
     kwargs = {"files": files, "strict": cfg.on_invalid_utf8 == "error"}
     make = partial(_from_generator, _text_examples, kwargs)
-    return Source(split, make, normalize=lambda rec: rec, invalid_utf8=skipped)
+    return _line_source(cfg, split, make, [[f] for f in files], check)
+
+
+def _line_source(cfg: DataConfig, split: str, make, groups: list, check: bool) -> Source:
+    """A source of line-aligned files; each group (a file pair, or a file) is one shard of the
+    generator's stream, in order (datasets shards a list argument by its items)."""
+    skipped = _check_lines(groups, split, cfg.on_invalid_utf8) if check else 0
+
+    def check_shard(index: int) -> int:
+        return _check_lines([groups[index]], split, cfg.on_invalid_utf8, require_usable=False)
+
+    return Source(
+        split,
+        make,
+        normalize=lambda rec: rec,
+        invalid_utf8=skipped,
+        check_shard=check_shard,
+        shard_files=groups,
+    )
 
 
 def _from_generator(generator: Callable, kwargs: dict) -> IterableDataset:
@@ -215,7 +250,9 @@ def _from_generator(generator: Callable, kwargs: dict) -> IterableDataset:
     return IterableDataset.from_generator(generator, gen_kwargs=kwargs)
 
 
-def _check_lines(groups: list, split: str, on_invalid_utf8: str) -> int:
+def _check_lines(
+    groups: list, split: str, on_invalid_utf8: str, require_usable: bool = True
+) -> int:
     """Check groups of line-aligned files (a pair, or one file) before training reads them:
     equal line counts, some usable line, UTF-8. Returns the lines (pairs) that will be skipped."""
     skipped = usable = 0
@@ -233,7 +270,7 @@ def _check_lines(groups: list, split: str, on_invalid_utf8: str) -> int:
             raise _utf8_error(path, bad[0])
         skipped += len(bad)
         usable += scans[0][0] - len(bad)
-    if usable == 0:
+    if usable == 0 and require_usable:
         names = ", ".join(p for group in groups for p in group)
         raise DataError(f"corpus {split} is empty: {names} hold no usable lines")
     if skipped:
@@ -413,7 +450,7 @@ def _builder_source(cfg: DataConfig, split: str, kind: str) -> Source:
 
         return datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kw)
 
-    return Source(name, make, normalize)
+    return Source(name, make, normalize, shard_files=[[f] for f in files])
 
 
 def _normalizer(cfg: DataConfig, kind: str, name: str) -> Callable[[dict], dict]:
