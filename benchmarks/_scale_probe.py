@@ -1,0 +1,87 @@
+"""A rank of `aiayn` that reports what it read, for benchmarks/scale.py.
+
+    torchrun ... benchmarks/_scale_probe.py OUT_DIR train --config ...
+
+Runs `aiayn ARGS...` in this process, counting the bytes it reads from corpus files (every
+line-aligned corpus file is opened through aiayn.data.sources._open_bytes) and how many it
+opens, and at exit writes OUT_DIR/rank<RANK>.json: those two, the bytes sha256_of hashed
+(verifying checkpoints and caches, writing their manifests), the process's read(2) bytes
+(/proc/self/io rchar: imports included) and its peak resident memory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import resource
+import runpy
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from aiayn import files  # noqa: E402
+from aiayn.data import sources  # noqa: E402
+
+counts = {"corpus_bytes": 0, "corpus_opens": 0}
+
+
+class _Counted:
+    """A binary file whose reads are counted (line iteration and read())."""
+
+    def __init__(self, fh):
+        self._fh = fh
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._fh.close()
+
+    def __iter__(self):
+        for line in self._fh:
+            counts["corpus_bytes"] += len(line)
+            yield line
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._fh.read(n)
+        counts["corpus_bytes"] += len(data)
+        return data
+
+
+_open_bytes = sources._open_bytes
+
+
+def _counting_open(path: str):
+    counts["corpus_opens"] += 1
+    return _Counted(_open_bytes(path))
+
+
+def _report(out: Path, started: float) -> None:
+    io = {}
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            key, value = line.split(":")
+            io[key] = int(value)
+    except OSError:
+        pass
+    report = {
+        **counts,
+        "hashed_bytes": files.bytes_hashed(),
+        "rchar": io.get("rchar"),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "seconds": time.perf_counter() - started,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    sources._open_bytes = _counting_open
+    atexit.register(_report, out, time.perf_counter())
+    sys.argv = ["aiayn", *sys.argv[2:]]
+    runpy.run_module("aiayn", run_name="__main__")

@@ -1,0 +1,173 @@
+"""What each rank reads at a first start and at a restart, for W = 1, 2, 4, 8 ranks.
+
+    python benchmarks/scale.py                      # W = 1 2 4 8, a 64k-pair corpus in 8 files
+    python benchmarks/scale.py --world 1 2 --pairs 16000
+
+For each W, a run of the smallest model (gloo, on CPU) starts, builds its token cache, trains
+2 steps and saves (first start), then the same command with 4 steps resumes from that
+checkpoint (restart). Every rank runs under benchmarks/_scale_probe.py, which counts the bytes
+it read from corpus files and how many it opened, the bytes it hashed (checkpoint and cache
+verification, manifests), its read(2) bytes (imports included) and its peak memory. The
+tokenizer is trained once beforehand, as `aiayn tokenizer train` would: its sample is rank 0's
+alone and not part of what scales. The corpus is the generated numbers corpus cut into
+--files file pairs, so that the cache build can split it by file (docs/data.md).
+
+The table gives, per W and phase, the largest value over the ranks and the sum over them: a
+figure whose per-rank maximum stays constant as W grows is one rank's share; one whose
+maximum falls as 1/W is split; one whose sum grows with W is work repeated on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from _common import machine, markdown_table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+PROBE = Path(__file__).with_name("_scale_probe.py")
+STARTUP = re.compile(r"start-up ([\d.]+) s")
+BUILT = re.compile(r"token cache .* built in ([\d.]+) s by (\d+) rank")
+
+
+def make_corpus(root: Path, pairs: int, n_files: int) -> Path:
+    from aiayn import demo_data
+
+    corpus = demo_data.write_numbers(root / "numbers", n_train=pairs, n_valid=200, n_test=50)
+    for lang in ("en", "de"):
+        lines = (corpus / f"train.{lang}").read_text().splitlines(keepends=True)
+        size = -(-len(lines) // n_files)
+        for i in range(n_files):
+            (corpus / f"part{i:02d}.{lang}").write_text("".join(lines[i * size : (i + 1) * size]))
+    return corpus
+
+
+def make_config(root: Path, corpus: Path) -> Path:
+    from aiayn.config import load_config
+    from aiayn.data import sample_sentences
+    from aiayn.tokenizer import train_tokenizer
+
+    config = root / "run.yaml"
+    config.write_text(
+        f"""
+model: {{N: 1, d_model: 64, d_ff: 128, h: 4, max_len: 64, dropout: 0.0}}
+tokenizer: {{path: {root}/spm.model, vocab_size: 120}}
+data: {{train: "{corpus}/part*", valid: {corpus}/valid, src_lang: en, tgt_lang: de,
+        max_len: 40, shuffle_buffer: 1000}}
+train: {{max_tokens: 600, eval_every: 2, eval_bleu: 0, threads: 1}}
+logging: {{every_steps: 1, peak_tflops: 1}}
+checkpoint: {{every_steps: 2}}
+"""
+    )
+    cfg = load_config(config)
+    train_tokenizer(
+        cfg.tokenizer, sample_sentences(cfg.data, "seq2seq", 5000, 1), cfg.tokenizer_path
+    )
+    return config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, config: Path, run_dir: Path, out: Path, steps: int) -> str:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={world}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(PROBE),
+        str(out),
+        "train",
+        "--config",
+        str(config),
+        f"run_dir={run_dir}",
+        f"train.max_steps={steps}",
+    ]
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        sys.exit(f"W={world}: the run failed\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    return proc.stdout + proc.stderr
+
+
+def reports(out: Path, world: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--pairs", type=int, default=64_000)
+    p.add_argument("--files", type=int, default=8)
+    p.add_argument("--workdir", default=str(ROOT / "runs" / "bench" / "scale"))
+    args = p.parse_args(argv)
+    work = Path(args.workdir)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    corpus = make_corpus(work, args.pairs, args.files)
+    corpus_bytes = sum(f.stat().st_size for f in corpus.glob("part*"))
+    config = make_config(work, corpus)
+    print(f"Machine: {machine()}")
+    print(
+        f"Corpus: {args.pairs:,} pairs in {args.files} file pairs, {mib(corpus_bytes)} MiB; "
+        f"model d_model 64, N 1; gloo on CPU, one thread per rank\n"
+    )
+    header = [
+        "W",
+        "phase",
+        "corpus MiB read: max rank / all",
+        "corpus files opened: max rank",
+        "MiB hashed: max rank / all",
+        "read(2) MiB: max rank",
+        "peak RSS MiB: max rank",
+        "start-up s (rank 0)",
+        "cache build s",
+    ]
+    rows = []
+    for world in args.world:
+        run_dir = work / f"w{world}"
+        for phase, steps in (("first start", 2), ("restart", 4)):
+            out = work / f"probe_w{world}_{phase.replace(' ', '_')}"
+            launch(world, config, run_dir, out, steps)
+            got = reports(out, world)
+            log = (run_dir / "train.log").read_text()
+            startup = STARTUP.findall(log)[-1]
+            built = BUILT.findall(log) if phase == "first start" else []
+            rows.append(
+                [
+                    str(world),
+                    phase,
+                    f"{mib(max(r['corpus_bytes'] for r in got))} / "
+                    f"{mib(sum(r['corpus_bytes'] for r in got))}",
+                    str(max(r["corpus_opens"] for r in got)),
+                    f"{mib(max(r['hashed_bytes'] for r in got))} / "
+                    f"{mib(sum(r['hashed_bytes'] for r in got))}",
+                    mib(max(r["rchar"] or 0 for r in got)),
+                    f"{max(r['peak_rss_mib'] for r in got):.0f}",
+                    startup,
+                    built[-1][0] if built else "-",
+                ]
+            )
+            print(markdown_table(header, rows[-1:]).splitlines()[-1], flush=True)
+    print()
+    print(markdown_table(header, rows))
+
+
+if __name__ == "__main__":
+    main()
