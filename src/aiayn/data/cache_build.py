@@ -155,24 +155,24 @@ def _build_parts(
     dtype = np.uint16 if tok.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
     threads = _threads_per_rank()
     encoders = ThreadPoolExecutor(threads, thread_name_prefix="aiayn-encode")
+
+    def tokenize(records: list[dict], before: int) -> dict[str, np.ndarray]:
+        return _tokenize_chunk(records, before, kind, tok, dtype, encoders, threads)
+
     with _no_cyclic_gc(), encoders:
         if world_size > 1 and n_shards >= world_size:
-            return _build_shards(source, n_shards, kind, tok, dtype, encoders, threads, work,
-                                 rank, world_size)  # fmt: skip
+            return _build_shards(source, n_shards, tokenize, work, rank, world_size)
         source = open_split(cfg.data, spec, kind)  # checked whole: every rank reads it all
         n_chunks, read = 0, 0
         for c, before, records, size in prefetch(_my_chunks(source, rank, world_size, work)):
             n_chunks, read = c + 1, read + size
             if records is None:  # another rank's chunk, or one a previous build finished
                 continue
-            arrays = _tokenize_chunk(records, before, kind, tok, dtype, encoders, threads)
-            _write_part(work / _part_name(c), arrays)
+            _write_part(work / _part_name(c), tokenize(records, before))
     return {"chunks": n_chunks, "invalid_utf8": source.invalid_utf8, "read": read}
 
 
-def _build_shards(
-    source, n_shards: int, kind: str, tok, dtype, encoders, threads, work, rank, world_size
-) -> dict:
+def _build_shards(source, n_shards: int, tokenize, work: Path, rank: int, world_size: int) -> dict:
     """This rank's shards (s mod W), each in chunks of local ids, then a note of its size."""
     read = 0
     for s in range(rank, n_shards, world_size):
@@ -183,8 +183,7 @@ def _build_shards(
         hashes = _shard_hashes(source, n_shards, s)
         n_chunks, records = 0, 0
         for k, before, block, _ in prefetch(_shard_chunks(source, n_shards, s)):
-            arrays = _tokenize_chunk(block, before, kind, tok, dtype, encoders, threads)
-            _write_part(work / _shard_part_name(s, k), arrays)
+            _write_part(work / _shard_part_name(s, k), tokenize(block, before))
             n_chunks, records = k + 1, before + len(block)
         note = {"chunks": n_chunks, "records": records, "invalid_utf8": skipped}
         note["sha256"] = hashes
