@@ -162,15 +162,16 @@ class CheckpointManager:
                 read_manifest(ckpt, verify=False)
             except CheckpointError as exc:
                 problem = str(exc)
+        if not env.sum([float(problem is not None)])[0]:
+            return ckpt
+        # Only when some rank failed: which, and why (a gather is O(W) on every rank).
         problems = [(rank, p) for rank, p in enumerate(env.gather(problem)) if p is not None]
-        if problems:
-            rank, what = problems[0]
-            raise CheckpointError(
-                f"rank 0 verified {name} to resume from, but {len(problems)} rank(s) cannot "
-                f"read it (rank {rank}: {what}). Every rank must see the same run_dir: put it "
-                "on storage all nodes share"
-            )
-        return ckpt
+        rank, what = problems[0]
+        raise CheckpointError(
+            f"rank 0 verified {name} to resume from, but {len(problems)} rank(s) cannot "
+            f"read it (rank {rank}: {what}). Every rank must see the same run_dir: put it "
+            "on storage all nodes share"
+        )
 
     def _chosen_name(self, resume: str) -> str | None:
         try:

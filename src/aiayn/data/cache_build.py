@@ -149,8 +149,7 @@ def _build_parts(
     records in corpus order: the cache is the same for any W.
     """
     kind = cfg.model.kind
-    spec = getattr(cfg.data, split)
-    source = open_split(cfg.data, spec, kind, check=False)
+    source = open_split(cfg.data, getattr(cfg.data, split), kind, check=False)
     n_shards = source.dataset().num_shards
     dtype = np.uint16 if tok.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
     threads = _threads_per_rank()
@@ -162,7 +161,7 @@ def _build_parts(
     with _no_cyclic_gc(), encoders:
         if world_size > 1 and n_shards >= world_size:
             return _build_shards(source, n_shards, tokenize, work, rank, world_size)
-        source = open_split(cfg.data, spec, kind)  # checked whole: every rank reads it all
+        source.check()  # whole: every rank reads it all
         n_chunks, read = 0, 0
         for c, before, records, size in prefetch(_my_chunks(source, rank, world_size, work)):
             n_chunks, read = c + 1, read + size

@@ -41,7 +41,7 @@ class Source:
         make: Callable[[], IterableDataset],
         normalize: Callable[[dict], dict],
         invalid_utf8: int = 0,
-        check_shard: Callable[[int], int] | None = None,
+        check_lines: Callable[[list[int] | None], int] | None = None,
         shard_files: list[list[str]] | None = None,
     ):
         self.name = name
@@ -49,7 +49,7 @@ class Source:
         self.normalize = normalize
         self.invalid_utf8 = invalid_utf8
         """Lines (pairs, for parallel data) skipped in one pass because they are not UTF-8."""
-        self._check_shard = check_shard
+        self._check_lines = check_lines
         self.shard_files = shard_files
         """The local files of each shard, where shard i reads files of its own (None: not
         known, e.g. a Hub dataset)."""
@@ -59,10 +59,16 @@ class Source:
         order), for a rank that reads only its share."""
         return self._make().shard(num_shards, index, contiguous=True)
 
+    def check(self) -> None:
+        """Read every line-aligned file through (alignment, UTF-8, some usable line) and count
+        the lines that will be skipped; open_split does it unless told check=False."""
+        if self._check_lines:
+            self.invalid_utf8 = self._check_lines(None)
+
     def check_shard(self, index: int) -> int:
         """For a source opened with check=False: check the line-aligned files of one shard as
         the whole check would (alignment, UTF-8) and return its lines that will be skipped."""
-        return self._check_shard(index) if self._check_shard else 0
+        return self._check_lines([index]) if self._check_lines else 0
 
     def dataset(self, state: dict | None = None) -> IterableDataset:
         # A new object each time: IterableDataset keeps a loaded state for every later pass.
@@ -211,12 +217,12 @@ def sample_sentences(cfg: DataConfig, kind: str, n: int, seed: int) -> list[str]
 
 
 def _parallel_source(cfg: DataConfig, split: str, check: bool = True) -> Source:
-    pairs = _parallel_files(split, cfg.src_lang, cfg.tgt_lang)
-    kwargs = {"pairs": [list(p) for p in pairs], "strict": cfg.on_invalid_utf8 == "error"}
+    pairs = [list(p) for p in _parallel_files(split, cfg.src_lang, cfg.tgt_lang)]
+    kwargs = {"pairs": pairs, "strict": cfg.on_invalid_utf8 == "error"}
     # No `features=`: datasets would re-encode every example through them, at many times the
     # cost of reading it (benchmarks/README.md). The generator yields plain strings anyway.
     make = partial(_from_generator, _parallel_examples, kwargs)
-    return _line_source(cfg, split, make, [list(p) for p in pairs], check)
+    return _line_source(cfg, split, make, pairs, check)
 
 
 def _text_source(cfg: DataConfig, split: str, check: bool = True) -> Source:
@@ -229,19 +235,17 @@ def _text_source(cfg: DataConfig, split: str, check: bool = True) -> Source:
 def _line_source(cfg: DataConfig, split: str, make, groups: list, check: bool) -> Source:
     """A source of line-aligned files; each group (a file pair, or a file) is one shard of the
     generator's stream, in order (datasets shards a list argument by its items)."""
-    skipped = _check_lines(groups, split, cfg.on_invalid_utf8) if check else 0
 
-    def check_shard(index: int) -> int:
-        return _check_lines([groups[index]], split, cfg.on_invalid_utf8, require_usable=False)
+    def check_lines(shards: list[int] | None) -> int:  # None: all, and some line must be usable
+        chosen = groups if shards is None else [groups[i] for i in shards]
+        return _check_lines(chosen, split, cfg.on_invalid_utf8, require_usable=shards is None)
 
-    return Source(
-        split,
-        make,
-        normalize=lambda rec: rec,
-        invalid_utf8=skipped,
-        check_shard=check_shard,
-        shard_files=groups,
+    source = Source(
+        split, make, normalize=lambda rec: rec, check_lines=check_lines, shard_files=groups
     )
+    if check:
+        source.check()
+    return source
 
 
 def _from_generator(generator: Callable, kwargs: dict) -> IterableDataset:
