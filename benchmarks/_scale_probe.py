@@ -3,7 +3,7 @@
     torchrun ... benchmarks/_scale_probe.py OUT_DIR train --config ...
 
 Runs `aiayn ARGS...` in this process, counting the bytes it reads from corpus files (every
-line-aligned corpus file is opened through aiayn.data.sources._open_bytes) and how many it
+line-aligned corpus file is opened through aiayn.data.sources.open_bytes) and how many it
 opens, and at exit writes OUT_DIR/rank<RANK>.json: those two, the bytes sha256_of hashed
 (verifying checkpoints and caches, writing their manifests), the process's read(2) bytes
 (/proc/self/io rchar: imports included) and its peak resident memory.
@@ -51,13 +51,21 @@ class _Counted:
         counts["corpus_bytes"] += len(data)
         return data
 
+    def readline(self) -> bytes:
+        line = self._fh.readline()
+        counts["corpus_bytes"] += len(line)
+        return line
 
-_open_bytes = sources._open_bytes
+    def seek(self, offset: int) -> int:
+        return self._fh.seek(offset)
+
+
+open_bytes = sources.open_bytes
 
 
 def _counting_open(path: str):
     counts["corpus_opens"] += 1
-    return _Counted(_open_bytes(path))
+    return _Counted(open_bytes(path))
 
 
 def _report(out: Path, started: float) -> None:
@@ -81,7 +89,7 @@ def _report(out: Path, started: float) -> None:
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
-    sources._open_bytes = _counting_open
+    sources.open_bytes = _counting_open
     atexit.register(_report, out, time.perf_counter())
     sys.argv = ["aiayn", *sys.argv[2:]]
     runpy.run_module("aiayn", run_name="__main__")

@@ -14,19 +14,30 @@ _HASH_BLOCK = 1 << 24
 _hashed = 0  # bytes sha256_of has read in this process
 
 
-def sha256_of(path: Path) -> str:
-    global _hashed
+def sha256_of(path: Path, start: int = 0, end: int | None = None) -> str:
+    """sha256 of the file, or of its bytes [start, end)."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
-        while block := fh.read(_HASH_BLOCK):
+        fh.seek(start)
+        left = None if end is None else end - start
+        while block := fh.read(_HASH_BLOCK if left is None else min(_HASH_BLOCK, left)):
             digest.update(block)
-            _hashed += len(block)
+            count_hashed(len(block))
+            if left is not None:
+                left -= len(block)
     return digest.hexdigest()
 
 
+def count_hashed(n: int) -> None:
+    """Count n bytes hashed, for a reader that hashes what it reads for another purpose."""
+    global _hashed
+    _hashed += n
+
+
 def bytes_hashed() -> int:
-    """Bytes `sha256_of` has read in this process: what verifying checkpoints and token caches
-    cost it, which a start reports (train.py) because at scale it is read from shared storage."""
+    """Bytes hashed in this process (sha256_of, count_hashed): what verifying checkpoints and
+    token caches cost it, which a start reports (train.py) because at scale it is read from
+    shared storage."""
     return _hashed
 
 

@@ -1,10 +1,11 @@
-"""`aiayn data prepare` in real processes: two ranks under torchrun split the tokenising and
-write the same bytes as one process; four ranks over a corpus of five files each read only
-their files, and write the same bytes again; a SIGKILL at any moment leaves nothing that is
-read, and the same command then completes."""
+"""`aiayn data prepare` in real processes: two ranks under torchrun cut one file pair in byte
+ranges and write the same arrays as one process; four ranks over a corpus of five files each
+read only their files, and write the same bytes again; a SIGKILL at any moment leaves nothing
+that is read, and the same command then completes."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import shutil
@@ -71,11 +72,17 @@ def files(root: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(root.iterdir())}
 
 
-def test_two_ranks_build_the_same_bytes_as_one(big, tmp_path):
+def test_two_ranks_cut_one_file_pair_in_byte_ranges_and_build_the_same_arrays(big, tmp_path):
+    """One file pair, two ranks: each reads about half of each file (byte ranges), and the
+    arrays and counts are one process's; the manifest records each range's sha256 where one
+    process recorded the files'."""
     corpus, config = big
     out = procs.run(prepare(config, corpus, tmp_path / "one"))
     assert '"examples": ' in out
-    procs.run(prepare(config, corpus, tmp_path / "two", *procs.torchrun(2)))
+    two_out = procs.run(prepare(config, corpus, tmp_path / "two", *procs.torchrun(2)))
+    total = len((corpus / "train.en").read_text().splitlines())
+    assert most_read(out) == total
+    assert most_read(two_out) < 0.6 * total
     one, two = files(tmp_path / "one" / "train"), files(tmp_path / "two" / "train")
     assert set(one) == {
         MANIFEST,
@@ -85,7 +92,11 @@ def test_two_ranks_build_the_same_bytes_as_one(big, tmp_path):
         "tgt_offsets.npy",
         "tgt_tokens.npy",
     }
+    manifests = [json.loads(m.pop(MANIFEST)) for m in (one, two)]
     assert one == two
+    assert manifests[0]["counts"] == manifests[1]["counts"]
+    assert manifests[0]["files"] == manifests[1]["files"]
+    assert [len(f["sha256_ranges"]) for f in manifests[1]["fingerprint"]["files"]] == [2, 2]
     assert not (tmp_path / "two" / "train.partial").exists()
 
 

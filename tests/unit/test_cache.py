@@ -366,7 +366,7 @@ def test_a_build_split_by_file_resumes_an_unfinished_shard_and_equals_one_reader
     file pairs, rank 1 interrupted inside its shard; the next build redoes that shard only,
     and the merge writes what one rank reading the whole stream writes."""
     from aiayn.data.cache import fingerprint
-    from aiayn.data.cache_build import _build_parts, _merge, _start_build
+    from aiayn.data.cache_build import _build_parts, _merge, _open_share, _start_build
 
     split = tmp_path / "split"
     split.mkdir()
@@ -378,15 +378,139 @@ def test_a_build_split_by_file_resumes_an_unfinished_shard_and_equals_one_reader
     cfg = s2s(tmp_path / "three", split / "part*")
     root = cache_dir(cfg, "train")
     work = root.with_name("train.partial")
-    _start_build(cfg, "train", tok, root, work, rebuild=False)
-    built = [_build_parts(cfg, "train", tok, work, r, 3) for r in range(3)]
+    shares = []
+    for r in range(3):
+        _open_share(cfg, "train", r, 3, shares)
+    _start_build(cfg, "train", tok, root, work, False, shares[0])
+    built = [_build_parts(cfg, tok, share, work) for share in shares]
     assert [b["read"] for b in built] == [
         sum(len((split / f"part{i}.en").read_text().splitlines()) for i in shards)
         for shards in ([0, 3], [1], [2])
     ]
     (work / "shard_000001.json").unlink()  # rank 1 killed before its shard's note
     (work / "shard_000001_part_00000000.npz").write_bytes(b"torn")
-    again = [_build_parts(cfg, "train", tok, work, r, 3) for r in range(3)]
+    again = [_build_parts(cfg, tok, share, work) for share in shares]
     assert [b["read"] for b in again] == [0, built[1]["read"], 0]  # only the unfinished one
     _merge(work, root, again, fingerprint(cfg, "train", tok), cfg)
     assert cache_bytes(root) == cache_bytes(one.root) and not work.exists()
+
+
+def _build_by_turns(cfg: Config, tok, world: int, interrupt: int | None = None) -> list[dict]:
+    """Ranks of a build over a source cut in byte ranges, run one after the other (the scans
+    are gathered between, as ensure_cache's collective does); `interrupt` loses that piece's
+    note and tears its part, then builds again. Returns each rank's last build."""
+    from aiayn.data.cache import fingerprint
+    from aiayn.data.cache_build import (
+        _build_parts,
+        _gather_scans,
+        _merge,
+        _open_share,
+        _scan_ranges,
+        _start_build,
+    )
+
+    root = cache_dir(cfg, "train")
+    work = root.with_name("train.partial")
+    shares: list = []
+    for r in range(world):
+        _open_share(cfg, "train", r, world, shares)
+    assert len(shares[0].pieces) >= world
+    for again in range(1 + (interrupt is not None)):
+        _start_build(cfg, "train", tok, root, work, False, shares[0])
+        scans = _gather_scans([_scan_ranges(share, work) for share in shares])
+        for share in shares:
+            share.scans = scans
+        built = [_build_parts(cfg, tok, share, work) for share in shares]
+        if again == 0 and interrupt is not None:
+            (work / f"shard_{interrupt:06d}.json").unlink()
+            (work / f"shard_{interrupt:06d}_part_00000000.npz").write_bytes(b"torn")
+    _merge(work, root, built, fingerprint(cfg, "train", tok), cfg)
+    return built
+
+
+def arrays(root: Path) -> dict[str, bytes]:
+    return {k: v for k, v in cache_bytes(root).items() if k != MANIFEST}
+
+
+def test_one_file_pair_shared_by_byte_range_reads_a_share_per_rank_and_equals_one_reader(
+    tmp_path, corpus, tok
+):
+    """Fewer files than ranks: one pair is cut in 3 byte ranges per side (the target's cuts
+    fall on other lines); each rank reads about a third, the arrays equal one reader's, an
+    interrupted piece is redone alone, and the manifest's range hashes cover each file."""
+    one = ensure_cache(s2s(tmp_path / "one", corpus / "train"), "train", tok)
+    cfg = s2s(tmp_path / "three", corpus / "train")
+    built = _build_by_turns(cfg, tok, 3, interrupt=1)
+    total = one.counts()["records_read"]
+    assert [b["read"] for b in built] == [0, pytest.approx(total / 3, rel=0.2), 0]
+    three = cache_dir(cfg, "train")
+    assert arrays(three) == arrays(one.root)
+    manifest = json.loads((three / MANIFEST).read_text())
+    assert manifest["counts"] == one.counts()
+    for entry in manifest["fingerprint"]["files"]:
+        ranges = entry["sha256_ranges"]
+        assert entry["sha256"] is None and len(ranges) == 3
+        assert [r[0] for r in ranges[1:]] == [r[1] for r in ranges[:-1]]  # they tile the file
+        assert (ranges[0][0], ranges[-1][1]) == (0, entry["bytes"])
+
+
+def test_a_cut_file_touched_is_accepted_and_changed_in_place_is_refused(tmp_path, corpus, tok):
+    """The range hashes do what the whole file's did: a new modification time alone is no
+    change; one byte changed (same size) is."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for lang in ("en", "de"):
+        (data / f"train.{lang}").write_bytes((corpus / f"train.{lang}").read_bytes())
+    cfg = s2s(tmp_path / "run", data / "train")
+    _build_by_turns(cfg, tok, 2)
+    os.utime(data / "train.de", ns=(1, 1))
+    ensure_cache(cfg, "train", tok)  # accepted: same bytes
+    raw = bytearray((data / "train.de").read_bytes())
+    raw[-2] = ord("x") if raw[-2] != ord("x") else ord("y")
+    (data / "train.de").write_bytes(bytes(raw))
+    os.utime(data / "train.de", ns=(2, 2))
+    with pytest.raises(DataError, match="train.de: its content changed"):
+        ensure_cache(cfg, "train", tok)
+
+
+@pytest.mark.parametrize("kind", ["seq2seq", "lm"])
+def test_byte_ranges_skip_and_refuse_what_one_reader_does(tmp_path, corpus, lm_corpus, tok, kind):
+    """CRLF line ends, empty lines and lines that are not UTF-8, at every place a cut may fall:
+    skipped as one reader skips them (same arrays and counts), and with on_invalid_utf8=error
+    refused naming the file and the line's number in the whole file."""
+    data = tmp_path / "data"
+    data.mkdir()
+    names = ("train.en", "train.de") if kind == "seq2seq" else ("train.txt",)
+    source = corpus if kind == "seq2seq" else lm_corpus
+    for name in names:
+        rows = (source / name).read_bytes().split(b"\n")[:-1]
+        rows[5] = b"\xff\xfe not utf-8" if name != "train.de" else rows[5]
+        rows[7] = rows[7] + b"\r"
+        rows[9] = b""
+        (data / name).write_bytes(b"\n".join(rows) + b"\n")
+
+    def config(run: str, **extra):
+        if kind == "seq2seq":
+            return s2s(tmp_path / run, data / "train", **extra)
+        return lm(tmp_path / run, data, **extra)
+
+    one = ensure_cache(config("one"), "train", tok)
+    assert one.counts()["invalid_utf8_skipped"] == 1
+    for world in (2, 5):
+        cfg = config(f"w{world}")
+        _build_by_turns(cfg, tok, world)
+        assert arrays(cache_dir(cfg, "train")) == arrays(one.root)
+        assert json.loads((cache_dir(cfg, "train") / MANIFEST).read_text())["counts"] == (
+            one.counts()
+        )
+    with pytest.raises(DataError, match=rf"{names[0]} line 6 is not valid UTF-8"):
+        _build_by_turns(config("strict", on_invalid_utf8="error"), tok, 3)
+
+
+def test_a_cut_pair_of_unequal_line_counts_is_refused_naming_both(tmp_path, corpus, tok):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.en").write_bytes((corpus / "train.en").read_bytes())
+    (data / "train.de").write_bytes(b"".join((corpus / "train.de").open("rb").readlines()[:-3]))
+    with pytest.raises(DataError, match=r"not line-aligned: .*train.en has 300 lines but "):
+        _build_by_turns(s2s(tmp_path / "run", data / "train"), tok, 2)

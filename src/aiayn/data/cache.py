@@ -11,10 +11,11 @@ offsets, read with numpy memory maps):
     ids.npy             int64: the example's index in the stream, for audits
 
 The manifest holds the fingerprint of what the cache was built from (source files with their
-sizes and sha256, format, fields, the tokenizer's sha256), the counts of what was read and
-dropped and why, and each array's size and sha256. Opening checks all of it: a cache built
-from other data or another tokenizer is refused with the differing fields named, and a
-truncated or altered array is refused before training reads it.
+sizes and sha256, or their byte ranges' sha256 where ranks shared a file by range; format,
+fields, the tokenizer's sha256), the counts of what was read and dropped and why, and each
+array's size and sha256. Opening checks all of it: a cache built from other data or another
+tokenizer is refused with the differing fields named, and a truncated or altered array is
+refused before training reads it.
 
 Building one is data/cache_build.py's.
 """
@@ -185,10 +186,17 @@ def _file_diffs(saved: list[dict], now: list[dict]) -> list[str]:
     for old, new in zip(saved, now, strict=True):
         if old["bytes"] != new["bytes"]:
             diffs.append(f"{new['path']}: cache {old['bytes']} bytes, now {new['bytes']} bytes")
-        elif old["mtime_ns"] != new["mtime_ns"] and old["sha256"] != sha256_of(Path(new["path"])):
+        elif old["mtime_ns"] != new["mtime_ns"] and _content_changed(old, Path(new["path"])):
             # Only a changed modification time costs a hash: a copy or `touch` is not a change.
             diffs.append(f"{new['path']}: its content changed since the cache was built")
     return diffs
+
+
+def _content_changed(entry: dict, path: Path) -> bool:
+    """A file cut in byte ranges to build the cache has each range's sha256, not the file's."""
+    if entry.get("sha256_ranges"):
+        return any(sha256_of(path, a, b) != h for a, b, h in entry["sha256_ranges"])
+    return entry["sha256"] != sha256_of(path)
 
 
 def fingerprint(cfg: Config, split: str, tok: Tokenizer, hashes: bool = False) -> dict:

@@ -4,7 +4,9 @@ Building streams the source through `datasets` in chunks of _CHUNK records, toke
 pieces over a pool of threads (SentencePiece's encode releases the GIL, so one process uses
 every core it is given), each written as a part file, atomically. A source of at least as many
 shards (files) as ranks is split by shard: rank r reads, checks and tokenises shards r, r + W,
-..., 1/W of the corpus. Otherwise every rank reads the whole stream and tokenises chunks c with
+..., 1/W of the corpus. Plain line-aligned files, fewer than the ranks, are cut into byte
+ranges (data/line_ranges.py) and shared the same way. Otherwise (a gzip file, a single jsonl,
+tsv or parquet file) every rank reads the whole stream and tokenises chunks c with
 c mod W = r. Rank 0 then concatenates the parts in corpus order: the cache does not depend on
 the number of ranks. An interrupted build keeps its finished parts (and shards) in
 `<split>.partial/` and the next build reuses them if they were made from the same fingerprint.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import itertools
 import json
 import logging
@@ -22,6 +25,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +39,9 @@ from aiayn.data.cache import (
     fingerprint,
     open_cache,
 )
+from aiayn.data.line_ranges import LineFiles, Piece
 from aiayn.data.prefetch import prefetch
-from aiayn.data.sources import open_split
+from aiayn.data.sources import Source, open_split
 from aiayn.errors import AiaynError, DataError
 from aiayn.files import fsync_path, sha256_of, write_atomic
 from aiayn.tokenizer import Tokenizer
@@ -86,8 +91,23 @@ def ensure_cache(
         return opened[0]
     expected = fingerprint(cfg, split, tok)
     started = time.perf_counter()
-    _all_ok(sync, lambda: _start_build(cfg, split, tok, root, work, rebuild) if rank == 0 else None)
-    built = _all_ok(sync, lambda: _build_parts(cfg, split, tok, work, rank, world_size))
+    shares: list[_Share] = []
+    layouts = _all_ok(sync, lambda: _open_share(cfg, split, rank, world_size, shares))
+    if len(set(layouts)) > 1:  # the ranks would go different ways and wait for each other
+        raise DataError(
+            f"the ranks see different corpus files for {split} (rank 0 would read {layouts[0]}, "
+            f"rank {next(r for r, x in enumerate(layouts) if x != layouts[0])} "
+            f"{next(x for x in layouts if x != layouts[0])}): every rank must see the same "
+            "corpus: put it on storage all nodes share"
+        )
+    share = shares[0]
+    _all_ok(
+        sync,
+        lambda: _start_build(cfg, split, tok, root, work, rebuild, share) if rank == 0 else None,
+    )
+    if share.pieces:
+        share.scans = _gather_scans(_all_ok(sync, lambda: _scan_ranges(share, work)))
+    built = _all_ok(sync, lambda: _build_parts(cfg, tok, share, work))
     _all_ok(sync, lambda: _merge(work, root, built, expected, cfg) if rank == 0 else None)
     cache = open_cache(root, expected, verify=False)  # just written and hashed
     if rank == 0:
@@ -111,14 +131,15 @@ def _all_ok(sync: Sync, step: Callable[[], object]) -> list:
 
 
 def _start_build(
-    cfg: Config, split: str, tok: Tokenizer, root: Path, work: Path, rebuild: bool
+    cfg: Config, split: str, tok: Tokenizer, root: Path, work: Path, rebuild: bool, share: _Share
 ) -> None:
     """Invalidate the old cache (its manifest goes first) and make the work directory.
 
     The work directory is stamped with the corpus files' sizes and modification times: parts
     left by a build of other files or settings are not reused. The files' sha256 come later,
     each from the rank that reads the file (`_merge`), so that no rank reads the whole corpus
-    to hash it."""
+    to hash it. A second stamp says how the ranks share the reading: byte ranges depend on the
+    number of ranks, so the shards of a build at another world size are not reused."""
     if rebuild and (root / MANIFEST).exists():
         log.info("rebuilding the token cache %s", root)
         (root / MANIFEST).unlink()
@@ -129,6 +150,10 @@ def _start_build(
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "build.json").is_file():
         write_atomic(work / "build.json", stamp.encode())
+    if _read_text(work / "layout.json") != share.layout:
+        for path in work.glob("shard_*"):
+            path.unlink()
+        write_atomic(work / "layout.json", share.layout.encode())
 
 
 def _read_text(path: Path) -> str | None:
@@ -138,19 +163,72 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def _build_parts(
-    cfg: Config, split: str, tok: Tokenizer, work: Path, rank: int, world_size: int
-) -> dict:
+@dataclass
+class _Share:
+    """How the ranks share reading a source: by shard (its files, or a Hub repository's), by
+    byte range (fewer plain line-aligned files than ranks), or not at all (every rank reads
+    the whole stream and tokenises chunks c mod W: a gzip file, one jsonl file)."""
+
+    source: Source
+    rank: int
+    world_size: int
+    shards: int = 0
+    lines: LineFiles | None = None
+    pieces: list[Piece] = field(default_factory=list)
+    scans: list[dict] = field(default_factory=list)
+
+    @property
+    def layout(self) -> str:
+        if self.pieces:
+            return json.dumps({"ranges": [[p.group, p.index, p.of] for p in self.pieces]})
+        return json.dumps({"shards": self.shards} if self.shards else {"chunks": _CHUNK})
+
+    def mine(self, n: int) -> range:
+        return range(self.rank, n, self.world_size)
+
+
+def _open_share(cfg: Config, split: str, rank: int, world_size: int, out: list) -> str:
+    """Open the source without checking it whole and decide how the ranks share it."""
+    source = open_split(cfg.data, getattr(cfg.data, split), cfg.model.kind, check=False)
+    share = _Share(source, rank, world_size)
+    if world_size > 1:
+        n_shards = source.dataset().num_shards
+        lines = LineFiles.of(source, cfg.data.format, cfg.data.on_invalid_utf8 == "error")
+        if n_shards >= world_size:
+            share.shards = n_shards
+        elif lines is not None:
+            share.lines, share.pieces = lines, lines.pieces(world_size)
+    out.append(share)
+    # What the ranks compare: a digest, not the layout (W ranges each, gathered on W ranks).
+    digest = hashlib.sha256(share.layout.encode()).hexdigest()[:12]
+    if share.pieces:
+        return f"{len(share.lines.groups)} file(s) in {len(share.pieces)} byte ranges, {digest}"
+    return f"{share.shards} shards, {digest}" if share.shards else f"the whole stream, {digest}"
+
+
+def _scan_ranges(share: _Share, work: Path) -> dict[int, dict]:
+    """Count the lines of this rank's byte ranges and hash them (a finished piece's note
+    already holds its scan)."""
+    scans = {}
+    for s in share.mine(len(share.pieces)):
+        note = json.loads(_read_text(work / _shard_name(s)) or "null")
+        scans[s] = note["scan"] if note else share.lines.scan(share.pieces[s])
+    return scans
+
+
+def _gather_scans(per_rank: list[dict[int, dict]]) -> list[dict]:
+    merged = {s: scan for scans in per_rank for s, scan in scans.items()}
+    return [merged[s] for s in range(len(merged))]
+
+
+def _build_parts(cfg: Config, tok: Tokenizer, share: _Share, work: Path) -> dict:
     """Tokenise this rank's share into part files; return what the merge needs.
 
-    A source of at least as many shards (files) as ranks is split by shard: each rank opens,
-    checks and reads only its shards, 1/W of the corpus. Otherwise every rank reads the whole
-    stream and tokenises its chunks (c mod W). Either way the merge concatenates the same
-    records in corpus order: the cache is the same for any W.
-    """
-    kind = cfg.model.kind
-    source = open_split(cfg.data, getattr(cfg.data, split), kind, check=False)
-    n_shards = source.dataset().num_shards
+    Split by shard or by byte range, each rank checks and reads only its pieces, 1/W of the
+    corpus. Otherwise every rank reads the whole stream and tokenises its chunks (c mod W).
+    Either way the merge concatenates the same records in corpus order: the cache is the same
+    for any W."""
+    kind, source = cfg.model.kind, share.source
     dtype = np.uint16 if tok.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
     threads = _threads_per_rank()
     encoders = ThreadPoolExecutor(threads, thread_name_prefix="aiayn-encode")
@@ -159,11 +237,16 @@ def _build_parts(
         return _tokenize_chunk(records, before, kind, tok, dtype, encoders, threads)
 
     with _no_cyclic_gc(), encoders:
-        if world_size > 1 and n_shards >= world_size:
-            return _build_shards(source, n_shards, tokenize, work, rank, world_size)
+        if share.pieces:
+            share.lines.check_aligned(share.pieces, share.scans)
+            return _build_shards(share, len(share.pieces), _read_range, tokenize, work)
+        if share.shards:
+            return _build_shards(share, share.shards, _read_shard, tokenize, work)
         source.check()  # whole: every rank reads it all
         n_chunks, read = 0, 0
-        for c, before, records, size in prefetch(_my_chunks(source, rank, world_size, work)):
+        for c, before, records, size in prefetch(
+            _my_chunks(source, share.rank, share.world_size, work)
+        ):
             n_chunks, read = c + 1, read + size
             if records is None:  # another rank's chunk, or one a previous build finished
                 continue
@@ -171,24 +254,47 @@ def _build_parts(
     return {"chunks": n_chunks, "invalid_utf8": source.invalid_utf8, "read": read}
 
 
-def _build_shards(source, n_shards: int, tokenize, work: Path, rank: int, world_size: int) -> dict:
+Reader = Callable[["_Share", int], tuple[Iterator[dict], Callable[[], dict]]]
+"""A shard's records, and what its note records once they are read."""
+
+
+def _read_shard(share: _Share, s: int) -> tuple[Iterator[dict], Callable[[], dict]]:
+    """Shard s of a source of shards: checked (alignment, UTF-8) and hashed first."""
+    skipped = share.source.check_shard(s)
+    hashes = _shard_hashes(share.source, share.shards, s)
+    records = share.source.records(share.source.shard(share.shards, s))
+    return records, lambda: {"invalid_utf8": skipped, "sha256": hashes}
+
+
+def _read_range(share: _Share, s: int) -> tuple[Iterator[dict], Callable[[], dict]]:
+    """Piece s of a source cut by byte range: checked (UTF-8) as it is read, hashed by its
+    scan."""
+    skipped = [0]
+    records = share.lines.records(s, share.pieces, share.scans, skipped)
+    scan = share.scans[s]
+    return records, lambda: {
+        "invalid_utf8": skipped[0],
+        "sha256_ranges": scan["sha256"],
+        "scan": scan,
+    }
+
+
+def _build_shards(share: _Share, n: int, reader: Reader, tokenize, work: Path) -> dict:
     """This rank's shards (s mod W), each in chunks of local ids, then a note of its size."""
     read = 0
-    for s in range(rank, n_shards, world_size):
+    for s in share.mine(n):
         done = work / _shard_name(s)
         if _read_text(done) is not None:  # a previous build finished it
             continue
-        skipped = source.check_shard(s)
-        hashes = _shard_hashes(source, n_shards, s)
-        n_chunks, records = 0, 0
-        for k, before, block, _ in prefetch(_shard_chunks(source, n_shards, s)):
+        records, finish = reader(share, s)
+        n_chunks, count = 0, 0
+        for k, before, block, _ in prefetch(_chunks(records)):
             _write_part(work / _shard_part_name(s, k), tokenize(block, before))
-            n_chunks, records = k + 1, before + len(block)
-        note = {"chunks": n_chunks, "records": records, "invalid_utf8": skipped}
-        note["sha256"] = hashes
+            n_chunks, count = k + 1, before + len(block)
+        note = {"chunks": n_chunks, "records": count, **finish()}
         write_atomic(done, json.dumps(note).encode())  # last: marks the shard done
-        read += records
-    return {"shards": n_shards, "read": read}
+        read += count
+    return {"shards": n, "read": read}
 
 
 def _shard_hashes(source, n_shards: int, s: int) -> dict[str, str]:
@@ -198,9 +304,8 @@ def _shard_hashes(source, n_shards: int, s: int) -> dict[str, str]:
     return {str(Path(f).resolve()): sha256_of(Path(f)) for f in source.shard_files[s]}
 
 
-def _shard_chunks(source, n_shards: int, s: int) -> Iterator:
-    """(chunk index, records of the shard before it, normalised records, size) of shard s."""
-    records = source.records(source.shard(n_shards, s))
+def _chunks(records: Iterator[dict]) -> Iterator:
+    """(chunk index, records before it, normalised records, size) of one shard's records."""
     for k in itertools.count():
         block = list(itertools.islice(records, _CHUNK))
         if not block:
@@ -324,7 +429,7 @@ def _write_part(path: Path, arrays: dict[str, np.ndarray]) -> None:
 
 def _merge(work: Path, root: Path, built: list[dict], expected: dict, cfg: Config) -> None:
     """Concatenate the parts in corpus order into the cache's arrays, then write its manifest."""
-    parts, offsets, invalid_utf8, hashes = _parts_in_order(work, built)
+    parts, offsets, invalid_utf8, hashes, ranges = _parts_in_order(work, built)
     if not parts:
         raise DataError(f"corpus {expected['split']} holds no records; check the data section")
     missing = [p.name for p in parts if not p.is_file()]
@@ -388,7 +493,7 @@ def _merge(work: Path, root: Path, built: list[dict], expected: dict, cfg: Confi
             counts[f"{side}_tokens"] = sizes[f"{side}_tokens"]
     manifest = {
         "version": CACHE_VERSION,
-        "fingerprint": _with_hashes(json.loads((work / "build.json").read_text()), hashes),
+        "fingerprint": _with_hashes(json.loads((work / "build.json").read_text()), hashes, ranges),
         "filters": {
             "empty": "an lm keeps its empty lines"
             if cfg.model.kind == "lm"
@@ -403,13 +508,14 @@ def _merge(work: Path, root: Path, built: list[dict], expected: dict, cfg: Confi
     shutil.rmtree(work)
 
 
-def _parts_in_order(work: Path, built: list[dict]) -> tuple[list[Path], list[int], int, dict]:
+def _parts_in_order(work: Path, built: list[dict]) -> tuple[list[Path], list[int], int, dict, dict]:
     """The part files in corpus order, the record index each one's ids count from, the lines
-    skipped as not UTF-8, and the source files' sha256 that the shards' readers took."""
+    skipped as not UTF-8, and the source files' sha256 that the shards' readers took: whole
+    files', and byte ranges' ([start, end, sha256] by file) where files were cut."""
     if "shards" not in built[0]:  # chunks of the whole stream, ids already global
         parts = [work / _part_name(c) for c in range(built[0]["chunks"])]
-        return parts, [0] * len(parts), built[0]["invalid_utf8"], {}
-    parts, offsets, start, invalid, hashes = [], [], 0, 0, {}
+        return parts, [0] * len(parts), built[0]["invalid_utf8"], {}, {}
+    parts, offsets, start, invalid, hashes, ranges = [], [], 0, 0, {}, {}
     for s in range(built[0]["shards"]):
         note = json.loads(_read_text(work / _shard_name(s)) or "null")
         if note is None:
@@ -418,15 +524,21 @@ def _parts_in_order(work: Path, built: list[dict]) -> tuple[list[Path], list[int
         offsets += [start] * note["chunks"]
         start += note["records"]
         invalid += note["invalid_utf8"]
-        hashes.update(note["sha256"])
-    return parts, offsets, invalid, hashes
+        hashes.update(note.get("sha256", {}))
+        for path, piece in note.get("sha256_ranges", {}).items():
+            ranges.setdefault(path, []).append(piece)
+    return parts, offsets, invalid, hashes, ranges
 
 
-def _with_hashes(stamp: dict, hashes: dict[str, str]) -> dict:
+def _with_hashes(stamp: dict, hashes: dict[str, str], ranges: dict[str, list]) -> dict:
     """The build's fingerprint with each source file's sha256: from its shard's reader, or
-    hashed here (a build that read the whole stream, where every rank read every file)."""
+    its ranges' from theirs where it was cut (sha256 None), or hashed here (a build that read
+    the whole stream, where every rank read every file)."""
     for entry in stamp.get("files") or []:
-        entry["sha256"] = hashes.get(entry["path"]) or sha256_of(Path(entry["path"]))
+        if entry["path"] in ranges:
+            entry["sha256"], entry["sha256_ranges"] = None, ranges[entry["path"]]
+        else:
+            entry["sha256"] = hashes.get(entry["path"]) or sha256_of(Path(entry["path"]))
     return stamp
 
 

@@ -271,7 +271,7 @@ def _check_lines(
         bad = sorted({line for _, lines in scans for line in lines})
         if bad and on_invalid_utf8 == "error":
             path = next(p for p, (_, lines) in zip(group, scans, strict=True) if bad[0] in lines)
-            raise _utf8_error(path, bad[0])
+            raise utf8_error(path, bad[0])
         skipped += len(bad)
         usable += scans[0][0] - len(bad)
     if usable == 0 and require_usable:
@@ -285,25 +285,27 @@ def _check_lines(
 def _parallel_examples(pairs: list[list[str]], strict: bool) -> Iterator[dict]:
     # `pairs` is a list, so datasets treats each (src, tgt) file pair as one shard.
     for src_path, tgt_path in pairs:
-        with _open_bytes(src_path) as fs, _open_bytes(tgt_path) as ft:
+        with open_bytes(src_path) as fs, open_bytes(tgt_path) as ft:
             # Line counts were compared when the source was opened.
             for lineno, (bs, bt) in enumerate(zip(fs, ft, strict=False), start=1):
-                src = _decode(bs, src_path, lineno, strict)
-                tgt = _decode(bt, tgt_path, lineno, strict) if src is not None else None
+                src = decode_line(bs, src_path, lineno, strict)
+                tgt = decode_line(bt, tgt_path, lineno, strict) if src is not None else None
                 if tgt is not None:
                     yield {"src": src, "tgt": tgt}
 
 
 def _text_examples(files: list[str], strict: bool) -> Iterator[dict]:
     for path in files:
-        with _open_bytes(path) as fh:
+        with open_bytes(path) as fh:
             for lineno, line in enumerate(fh, start=1):
-                text = _decode(line, path, lineno, strict, strip=False)
+                text = decode_line(line, path, lineno, strict, strip=False)
                 if text is not None:
                     yield {"text": text}
 
 
-def _decode(line: bytes, path: str, lineno: int, strict: bool, strip: bool = True) -> str | None:
+def decode_line(
+    line: bytes, path: str, lineno: int, strict: bool, strip: bool = True
+) -> str | None:
     """The line as text, or None when it is not UTF-8 and such lines are skipped. strip=False
     keeps its spaces (an lm's text is scored character for character) and drops only the line
     break."""
@@ -312,7 +314,7 @@ def _decode(line: bytes, path: str, lineno: int, strict: bool, strip: bool = Tru
         return text.strip() if strip else text.rstrip("\r\n")
     except UnicodeDecodeError:
         if strict:
-            raise _utf8_error(path, lineno) from None
+            raise utf8_error(path, lineno) from None
         return None
 
 
@@ -362,7 +364,7 @@ def _expand(spec: str) -> list[str]:
     return files
 
 
-def _open_bytes(path: str):
+def open_bytes(path: str):
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
@@ -373,7 +375,7 @@ def _scan(path: str) -> tuple[int, list[int]]:
     block that fails is split into lines to find the culprits.
     """
     n, bad, carry = 0, [], b""
-    with _open_bytes(path) as fh:
+    with open_bytes(path) as fh:
         while True:
             block = fh.read(_SCAN_BLOCK)
             data = carry + block
@@ -396,7 +398,7 @@ def _utf8(line: bytes) -> bool:
         return False
 
 
-def _utf8_error(path: str, lineno: int) -> DataError:
+def utf8_error(path: str, lineno: int) -> DataError:
     return DataError(
         f"{path} line {lineno} is not valid UTF-8; fix or remove that line, or set "
         "data.on_invalid_utf8=skip to skip such lines (they are counted)"
