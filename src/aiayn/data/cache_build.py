@@ -198,6 +198,16 @@ def _open_share(cfg: Config, split: str, rank: int, world_size: int, out: list) 
             share.shards = n_shards
         elif lines is not None:
             share.lines, share.pieces = lines, lines.pieces(world_size)
+        elif rank == 0:
+            log.warning(
+                "%s: %d file(s) for %d ranks, and they cannot be cut (gzip, or not line-aligned "
+                "text): every rank reads all of it to build the token cache. Cut the corpus into "
+                "at least %d files to share the reading (docs/data.md)",
+                source.name,
+                n_shards,
+                world_size,
+                world_size,
+            )
     out.append(share)
     # What the ranks compare: a digest, not the layout (W ranges each, gathered on W ranks).
     digest = hashlib.sha256(share.layout.encode()).hexdigest()[:12]
