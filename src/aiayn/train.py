@@ -93,16 +93,42 @@ def prepare_data(
                 env.world_size,
             )
         return tok, None
+    if cfg.data.cache_scope == "shared":
+        cache = ensure_cache(
+            cfg,
+            "train",
+            tok,
+            rank=env.rank,
+            world_size=env.world_size,
+            sync=env.gather,
+            rebuild=rebuild,
+        )
+        return tok, cache
+    # Each node's copy, built by the node's ranks together and verified by its first.
     cache = ensure_cache(
         cfg,
         "train",
         tok,
-        rank=env.rank,
-        world_size=env.world_size,
-        sync=env.gather,
+        rank=env.local_rank,
+        world_size=env.local_world_size,
+        sync=env.node_gather,
         rebuild=rebuild,
     )
+    _same_tokens_on_every_node(env, cache)
     return tok, cache
+
+
+def _same_tokens_on_every_node(env: DistEnv, cache: TokenCache) -> None:
+    """Every node trains on what rank 0's copy holds: one broadcast, one sum."""
+    ours = env.broadcast(cache.digest)
+    differ = env.sum([float(cache.digest != ours)])[0]
+    if differ:
+        raise DataError(
+            f"data.cache_scope=node: {int(differ)} rank(s) hold a token cache in {cache.root} "
+            "with other tokens than rank 0's copy: the nodes built theirs from different "
+            "corpus files or settings. Remove the copies (aiayn data prepare --force on each "
+            "node rebuilds them) and give every node the same corpus"
+        )
 
 
 @dataclass

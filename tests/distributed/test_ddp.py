@@ -90,9 +90,13 @@ def test_compiled_layers_under_ddp_follow_the_eager_ranks(setup, ddp_run):
 
 
 def test_two_nodes_on_localhost_with_c10d_rendezvous(setup, ddp_run):
+    """Two nodes, each with its own disk for the token cache (data.cache_scope=node, the
+    directory named by a variable each node sets, as $SLURM_TMPDIR is): each node builds its
+    copy, the copies hold the same tokens, and training equals the one-node run."""
     root, config = setup
     run_dir = root / "nodes2"
     endpoint = f"127.0.0.1:{free_port()}"
+    disks = [root / f"node{rank}_disk" for rank in (0, 1)]
     nodes = [
         subprocess.Popen(
             [
@@ -105,18 +109,27 @@ def test_two_nodes_on_localhost_with_c10d_rendezvous(setup, ddp_run):
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={endpoint}",
                 "--rdzv-id=aiayn-test",
-                *aiayn(config, run_dir),
+                *aiayn(
+                    config,
+                    run_dir,
+                    "data.cache_scope=node",
+                    "data.cache_dir=${AIAYN_NODE_DISK}/cache",
+                ),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=ENV,
+            env={**ENV, "AIAYN_NODE_DISK": str(disks[rank])},
         )
         for rank in (0, 1)
     ]
     for node in nodes:
         out, _ = node.communicate(timeout=300)
         assert node.returncode == 0, out[-3000:]
+    copies = [
+        {p.name: p.read_bytes() for p in (disk / "cache" / "train").glob("*.npy")} for disk in disks
+    ]
+    assert len(copies[0]) >= 5 and copies[0] == copies[1]
     assert_close(final_weights(run_dir), final_weights(ddp_run), atol=1e-6)
 
 

@@ -514,3 +514,33 @@ def test_a_cut_pair_of_unequal_line_counts_is_refused_naming_both(tmp_path, corp
     (data / "train.de").write_bytes(b"".join((corpus / "train.de").open("rb").readlines()[:-3]))
     with pytest.raises(DataError, match=r"not line-aligned: .*train.en has 300 lines but "):
         _build_by_turns(s2s(tmp_path / "run", data / "train"), tok, 2)
+
+
+def test_a_node_local_cache_dir_names_its_variable_and_nodes_must_agree(
+    tmp_path, corpus, tok, monkeypatch
+):
+    """data.cache_dir expands this node's variables (an unset one is named); cache_scope=node
+    needs a cache_dir; a node whose copy holds other tokens than rank 0's stops every rank."""
+    from aiayn.config import load_config
+    from aiayn.errors import ConfigError
+    from aiayn.train import _same_tokens_on_every_node
+
+    monkeypatch.setenv("NODE_DISK", str(tmp_path / "disk"))
+    cfg = s2s(tmp_path / "run", corpus / "train", cache_dir="$NODE_DISK/cache")
+    assert cache_dir(cfg, "train") == tmp_path / "disk" / "cache" / "train"
+    monkeypatch.delenv("NODE_DISK")
+    with pytest.raises(DataError, match=r"cache_dir \$NODE_DISK/cache names an environment"):
+        cache_dir(cfg, "train")
+    with pytest.raises(ConfigError, match="cache_scope=node keeps a copy .* set data.cache_dir"):
+        load_config(None, ["data.train=x", "data.cache_scope=node"])
+
+    class TwoNodes:  # rank 1 of 2, on the node whose copy differs
+        def broadcast(self, obj):
+            return "rank 0's digest"
+
+        def sum(self, values):
+            return [values[0] + 0.0]  # rank 0 agreed with itself
+
+    cache = ensure_cache(s2s(tmp_path / "one", corpus / "train"), "train", tok)
+    with pytest.raises(DataError, match=r"1 rank\(s\) hold a token cache .* other tokens"):
+        _same_tokens_on_every_node(TwoNodes(), cache)

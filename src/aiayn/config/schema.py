@@ -152,7 +152,13 @@ class DataConfig(Section):
     separated words, plus one per line for its end)."""
     cache_dir: str | None = None
     """Where token caches live, one folder per split; default <run_dir>/data_cache. Point runs
-    on the same data and tokenizer at one directory to tokenise once for all of them."""
+    on the same data and tokenizer at one directory to tokenise once for all of them.
+    Environment variables are expanded on each node ($SLURM_TMPDIR/aiayn_cache)."""
+    cache_scope: Literal["shared", "node"] = "shared"
+    """shared: cache_dir is storage every node sees; the ranks build the cache together and rank
+    0 alone verifies it. node: cache_dir is each node's own disk; each node builds (its ranks
+    sharing the reading) or opens its own copy, its first rank verifies it, and every node's
+    copy must hold the same tokens as rank 0's."""
     pad_to_multiple: int | None = bounded(None, low=1)
     """A batch's source and target widths are rounded up to a multiple of this (never past
     max_len + 1), and the token budget counts the rounding. Fewer distinct shapes mean fewer
@@ -166,6 +172,11 @@ class DataConfig(Section):
             errs.append("data.train is required (a file prefix, path, or hub split name)")
         if self.format == "hub" and not self.hub_name:
             errs.append("data.hub_name is required when data.format is hub")
+        if self.cache_scope == "node" and not self.cache_dir:
+            errs.append(
+                "data.cache_scope=node keeps a copy of the token cache on each node's own disk: "
+                "set data.cache_dir to a directory there (e.g. $SLURM_TMPDIR/aiayn_cache)"
+            )
         if self.lm_order == "stream" and not self.cache:
             errs.append(
                 "data.lm_order=stream plans the whole text's blocks and needs the token cache: "

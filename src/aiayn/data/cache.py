@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,9 +44,17 @@ MANIFEST = "manifest.json"
 
 
 def cache_dir(cfg: Config, split: str) -> Path:
-    """Where the cache of `split` (train, valid or test) lives."""
-    root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.run_dir) / "data_cache"
-    return root / split
+    """Where the cache of `split` (train, valid or test) lives. Environment variables in
+    data.cache_dir are this node's: a node-local disk is often named by one ($SLURM_TMPDIR)."""
+    if not cfg.data.cache_dir:
+        return Path(cfg.run_dir) / "data_cache" / split
+    root = os.path.expandvars(cfg.data.cache_dir)
+    if "$" in root:
+        raise DataError(
+            f"data.cache_dir {cfg.data.cache_dir} names an environment variable that is not set "
+            f"here ({root}): set it on every node, or give a path"
+        )
+    return Path(root).expanduser() / split
 
 
 def prepare_command(cfg_path: str = "FILE") -> str:

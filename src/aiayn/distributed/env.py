@@ -55,6 +55,38 @@ class DistEnv:
             return None
         return dist.new_group(backend="gloo")
 
+    @property
+    def local_world_size(self) -> int:
+        """The ranks on this node (torchrun's LOCAL_WORLD_SIZE; all of them without it)."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", self.rank))
+
+    @functools.cached_property
+    def node_group(self) -> dist.ProcessGroup | None:
+        """A gloo group of this node's ranks, made on first use (a collective: every rank of
+        every node reaches it). torchrun numbers a node's ranks together: node n holds ranks
+        n * L ... n * L + L - 1, for L ranks on every node."""
+        local = self.local_world_size
+        if self.world_size % local or self.rank != (self.rank // local) * local + self.local_rank:
+            raise ConfigError(
+                f"rank {self.rank}: LOCAL_RANK={self.local_rank}, LOCAL_WORLD_SIZE={local} of "
+                f"WORLD_SIZE={self.world_size} is not torchrun's numbering of equal nodes, which "
+                "data.cache_scope=node needs: start every node with the same --nproc_per_node"
+            )
+        group, _ = dist.new_subgroups(group_size=local, backend="gloo")
+        return group
+
+    def node_gather(self, obj) -> list:
+        """Every rank's `obj` of this node, in local rank order, on this node's ranks."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.local_world_size
+        dist.all_gather_object(out, obj, group=self.node_group)
+        return out
+
     def gather(self, obj) -> list:
         """Every rank's `obj`, in rank order, on every rank."""
         if not self.distributed:
