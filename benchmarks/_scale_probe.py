@@ -32,14 +32,15 @@ counts = {"corpus_bytes": 0, "corpus_opens": 0}
 class _Counted:
     """A binary file whose reads are counted (line iteration and read())."""
 
-    def __init__(self, fh):
-        self._fh = fh
+    def __init__(self, opened):
+        self._opened = opened  # a file, or a context manager giving one (a hashing read)
 
     def __enter__(self):
+        self._fh = self._opened.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self._fh.close()
+        return self._opened.__exit__(*exc)
 
     def __iter__(self):
         for line in self._fh:
@@ -63,9 +64,9 @@ class _Counted:
 open_bytes = sources.open_bytes
 
 
-def _counting_open(path: str):
+def _counting_open(path: str, digest=None):
     counts["corpus_opens"] += 1
-    return _Counted(open_bytes(path))
+    return _Counted(open_bytes(path, digest))
 
 
 def _report(out: Path, started: float) -> None:

@@ -431,13 +431,15 @@ def _train_step(run: Run, micro: list, window: Window, n_tokens: int) -> torch.T
 
 
 def _log_checksums(env: DistEnv) -> None:
-    """What verifying the checkpoint and the token cache read at this start, summed over the
-    ranks: about one checkpoint and one cache, however many ranks (one verifies for all)."""
+    """What checksums read at this start, summed over the ranks: verifying the checkpoint and
+    the token cache, about one of each however many ranks (one verifies for all); at a first
+    start also the corpus a cache build read, each file or range hashed by the rank that read
+    it, and the arrays rank 0 wrote."""
     hashed = bytes_hashed()
     total, ranks = env.sum([float(hashed), float(hashed > 0)])
     if total:
         log.info(
-            "checksums verified at start: %s bytes read by %d of %d rank(s)",
+            "checksums at start: %s bytes hashed by %d of %d rank(s)",
             f"{int(total):,}",
             ranks,
             env.world_size,

@@ -544,3 +544,32 @@ def test_a_node_local_cache_dir_names_its_variable_and_nodes_must_agree(
     cache = ensure_cache(s2s(tmp_path / "one", corpus / "train"), "train", tok)
     with pytest.raises(DataError, match=r"1 rank\(s\) hold a token cache .* other tokens"):
         _same_tokens_on_every_node(TwoNodes(), cache)
+
+
+def test_the_check_hashes_each_file_in_the_read_that_checks_it(
+    tmp_path, corpus, tok, monkeypatch
+):
+    """One read per file for the check and the fingerprint's sha256, compressed files
+    included: the sha256 is the file's own (a touched file is then compared with it)."""
+    import gzip
+
+    from aiayn.data import cache_build
+    from aiayn.files import sha256_of
+
+    def arrays_only(path, *args):
+        assert "data" not in Path(path).parts, f"{path} read again to hash it"
+        return sha256_of(path, *args)
+
+    monkeypatch.setattr(cache_build, "sha256_of", arrays_only)
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.en.gz").write_bytes(gzip.compress((corpus / "train.en").read_bytes()))
+    (data / "train.de").write_bytes((corpus / "train.de").read_bytes())
+    cfg = s2s(tmp_path / "run", data / "train")
+    cache = ensure_cache(cfg, "train", tok)
+    entries = cache.manifest["fingerprint"]["files"]
+    assert [e["sha256"] for e in entries] == [
+        sha256_of(data / "train.en.gz"),
+        sha256_of(data / "train.de"),
+    ]

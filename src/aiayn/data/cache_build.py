@@ -252,7 +252,9 @@ def _build_parts(cfg: Config, tok: Tokenizer, share: _Share, work: Path) -> dict
             return _build_shards(share, len(share.pieces), _read_range, tokenize, work)
         if share.shards:
             return _build_shards(share, share.shards, _read_shard, tokenize, work)
-        source.check()  # whole: every rank reads it all
+        hashes: dict[str, str] = {}
+        # Whole: every rank reads it all; rank 0 hashes it as it reads (the merge's hashes).
+        source.check(hashes if share.rank == 0 else None)
         n_chunks, read = 0, 0
         for c, before, records, size in prefetch(
             _my_chunks(source, share.rank, share.world_size, work)
@@ -261,7 +263,7 @@ def _build_parts(cfg: Config, tok: Tokenizer, share: _Share, work: Path) -> dict
             if records is None:  # another rank's chunk, or one a previous build finished
                 continue
             _write_part(work / _part_name(c), tokenize(records, before))
-    return {"chunks": n_chunks, "invalid_utf8": source.invalid_utf8, "read": read}
+    return {"chunks": n_chunks, "invalid_utf8": source.invalid_utf8, "read": read, "sha256": hashes}
 
 
 Reader = Callable[["_Share", int], tuple[Iterator[dict], Callable[[], dict]]]
@@ -269,9 +271,11 @@ Reader = Callable[["_Share", int], tuple[Iterator[dict], Callable[[], dict]]]
 
 
 def _read_shard(share: _Share, s: int) -> tuple[Iterator[dict], Callable[[], dict]]:
-    """Shard s of a source of shards: checked (alignment, UTF-8) and hashed first."""
-    skipped = share.source.check_shard(s)
-    hashes = _shard_hashes(share.source, share.shards, s)
+    """Shard s of a source of shards: checked (alignment, UTF-8) and hashed first, in one read
+    of line-aligned files."""
+    hashes: dict[str, str] = {}
+    skipped = share.source.check_shard(s, hashes)
+    hashes = hashes or _shard_hashes(share.source, share.shards, s)
     records = share.source.records(share.source.shard(share.shards, s))
     return records, lambda: {"invalid_utf8": skipped, "sha256": hashes}
 
@@ -524,7 +528,7 @@ def _parts_in_order(work: Path, built: list[dict]) -> tuple[list[Path], list[int
     files', and byte ranges' ([start, end, sha256] by file) where files were cut."""
     if "shards" not in built[0]:  # chunks of the whole stream, ids already global
         parts = [work / _part_name(c) for c in range(built[0]["chunks"])]
-        return parts, [0] * len(parts), built[0]["invalid_utf8"], {}, {}
+        return parts, [0] * len(parts), built[0]["invalid_utf8"], built[0]["sha256"], {}
     parts, offsets, start, invalid, hashes, ranges = [], [], 0, 0, {}, {}
     for s in range(built[0]["shards"]):
         note = json.loads(_read_text(work / _shard_name(s)) or "null")
@@ -541,9 +545,10 @@ def _parts_in_order(work: Path, built: list[dict]) -> tuple[list[Path], list[int
 
 
 def _with_hashes(stamp: dict, hashes: dict[str, str], ranges: dict[str, list]) -> dict:
-    """The build's fingerprint with each source file's sha256: from its shard's reader, or
-    its ranges' from theirs where it was cut (sha256 None), or hashed here (a build that read
-    the whole stream, where every rank read every file)."""
+    """The build's fingerprint with each source file's sha256: taken by the rank that checked
+    the file (its shard's reader, or rank 0 where every rank read the whole stream), or its
+    ranges' where it was cut (sha256 None), or hashed here (a tsv, jsonl or parquet file,
+    which has no line check to take it in)."""
     for entry in stamp.get("files") or []:
         if entry["path"] in ranges:
             entry["sha256"], entry["sha256_ranges"] = None, ranges[entry["path"]]

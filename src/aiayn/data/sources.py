@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import hashlib
 import logging
 import random
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from aiayn.config import DataConfig
 from aiayn.errors import DataError
+from aiayn.files import count_hashed
 
 if TYPE_CHECKING:
     from datasets import IterableDataset
@@ -41,7 +43,7 @@ class Source:
         make: Callable[[], IterableDataset],
         normalize: Callable[[dict], dict],
         invalid_utf8: int = 0,
-        check_lines: Callable[[list[int] | None], int] | None = None,
+        check_lines: Callable[[list[int] | None, dict | None], int] | None = None,
         shard_files: list[list[str]] | None = None,
     ):
         self.name = name
@@ -59,16 +61,18 @@ class Source:
         order), for a rank that reads only its share."""
         return self._make().shard(num_shards, index, contiguous=True)
 
-    def check(self) -> None:
+    def check(self, hashes: dict[str, str] | None = None) -> None:
         """Read every line-aligned file through (alignment, UTF-8, some usable line) and count
-        the lines that will be skipped; open_split does it unless told check=False."""
+        the lines that will be skipped; open_split does it unless told check=False. `hashes`
+        gets each file's sha256 by resolved path, taken in the same read."""
         if self._check_lines:
-            self.invalid_utf8 = self._check_lines(None)
+            self.invalid_utf8 = self._check_lines(None, hashes)
 
-    def check_shard(self, index: int) -> int:
+    def check_shard(self, index: int, hashes: dict[str, str] | None = None) -> int:
         """For a source opened with check=False: check the line-aligned files of one shard as
-        the whole check would (alignment, UTF-8) and return its lines that will be skipped."""
-        return self._check_lines([index]) if self._check_lines else 0
+        the whole check would (alignment, UTF-8) and return its lines that will be skipped;
+        `hashes` as for check."""
+        return self._check_lines([index], hashes) if self._check_lines else 0
 
     def dataset(self, state: dict | None = None) -> IterableDataset:
         # A new object each time: IterableDataset keeps a loaded state for every later pass.
@@ -236,9 +240,10 @@ def _line_source(cfg: DataConfig, split: str, make, groups: list, check: bool) -
     """A source of line-aligned files; each group (a file pair, or a file) is one shard of the
     generator's stream, in order (datasets shards a list argument by its items)."""
 
-    def check_lines(shards: list[int] | None) -> int:  # None: all, and some line must be usable
+    def check_lines(shards: list[int] | None, hashes: dict | None) -> int:  # None: all
         chosen = groups if shards is None else [groups[i] for i in shards]
-        return _check_lines(chosen, split, cfg.on_invalid_utf8, require_usable=shards is None)
+        # The whole source must hold some usable line; one shard may hold none.
+        return _check_lines(chosen, split, cfg.on_invalid_utf8, shards is None, hashes)
 
     source = Source(
         split, make, normalize=lambda rec: rec, check_lines=check_lines, shard_files=groups
@@ -255,13 +260,23 @@ def _from_generator(generator: Callable, kwargs: dict) -> IterableDataset:
 
 
 def _check_lines(
-    groups: list, split: str, on_invalid_utf8: str, require_usable: bool = True
+    groups: list,
+    split: str,
+    on_invalid_utf8: str,
+    require_usable: bool = True,
+    hashes: dict[str, str] | None = None,
 ) -> int:
     """Check groups of line-aligned files (a pair, or one file) before training reads them:
-    equal line counts, some usable line, UTF-8. Returns the lines (pairs) that will be skipped."""
+    equal line counts, some usable line, UTF-8. Returns the lines (pairs) that will be skipped.
+    `hashes` gets each file's sha256 (of its own bytes, compressed or not), from the same read."""
     skipped = usable = 0
     for group in groups:
-        scans = [_scan(path) for path in group]
+        scans = []
+        for path in group:
+            digest = None if hashes is None else hashlib.sha256()
+            scans.append(_scan(path, digest))
+            if digest is not None:
+                hashes[str(Path(path).resolve())] = digest.hexdigest()
         if len({n for n, _ in scans}) > 1:
             (a, (na, _)), (b, (nb, _)) = zip(group, scans, strict=True)
             raise DataError(
@@ -364,18 +379,49 @@ def _expand(spec: str) -> list[str]:
     return files
 
 
-def open_bytes(path: str):
+def open_bytes(path: str, digest=None):
+    """A corpus file's lines as bytes (decompressed, for .gz). With a hashlib `digest`, the
+    file's own bytes are hashed as they are read, and to its end."""
+    if digest is not None:
+        return _hashing_open(path, digest)
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
-def _scan(path: str) -> tuple[int, list[int]]:
-    """Line count of a file and the 1-based numbers of its lines that are not UTF-8.
+class _Hashed:
+    """A binary file whose bytes are hashed as they are read."""
+
+    def __init__(self, fh, digest):
+        self._fh, self._digest = fh, digest
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._fh.read(n)
+        self._digest.update(data)
+        count_hashed(len(data))
+        return data
+
+
+@contextmanager
+def _hashing_open(path: str, digest) -> Iterator:
+    with open(path, "rb") as raw:
+        hashed = _Hashed(raw, digest)
+        if path.endswith(".gz"):
+            with gzip.GzipFile(fileobj=hashed, mode="rb") as fh:
+                yield fh
+        else:
+            yield hashed
+        while hashed.read(_SCAN_BLOCK):  # what the reader left (after gzip's last member)
+            pass
+
+
+def _scan(path: str, digest=None) -> tuple[int, list[int]]:
+    """Line count of a file and the 1-based numbers of its lines that are not UTF-8; with a
+    hashlib `digest`, the file's sha256 from the same read.
 
     Reads blocks cut at a newline and decodes each whole block: fast on clean files; only a
     block that fails is split into lines to find the culprits.
     """
     n, bad, carry = 0, [], b""
-    with open_bytes(path) as fh:
+    with open_bytes(path, digest) as fh:
         while True:
             block = fh.read(_SCAN_BLOCK)
             data = carry + block
