@@ -546,9 +546,7 @@ def test_a_node_local_cache_dir_names_its_variable_and_nodes_must_agree(
         _same_tokens_on_every_node(TwoNodes(), cache)
 
 
-def test_the_check_hashes_each_file_in_the_read_that_checks_it(
-    tmp_path, corpus, tok, monkeypatch
-):
+def test_the_check_hashes_each_file_in_the_read_that_checks_it(tmp_path, corpus, tok, monkeypatch):
     """One read per file for the check and the fingerprint's sha256, compressed files
     included: the sha256 is the file's own (a touched file is then compared with it)."""
     import gzip
