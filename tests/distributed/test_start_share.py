@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from aiayn.checkpoint import CheckpointManager
 from aiayn.config import load_config
 from aiayn.data.cache import cache_dir
 
@@ -78,3 +79,20 @@ def test_a_rank_that_cannot_see_the_chosen_checkpoint_stops_every_rank(ddp_run, 
     assert rank0.get("error") == rank1.get("error"), (rank0, rank1)
     assert "1 rank(s) cannot read it (rank 1:" in rank0["error"]
     assert "storage all nodes share" in rank0["error"]
+
+
+def test_ranks_shown_different_checkpoints_resume_the_step_rank_0_chose(ddp_run, tmp_path):
+    """Rank 1 is shown a newer checkpoint that rank 0 does not see (step 30, and `latest`
+    naming it: what a filesystem whose clients see a directory at different times may show).
+    On its own it would resume step 30; it resumes step 20 with rank 0."""
+    run_dir, other = tmp_path / "run", tmp_path / "other"
+    for where in (run_dir, other):
+        shutil.copytree(ddp_run / "checkpoints", where / "checkpoints")
+    ckpts = other / "checkpoints"
+    shutil.copytree(ckpts / "step_00000020", ckpts / "step_00000030")
+    (ckpts / "latest").write_text("step_00000030\n")
+    alone = CheckpointManager(other, every_steps=10, keep_last=5, is_writer=False)
+    assert alone.resume_point("auto").name == "step_00000030"
+    rank0, rank1 = verdicts(tmp_path, run_dir, other)
+    assert Path(rank0["checkpoint"]).name == Path(rank1["checkpoint"]).name == "step_00000020"
+    assert rank1["hashed"] == 0
