@@ -5,8 +5,9 @@
 Runs `aiayn ARGS...` in this process, counting the bytes it reads from corpus files (every
 line-aligned corpus file is opened through aiayn.data.sources.open_bytes) and how many it
 opens, and at exit writes OUT_DIR/rank<RANK>.json: those two, the bytes sha256_of hashed
-(verifying checkpoints and caches, writing their manifests), the process's read(2) bytes
-(/proc/self/io rchar: imports included) and its peak resident memory.
+(verifying checkpoints and caches, writing their manifests), the process's read(2) and
+write(2) bytes (/proc/self/io rchar, imports included, and wchar: logs, the cache, the
+checkpoint) and its peak resident memory.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def _report(out: Path, started: float) -> None:
         **counts,
         "hashed_bytes": files.bytes_hashed(),
         "rchar": io.get("rchar"),
+        "wchar": io.get("wchar"),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "seconds": time.perf_counter() - started,
     }

@@ -33,6 +33,8 @@ from _common import machine, markdown_table
 from resume_time import ROOT, STARTUP_LINE, Log, end, environment
 from safetensors.torch import load_file
 
+from aiayn.checkpoint import read_trainer_state
+
 FAULTY = ROOT / "tests" / "distributed" / "faulty.py"
 STEPS, EVERY = 30, 5
 OPTIONS = (
@@ -118,7 +120,7 @@ def launcher(fault: Fault, node: int, port: int) -> list[str]:
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
     ckpt = run_dir / "checkpoints" / f"step_{STEPS:08d}"
     state = dict(load_file(ckpt / "model.safetensors"))
-    trainer = torch.load(ckpt / "trainer.pt", weights_only=True)
+    trainer = read_trainer_state(ckpt)
     for key, slot in trainer["engine"].get("optimizer", {}).get("state", {}).items():
         state |= {f"adam/{key}/{name}": v for name, v in slot.items() if v.dim()}
     return state

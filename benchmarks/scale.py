@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "src"))
 PROBE = Path(__file__).with_name("_scale_probe.py")
 STARTUP = re.compile(r"start-up ([\d.]+) s")
 BUILT = re.compile(r"token cache .* built in ([\d.]+) s by (\d+) rank")
+SAVED = re.compile(r"saved \S+ in ([\d.]+)s")
 
 
 def make_corpus(root: Path, pairs: int, n_files: int) -> Path:
@@ -136,8 +137,10 @@ def main(argv: list[str] | None = None) -> None:
         "MiB hashed: max rank / all",
         "read(2) MiB: max rank",
         "peak RSS MiB: max rank",
+        "MiB written: max rank / all",
         "start-up s (rank 0)",
         "cache build s",
+        "save s (rank 0)",
     ]
     rows = []
     for world in args.world:
@@ -160,8 +163,11 @@ def main(argv: list[str] | None = None) -> None:
                     f"{mib(sum(r['hashed_bytes'] for r in got))}",
                     mib(max(r["rchar"] or 0 for r in got)),
                     f"{max(r['peak_rss_mib'] for r in got):.0f}",
+                    f"{mib(max(r['wchar'] or 0 for r in got))} / "
+                    f"{mib(sum(r['wchar'] or 0 for r in got))}",
                     startup,
                     built[-1][0] if built else "-",
+                    SAVED.findall(log)[-1],
                 ]
             )
             print(markdown_table(header, rows[-1:]).splitlines()[-1], flush=True)

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from aiayn.checkpoint import read_trainer_state
+
 import procs  # tests/distributed/procs.py, beside this file
 
 pytestmark = pytest.mark.distributed
@@ -73,7 +75,7 @@ def final_state(run_dir: Path, backend: str) -> dict[str, torch.Tensor]:
     state = dict(procs.final_weights(run_dir, STEPS))
     if backend == "ddp":
         ckpt = run_dir / "checkpoints" / f"step_{STEPS:08d}"
-        engine = torch.load(ckpt / "trainer.pt", weights_only=True)["engine"]
+        engine = read_trainer_state(ckpt)["engine"]
         for key, slot in engine["optimizer"]["state"].items():
             state |= {f"adam/{key}/{name}": v for name, v in slot.items() if v.dim()}
     return state

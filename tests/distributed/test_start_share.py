@@ -39,11 +39,23 @@ def test_one_rank_of_four_verifies_the_checkpoint_and_the_cache(setup):
     ckpt = manifest_bytes(run_dir / "checkpoints" / "step_00000010")
     log = (run_dir / "train.log").read_text()
     first, resumed = VERIFIED.findall(log)
-    # The first start built the cache: each rank hashed the byte ranges of the corpus it read.
-    assert first[1:] == ("4", "4")
+    # The first start verified the shared cache (rank 0), or built it if no test before had:
+    # then each rank hashed the byte ranges of the corpus it read.
+    assert first[1] in ("1", "4") and first[2] == "4"
     assert resumed == (f"{cache + ckpt:,}", "1", "4")
     assert f"resuming from {run_dir / 'checkpoints' / 'step_00000010'}" in log
     assert "training done at step 12" in log
+    # The save was every rank's: each wrote and hashed a quarter of the weights and of the
+    # trainer state's tensors; rank 0 alone, the small rest (trainer.pt: counters, positions).
+    files = json.loads((run_dir / "checkpoints" / "step_00000012" / "manifest.json").read_text())
+    files = files["files"]
+    for name in ("model.safetensors", "trainer.safetensors"):
+        ranges, size = files[name]["sha256_ranges"], files[name]["bytes"]
+        assert [(a, b) for a, b, _ in ranges] == [
+            (size * r // 4, size * (r + 1) // 4) for r in range(4)
+        ]
+    shared = files["model.safetensors"]["bytes"] + files["trainer.safetensors"]["bytes"]
+    assert files["trainer.pt"]["bytes"] < shared / 10
 
 
 def verdicts(tmp_path: Path, *run_dirs: Path) -> list[dict]:

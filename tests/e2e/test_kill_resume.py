@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from aiayn.checkpoint import read_trainer_state
+
 import tiny  # tests/e2e/tiny.py, beside this file
 from processes import kill_tree, wait_until  # tests/processes.py
 
@@ -37,7 +39,7 @@ def overrides(run_dir: Path, corpus: Path) -> list[str]:
 
 def final_state(run_dir: Path) -> tuple[dict, dict]:
     ckpt = run_dir / "checkpoints" / f"step_{STEPS:08d}"
-    trainer = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=True)
+    trainer = read_trainer_state(ckpt)
     return load_file(ckpt / "model.safetensors"), trainer["engine"]
 
 

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from aiayn import demo_data
+from aiayn.checkpoint import read_trainer_state
 from aiayn.config import load_config
 from aiayn.errors import CheckpointError, TrainingError
 from aiayn.evaluate import evaluate
@@ -338,5 +339,5 @@ def test_a_fraction_cooldown_is_recorded_as_the_steps_it_came_to(tmp_path, numbe
     # The checkpoints record the same config, and the rate that fell to 0 at the end.
     manifest = json.loads((run_dir / "checkpoints" / "step_00000010" / "manifest.json").read_text())
     assert manifest["config"]["schedule"]["cooldown"] == 3
-    state = torch.load(run_dir / "checkpoints" / "step_00000010" / "trainer.pt", weights_only=True)
+    state = read_trainer_state(run_dir / "checkpoints" / "step_00000010")
     assert state["engine"]["optimizer"]["param_groups"][0]["lr"] == 0.0

@@ -65,7 +65,7 @@ def test_save_then_load_round_trips_weights_and_state(tmp_path):
     path = save(manager, 10, model)
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000010"
     manifest = read_manifest(path)
-    assert set(manifest["files"]) == {"model.safetensors", "trainer.pt"}
+    assert set(manifest["files"]) == {"model.safetensors", "trainer.pt", "trainer.safetensors"}
     fresh = Tied()
     state, _ = load_checkpoint(path, fresh, expect_model=ModelConfig(), tokenizer=fake_tokenizer())
     torch.testing.assert_close(fresh.emb.weight, model.emb.weight, rtol=0, atol=0)
@@ -292,7 +292,7 @@ def test_a_failed_background_write_is_reported_and_keeps_the_previous_checkpoint
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("aiayn.checkpoint.manager.save_file", disk_full)
+    monkeypatch.setattr("aiayn.checkpoint.manager.write_slices", disk_full)
     save(manager, 2)  # returns at once; the write fails in the background
     with pytest.raises(CheckpointError, match="step 2 was not written: no space left on device"):
         manager.wait()  # the newest save failed: a run ending here must not report success

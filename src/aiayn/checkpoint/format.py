@@ -4,8 +4,14 @@ Layout of a run directory:
 
     run_dir/checkpoints/step_00001000/
         model.safetensors   weights (tied matrices stored once); loads without unpickling code
-        trainer.pt          optimizer, schedule, data position, RNG states, counters
+        trainer.pt          optimizer, schedule, data position, RNG states, counters; its
+                            tensors (Adam's moments) stand as {"__tensor__": key} ...
+        trainer.safetensors ... for the tensors held here under those keys
         manifest.json       step, sizes and sha256 of the files above, config, tokenizer contract
+
+Every rank writes a byte range of model.safetensors and trainer.safetensors, hashed as it
+writes (checkpoint/tensor_files.py); the manifest records each range's sha256. Checkpoints
+written before hold the tensors in trainer.pt and one sha256 per file: they load the same.
     run_dir/checkpoints/latest   name of the newest complete checkpoint
 
 A checkpoint is written into a hidden temporary directory, flushed and fsynced, then renamed
@@ -23,9 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model
+from safetensors.torch import load_file, load_model
 from torch import nn
 
+from aiayn.checkpoint.tensor_files import DTYPES
 from aiayn.errors import CheckpointError
 from aiayn.files import sha256_of
 from aiayn.tokenizer import check_contract
@@ -35,6 +42,8 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 CHECKPOINTS_DIR = "checkpoints"  # under run_dir
 MODEL_FILE, TRAINER_FILE, MANIFEST_FILE = "model.safetensors", "trainer.pt", "manifest.json"
+TRAINER_TENSORS_FILE = "trainer.safetensors"
+_TENSOR_KEY = "__tensor__"
 # A copy of the SentencePiece model, in checkpoints made by averaging (self-contained).
 TOKENIZER_FILE = "tokenizer.model"
 # Fields that decide tensor shapes or meaning: a checkpoint differing in any cannot be loaded.
@@ -84,6 +93,35 @@ def weights_snapshot(
     return tensors, metadata or None
 
 
+def split_tensors(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """`state` with each tensor safetensors can hold replaced by {"__tensor__": key}, and
+    those tensors by key: the tensors go into a file every rank writes a range of."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(obj: Any, key: str) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.dtype in DTYPES:
+            tensors[key] = obj
+            return {_TENSOR_KEY: key}
+        if isinstance(obj, dict):
+            return {k: walk(v, f"{key}/{k}") for k, v in obj.items()}
+        if isinstance(obj, list | tuple):
+            return type(obj)(walk(v, f"{key}/{i}") for i, v in enumerate(obj))
+        return obj
+
+    return walk(state, ""), tensors
+
+
+def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The state split_tensors split."""
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {_TENSOR_KEY}:
+            return tensors[skeleton[_TENSOR_KEY]]
+        return {k: join_tensors(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list | tuple):
+        return type(skeleton)(join_tensors(v, tensors) for v in skeleton)
+    return skeleton
+
+
 def read_manifest(ckpt: Path, verify: bool = True) -> dict[str, Any]:
     """The manifest of a complete checkpoint; CheckpointError if it is incomplete or corrupt."""
     try:
@@ -94,9 +132,20 @@ def read_manifest(ckpt: Path, verify: bool = True) -> dict[str, Any]:
         path = ckpt / name
         if not path.is_file() or path.stat().st_size != meta["bytes"]:
             raise CheckpointError(f"{path} is missing or truncated")
-        if verify and sha256_of(path) != meta["sha256"]:
+        if verify and not _checksums_match(path, meta):
             raise CheckpointError(f"{path} does not match its checksum: the file is corrupt")
     return manifest
+
+
+def _checksums_match(path: Path, meta: dict[str, Any]) -> bool:
+    """The file's sha256, or each range's where ranks wrote it by range (they must tile it)."""
+    ranges = meta.get("sha256_ranges")
+    if ranges is None:
+        return sha256_of(path) == meta["sha256"]
+    ends = [0] + [b for _, b, _ in ranges]
+    if [a for a, _, _ in ranges] != ends[:-1] or ends[-1] != meta["bytes"]:
+        return False
+    return all(sha256_of(path, a, b) == digest for a, b, digest in ranges)
 
 
 def check_architecture(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
@@ -195,5 +244,13 @@ def load_checkpoint(
             f"{ckpt} holds weights only (an averaged checkpoint?): it can be translated and "
             "evaluated, not resumed. Resume from a checkpoint the run saved."
         )
+    return read_trainer_state(ckpt), manifest
+
+
+def read_trainer_state(ckpt: Path) -> dict[str, Any]:
+    """trainer.pt, with its tensors put back from trainer.safetensors where they are there
+    (checkpoints written before hold them in trainer.pt)."""
     trainer_state = torch.load(ckpt / TRAINER_FILE, map_location="cpu", weights_only=True)
-    return trainer_state, manifest
+    if (ckpt / TRAINER_TENSORS_FILE).is_file():
+        trainer_state = join_tensors(trainer_state, load_file(ckpt / TRAINER_TENSORS_FILE))
+    return trainer_state

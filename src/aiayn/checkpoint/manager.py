@@ -21,26 +21,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from aiayn import metric_names
 from aiayn.checkpoint import staging
-from aiayn.checkpoint.failures import FailedSaves, Seen, free_bytes, message, tensor_bytes
+from aiayn.checkpoint.failures import FailedSaves, Seen, free_bytes, message
 from aiayn.checkpoint.format import (
     CHECKPOINTS_DIR,
     FORMAT_VERSION,
     MANIFEST_FILE,
     MODEL_FILE,
     TRAINER_FILE,
+    TRAINER_TENSORS_FILE,
     checkpoints_in,
     host_copy,
     latest_valid,
     load_checkpoint,
     read_manifest,
+    split_tensors,
     step_dir_name,
     step_of,
     weights_snapshot,
 )
+from aiayn.checkpoint.tensor_files import TensorFile, slice_bytes, write_slices
 from aiayn.distributed import reshard  # as a module: reshard imports checkpoint.format
 from aiayn.distributed.env import DistEnv
 from aiayn.errors import CheckpointError, TrainingError
@@ -286,11 +288,13 @@ class CheckpointManager:
         (None on non-writers, and when the save failed). `save_step` calls it with the tracked
         run's state.
 
-        Every rank must call it: a sharded engine (DeepSpeed ZeRO) writes each rank's
-        partition into the same temporary directory before the writer adds the consolidated
-        weights, the trainer state and the manifest that covers every file. With
-        `async_save` the writer's part runs in a background thread on a host copy of the
-        state, and the path exists once `wait()` returns.
+        Every rank must call it, and every rank writes its share: a sharded engine (DeepSpeed
+        ZeRO) its partition, and each rank 1/W of the weights and of the trainer state's
+        tensors, a byte range of model.safetensors and trainer.safetensors each, hashed as it
+        writes (checkpoint/tensor_files.py). Once every rank's ranges are on disk, the writer
+        (rank 0) adds the rest of the trainer state, the manifest that covers every file, and
+        the rename. With `async_save` each rank writes in a background thread from host copies
+        of its ranges, and the path exists once `wait()` returns.
 
         A write that fails on any rank (a full disk) fails the save on every rank: each stage
         ends in one collective that tells every rank whether some rank failed, so no rank
@@ -302,34 +306,45 @@ class CheckpointManager:
         self._join(env)  # one write in flight at a time; every rank learns how the last ended
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{final.name}"
+        distributed = env is not None and env.distributed
+        if distributed:
+            env.save_group  # noqa: B018 (made by every rank's main thread, before a writer uses it)
         problem = _attempt(self._make_tmp, tmp) if self.is_writer else None
         if self._settle(step, env, tmp, problem):
             return None
         problem = _attempt(engine.save_shards, tmp)
-        weights = None
-        staged = self.async_save and self.is_writer
-        if staged:
+        rank, world = (env.rank, env.world_size) if distributed else (0, 1)
+        skeleton, state_tensors = split_tensors(trainer_state)
+        if self.async_save:
             self._staging.begin()
+        copy = self._staging.copy if self.async_save else host_copy
+        shares = {}
         with engine.full_module() as module:  # a collective under ZeRO-3: reached by every rank
-            if self.is_writer:
-                weights = weights_snapshot(module, self._staging.copy if staged else host_copy)
-        nbytes = tensor_bytes([weights[0], trainer_state]) if self.is_writer else 0
+            for name, (tensors, metadata) in (
+                (MODEL_FILE, weights_snapshot(module, copy=_as_is)),
+                (TRAINER_TENSORS_FILE, (state_tensors, None)),
+            ):
+                layout = TensorFile.of(tensors, metadata)
+                lo, hi = layout.share(rank, world)
+                shares[name] = (layout.slices(tensors, lo, hi, copy), lo, hi)
+        nbytes = sum(slice_bytes(sl) for sl, _, _ in shares.values())
         if self._settle(step, env, tmp, problem, nbytes):  # every rank's shards are on disk
             return None
+        if self.is_writer:
+            skeleton = self._staging.copy_tree(skeleton) if self.async_save else skeleton
+        write = (step, tmp, shares, skeleton, meta, started, env)
         if self.async_save:
+            # The next update changes the weights and moments in place: the write reads
+            # copies, queued here and made beside the next step (checkpoint/staging.py).
+            args = (*write, self._staging.end(), nbytes)
+            self._writer = threading.Thread(target=self._write_in_background, args=args)
+            self._writer.start()  # not a daemon: an exiting process finishes the write
             if self.is_writer:
-                # The next update changes the optimizer's state in place: the write reads
-                # copies, queued here and made beside the next step (checkpoint/staging.py).
-                state = self._staging.copy_tree(trainer_state)
-                args = (step, tmp, weights, state, meta, started, self._staging.end())
-                self._writer = threading.Thread(target=self._write_in_background, args=args)
-                self._writer.start()  # not a daemon: an exiting process finishes the write
                 blocked = time.perf_counter() - started
                 log.info("checkpoint %d: training blocked %.2fs", step, blocked)
             self._pending = step
             return final if self.is_writer else None
-        if self.is_writer:
-            problem = _attempt(self._finish, step, tmp, weights, trainer_state, meta, started)
+        problem = _attempt(self._write, *write)
         # Nobody leaves before the checkpoint is complete: a rank that exits after a
         # preemption save must not let a scheduler end the job while rank 0 still writes.
         if self._settle(step, env, tmp, problem, nbytes):
@@ -367,13 +382,35 @@ class CheckpointManager:
         if not self._settle(step, env, None, exc, nbytes):
             self.failures.succeeded()
 
-    def _write_in_background(self, step, tmp, weights, state, meta, started, copied) -> None:
+    def _write_in_background(self, *args) -> None:
+        *write, copied, nbytes = args
         try:
             staging.wait(copied)
-            self._finish(step, tmp, weights, state, meta, started)
+            self._write(*write)
         except Exception as exc:  # agreed on by every rank at the next save or wait()
-            shutil.rmtree(tmp, ignore_errors=True)
-            self._problem = exc, tensor_bytes([weights[0], state])
+            if self.is_writer:
+                shutil.rmtree(write[1], ignore_errors=True)
+            self._problem = exc, nbytes
+
+    def _write(self, step, tmp, shares, skeleton, meta, started, env) -> None:
+        """Every rank's part: its byte ranges, on disk and hashed; then, once every rank's are
+        (one gather, over the writer threads' own group), the writer's: the rest."""
+        ranges, problem = {}, None
+        try:
+            for name, (slices, lo, hi) in shares.items():
+                ranges[name] = write_slices(tmp / name, slices, lo, hi)
+        except Exception as exc:  # still reach the gather: the others wait there
+            problem = exc
+        mine = (ranges, problem and f"{type(problem).__name__}: {problem}")
+        seen = env.save_gather(mine) if env is not None else [mine]
+        if problem is not None:
+            raise problem
+        failed = [(r, p) for r, (_, p) in enumerate(seen) if p is not None]
+        if failed:
+            raise CheckpointError(f"rank {failed[0][0]} could not write its part: {failed[0][1]}")
+        if self.is_writer:
+            by_file = {name: [got[name] for got, _ in seen] for name in shares}
+            self._finish(step, tmp, by_file, skeleton, meta, started)
 
     def _settle(
         self, step: int, env, tmp: Path | None, exc: BaseException | None, nbytes: int = 0
@@ -408,24 +445,27 @@ class CheckpointManager:
         self,
         step: int,
         tmp: Path,
-        weights: tuple,
-        trainer_state: dict[str, Any],
+        ranges: dict[str, list],
+        skeleton: dict[str, Any],
         meta: dict[str, Any],
         started: float,
     ) -> Path:
-        """The writer's part: weights, trainer state, fsync, manifest, rename, pointer."""
+        """The writer's part: the trainer state's rest, fsync, manifest, rename, pointer. The
+        files the ranks wrote by range are hashed already; the writer hashes the others (its
+        trainer.pt, and a sharded engine's files)."""
         final = self.root / step_dir_name(step)
-        tensors, metadata = weights
-        save_file(tensors, str(tmp / MODEL_FILE), metadata=metadata)
         # Our own file object: torch.save given a path leaves it open when a write fails, and
         # an open file keeps its space on a full disk after the partial directory is removed.
         with open(tmp / TRAINER_FILE, "wb") as fh:
-            torch.save(trainer_state, fh)
+            torch.save(skeleton, fh)
         files = {}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            name = path.relative_to(tmp).as_posix()
+            if name in ranges:  # synced by the ranks that wrote it
+                files[name] = _range_entry(path, ranges[name])
+                continue
             with open(path, "rb+") as fh:
                 os.fsync(fh.fileno())
-            name = path.relative_to(tmp).as_posix()
             files[name] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
         for folder in sorted({p.parent for p in tmp.rglob("*")}, reverse=True):
             fsync_path(folder)
@@ -482,6 +522,20 @@ class CheckpointManager:
         for old in ckpts:
             if old not in keep:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _range_entry(path: Path, ranges: list) -> dict[str, Any]:
+    """A file the ranks wrote by range: its ranges' sha256, or its own where one rank wrote
+    it all (what checkpoints had before, and what every tool reads)."""
+    size = path.stat().st_size
+    ranges = [r for r in ranges if r[0] < r[1]] or [[0, 0, ranges[0][2]]]
+    if len(ranges) == 1:
+        return {"bytes": size, "sha256": ranges[0][2]}
+    return {"bytes": size, "sha256_ranges": ranges}
 
 
 def _attempt(action, *args) -> Exception | None:

@@ -183,7 +183,12 @@ def average(sources: list[str | Path], output: str | Path, last: int | None = No
                 {
                     "checkpoint": str(c),
                     "step": m["step"],
-                    "sha256": m["files"][MODEL_FILE]["sha256"],
+                    # One sha256, or each byte range's where the ranks wrote it by range.
+                    **{
+                        k: v
+                        for k, v in m["files"][MODEL_FILE].items()
+                        if k in ("sha256", "sha256_ranges")
+                    },
                 }
                 for c, m in manifests.items()
             ],

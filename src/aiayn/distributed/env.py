@@ -95,6 +95,21 @@ class DistEnv:
         dist.all_gather_object(out, obj)
         return out
 
+    @functools.cached_property
+    def save_group(self) -> dist.ProcessGroup:
+        """A gloo group of every rank for the checkpoint writer threads (an async save's
+        ranks agree on their writes in the background, beside the loop's own collectives),
+        made on first use: a collective that every rank's main thread reaches."""
+        return dist.new_group(backend="gloo")
+
+    def save_gather(self, obj) -> list:
+        """Every rank's `obj` on every rank, over save_group: safe from a writer thread."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.save_group)
+        return out
+
     def broadcast(self, obj):
         """Rank 0's `obj` on every rank: what one rank decided, for all (host memory)."""
         if not self.distributed:
