@@ -5,9 +5,9 @@
 Runs `aiayn ARGS...` in this process, counting the bytes it reads from corpus files (every
 line-aligned corpus file is opened through aiayn.data.sources.open_bytes) and how many it
 opens, and at exit writes OUT_DIR/rank<RANK>.json: those two, the bytes sha256_of hashed
-(verifying checkpoints and caches, writing their manifests), the process's read(2) and
-write(2) bytes (/proc/self/io rchar, imports included, and wchar: logs, the cache, the
-checkpoint) and its peak resident memory.
+(verifying checkpoints and caches, writing their manifests), the process's read(2) bytes
+(/proc/self/io rchar: imports included), the bytes it wrote while saving a checkpoint (wchar
+during CheckpointManager.save) and its peak resident memory.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from aiayn import files  # noqa: E402
+from aiayn.checkpoint import manager  # noqa: E402
 from aiayn.data import sources  # noqa: E402
 
-counts = {"corpus_bytes": 0, "corpus_opens": 0}
+counts = {"corpus_bytes": 0, "corpus_opens": 0, "save_written": 0}
 
 
 class _Counted:
@@ -70,7 +71,7 @@ def _counting_open(path: str, digest=None):
     return _Counted(open_bytes(path, digest))
 
 
-def _report(out: Path, started: float) -> None:
+def _io() -> dict[str, int]:
     io = {}
     try:
         for line in Path("/proc/self/io").read_text().splitlines():
@@ -78,11 +79,28 @@ def _report(out: Path, started: float) -> None:
             io[key] = int(value)
     except OSError:
         pass
+    return io
+
+
+_save = manager.CheckpointManager.save
+
+
+def _counted_save(self, *args, **kwargs):
+    """What this rank wrote during a save (write(2) bytes: files, and the save's few small
+    collectives; a synchronous save's files are all written before it returns)."""
+    before = _io().get("wchar", 0)
+    try:
+        return _save(self, *args, **kwargs)
+    finally:
+        counts["save_written"] += _io().get("wchar", 0) - before
+
+
+def _report(out: Path, started: float) -> None:
+    io = _io()
     report = {
         **counts,
         "hashed_bytes": files.bytes_hashed(),
         "rchar": io.get("rchar"),
-        "wchar": io.get("wchar"),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "seconds": time.perf_counter() - started,
     }
@@ -93,6 +111,7 @@ def _report(out: Path, started: float) -> None:
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     sources.open_bytes = _counting_open
+    manager.CheckpointManager.save = _counted_save
     atexit.register(_report, out, time.perf_counter())
     sys.argv = ["aiayn", *sys.argv[2:]]
     runpy.run_module("aiayn", run_name="__main__")

@@ -1,4 +1,4 @@
-"""What each rank reads at a first start and at a restart, for W = 1, 2, 4, 8 ranks.
+"""What each rank reads at a first start and a restart, and writes at a save, for W = 1-8.
 
     python benchmarks/scale.py                      # W = 1 2 4 8, a 64k-pair corpus in 8 files
     python benchmarks/scale.py --world 1 2 --pairs 16000
@@ -7,7 +7,8 @@ For each W, a run of the smallest model (gloo, on CPU) starts, builds its token 
 2 steps and saves (first start), then the same command with 4 steps resumes from that
 checkpoint (restart). Every rank runs under benchmarks/_scale_probe.py, which counts the bytes
 it read from corpus files and how many it opened, the bytes it hashed (checkpoint and cache
-verification, manifests), its read(2) bytes (imports included) and its peak memory. The
+verification, manifests), its read(2) bytes (imports included), what it wrote while saving
+the checkpoint (synchronously, at the end of each phase) and its peak memory. The
 tokenizer is trained once beforehand, as `aiayn tokenizer train` would: its sample is rank 0's
 alone and not part of what scales. The corpus is the generated numbers corpus cut into
 --files file pairs, so that the cache build can split it by file (docs/data.md).
@@ -64,7 +65,7 @@ data: {{train: "{corpus}/part*", valid: {corpus}/valid, src_lang: en, tgt_lang: 
         max_len: 40, shuffle_buffer: 1000}}
 train: {{max_tokens: 600, eval_every: 2, eval_bleu: 0, threads: 1}}
 logging: {{every_steps: 1, peak_tflops: 1}}
-checkpoint: {{every_steps: 2}}
+checkpoint: {{every_steps: 2, async_save: false}}
 """
     )
     cfg = load_config(config)
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         "MiB hashed: max rank / all",
         "read(2) MiB: max rank",
         "peak RSS MiB: max rank",
-        "MiB written: max rank / all",
+        "MiB written by the save: max rank / all",
         "start-up s (rank 0)",
         "cache build s",
         "save s (rank 0)",
@@ -163,8 +164,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"{mib(sum(r['hashed_bytes'] for r in got))}",
                     mib(max(r["rchar"] or 0 for r in got)),
                     f"{max(r['peak_rss_mib'] for r in got):.0f}",
-                    f"{mib(max(r['wchar'] or 0 for r in got))} / "
-                    f"{mib(sum(r['wchar'] or 0 for r in got))}",
+                    f"{mib(max(r['save_written'] for r in got))} / "
+                    f"{mib(sum(r['save_written'] for r in got))}",
                     startup,
                     built[-1][0] if built else "-",
                     SAVED.findall(log)[-1],

@@ -43,7 +43,7 @@ class Unsharded:
         self.module = model
 
     def save_shards(self, directory):
-        pass
+        return []
 
     @contextlib.contextmanager
     def full_module(self):

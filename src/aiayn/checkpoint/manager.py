@@ -312,7 +312,8 @@ class CheckpointManager:
         problem = _attempt(self._make_tmp, tmp) if self.is_writer else None
         if self._settle(step, env, tmp, problem):
             return None
-        problem = _attempt(engine.save_shards, tmp)
+        written: list[Path] = []  # this rank's shard files, which it hashes
+        problem = _attempt(lambda: written.extend(engine.save_shards(tmp)))
         rank, world = (env.rank, env.world_size) if distributed else (0, 1)
         skeleton, state_tensors = split_tensors(trainer_state)
         if self.async_save:
@@ -332,7 +333,7 @@ class CheckpointManager:
             return None
         if self.is_writer:
             skeleton = self._staging.copy_tree(skeleton) if self.async_save else skeleton
-        write = (step, tmp, shares, skeleton, meta, started, env)
+        write = (step, tmp, shares, written, skeleton, meta, started, env)
         if self.async_save:
             # The next update changes the weights and moments in place: the write reads
             # copies, queued here and made beside the next step (checkpoint/staging.py).
@@ -392,25 +393,32 @@ class CheckpointManager:
                 shutil.rmtree(write[1], ignore_errors=True)
             self._problem = exc, nbytes
 
-    def _write(self, step, tmp, shares, skeleton, meta, started, env) -> None:
-        """Every rank's part: its byte ranges, on disk and hashed; then, once every rank's are
-        (one gather, over the writer threads' own group), the writer's: the rest."""
-        ranges, problem = {}, None
+    def _write(self, step, tmp, shares, written, skeleton, meta, started, env) -> None:
+        """Every rank's part: its byte ranges on disk and hashed, and its shard files synced
+        and hashed; then, once every rank's are (one gather, over the writer threads' own
+        group), the writer's: the rest."""
+        ranges, hashed, problem = {}, {}, None
         try:
             for name, (slices, lo, hi) in shares.items():
                 ranges[name] = write_slices(tmp / name, slices, lo, hi)
+            for path in written:
+                with open(path, "rb+") as fh:
+                    os.fsync(fh.fileno())
+                entry = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
+                hashed[path.relative_to(tmp).as_posix()] = entry
         except Exception as exc:  # still reach the gather: the others wait there
             problem = exc
-        mine = (ranges, problem and f"{type(problem).__name__}: {problem}")
+        mine = (ranges, hashed, problem and f"{type(problem).__name__}: {problem}")
         seen = env.save_gather(mine) if env is not None else [mine]
         if problem is not None:
             raise problem
-        failed = [(r, p) for r, (_, p) in enumerate(seen) if p is not None]
+        failed = [(r, p) for r, (_, _, p) in enumerate(seen) if p is not None]
         if failed:
             raise CheckpointError(f"rank {failed[0][0]} could not write its part: {failed[0][1]}")
         if self.is_writer:
-            by_file = {name: [got[name] for got, _ in seen] for name in shares}
-            self._finish(step, tmp, by_file, skeleton, meta, started)
+            files = {name: [got[name] for got, _, _ in seen] for name in shares}
+            entries = {name: entry for _, own, _ in seen for name, entry in own.items()}
+            self._finish(step, tmp, files, entries, skeleton, meta, started)
 
     def _settle(
         self, step: int, env, tmp: Path | None, exc: BaseException | None, nbytes: int = 0
@@ -446,13 +454,14 @@ class CheckpointManager:
         step: int,
         tmp: Path,
         ranges: dict[str, list],
+        hashed: dict[str, dict],
         skeleton: dict[str, Any],
         meta: dict[str, Any],
         started: float,
     ) -> Path:
         """The writer's part: the trainer state's rest, fsync, manifest, rename, pointer. The
-        files the ranks wrote by range are hashed already; the writer hashes the others (its
-        trainer.pt, and a sharded engine's files)."""
+        files the ranks wrote by range, and their shard files, are synced and hashed already;
+        the writer hashes the others (its trainer.pt)."""
         final = self.root / step_dir_name(step)
         # Our own file object: torch.save given a path leaves it open when a write fails, and
         # an open file keeps its space on a full disk after the partial directory is removed.
@@ -463,6 +472,9 @@ class CheckpointManager:
             name = path.relative_to(tmp).as_posix()
             if name in ranges:  # synced by the ranks that wrote it
                 files[name] = _range_entry(path, ranges[name])
+                continue
+            if name in hashed:
+                files[name] = hashed[name]
                 continue
             with open(path, "rb+") as fh:
                 os.fsync(fh.fileno())

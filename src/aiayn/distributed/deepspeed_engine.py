@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -137,10 +138,11 @@ class DeepSpeedEngine:
         plain.train(self.module.training)
         yield plain
 
-    def save_shards(self, directory: Path) -> None:
+    def save_shards(self, directory: Path) -> list[Path]:
         # Every rank writes its ZeRO partition; this is a collective.
         try:
             self.model.save_checkpoint(str(directory), tag=DEEPSPEED_DIR, save_latest=False)
+            return self._written_by_me(directory / DEEPSPEED_DIR)
         except Exception:
             # DeepSpeed writes its files between its other collectives and a closing barrier,
             # which a rank whose write failed (a full disk) skips: join that barrier here, so
@@ -149,6 +151,17 @@ class DeepSpeedEngine:
             if dist.is_initialized():
                 dist.barrier()
             raise
+
+    def _written_by_me(self, shards: Path) -> list[Path]:
+        """DeepSpeed names a data-parallel rank's partitions [bf16_]zero_pp_rank_<r>_...; the
+        files without a rank (mp_rank_00_model_states.pt) are rank 0's."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        mine = []
+        for path in sorted(p for p in shards.rglob("*") if p.is_file()):
+            owner = re.search(r"(?:^|_)zero_pp_rank_(\d+)_", path.name)  # bf16_zero_pp_rank_
+            if (int(owner.group(1)) if owner else 0) == rank:
+                mine.append(path)
+        return mine
 
     def state_dict(self) -> dict[str, Any]:
         return {}  # optimizer, schedule and loss scale are in the DeepSpeed shards

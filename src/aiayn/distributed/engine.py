@@ -58,8 +58,9 @@ class Engine(Protocol):
 
     def replicas_differ(self, env: DistEnv) -> bool: ...
 
-    def save_shards(self, directory: Path) -> None:
-        """Write this rank's share of the state into `directory` (a collective)."""
+    def save_shards(self, directory: Path) -> list[Path]:
+        """Write this rank's share of the state into `directory` (a collective); return the
+        files this rank wrote (it hashes them: no other rank reads them back to)."""
 
     def state_dict(self) -> dict[str, Any]:
         """What rank 0's trainer state holds for this engine."""
