@@ -33,7 +33,6 @@ from aiayn.checkpoint.format import (
     TRAINER_FILE,
     TRAINER_TENSORS_FILE,
     checkpoints_in,
-    host_copy,
     latest_valid,
     load_checkpoint,
     read_manifest,
@@ -318,7 +317,9 @@ class CheckpointManager:
         skeleton, state_tensors = split_tensors(trainer_state)
         if self.async_save:
             self._staging.begin()
-        copy = self._staging.copy if self.async_save else host_copy
+        # A synchronous save writes before the state changes: from the tensors themselves,
+        # brought to the host a part at a time, with no copy of the whole state.
+        copy = self._staging.copy if self.async_save else _as_is
         shares = {}
         with engine.full_module() as module:  # a collective under ZeRO-3: reached by every rank
             for name, (tensors, metadata) in (

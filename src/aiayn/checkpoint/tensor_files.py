@@ -86,8 +86,9 @@ class TensorFile:
         hi: int,
         copy: Callable[[torch.Tensor], torch.Tensor],
     ) -> Slices:
-        """The bytes of [lo, hi), copied now (`copy` makes each host copy; only the part of a
-        tensor that falls in the range is copied)."""
+        """The bytes of [lo, hi): `copy` of the part of each tensor that falls in the range
+        (a host copy made now, for a write after the state changes; or the part itself, which
+        write_slices brings to the host one part at a time)."""
         out: Slices = []
         if lo < len(self.head):
             out.append((lo, self.head[lo : min(hi, len(self.head))]))
@@ -108,7 +109,7 @@ def write_slices(path: Path, slices: Slices, lo: int, hi: int) -> list:
     try:
         at = lo
         for offset, data in slices:
-            view = memoryview(data if isinstance(data, bytes) else data.numpy()).cast("B")
+            view = memoryview(data if isinstance(data, bytes) else data.cpu().numpy()).cast("B")
             assert offset == at, "the slices of a range are contiguous"
             digest.update(view)
             while view:
