@@ -14,6 +14,7 @@ from aiayn.checkpoint import (
     read_manifest,
     resolve_checkpoint,
 )
+from aiayn.checkpoint.format import Weights
 from aiayn.checkpoint.staging import Staging
 from aiayn.config import ModelConfig, load_config
 from aiayn.errors import CheckpointError, ConfigError, TokenizerError
@@ -46,8 +47,8 @@ class Unsharded:
         return []
 
     @contextlib.contextmanager
-    def full_module(self):
-        yield self.module
+    def weights(self):
+        yield Weights.of(self.module)
 
 
 def save(manager, step, model=None, cfg=None, metrics=None):

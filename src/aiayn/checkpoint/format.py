@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,26 @@ def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(skeleton, list | tuple):
         return type(skeleton)(join_tensors(v, tensors) for v in skeleton)
     return skeleton
+
+
+@dataclass
+class Weights:
+    """The weights a save writes into model.safetensors, each tensor once (tied names in
+    `metadata`, as weights_snapshot records them): `specs` gives the names, dtypes and shapes
+    (real or meta tensors), and `each(names)` yields the tensors in that order. `transient`:
+    a yielded tensor is gone once the next one is asked for (ZeRO-3 gathers them one at a
+    time, every rank taking part), so whatever a save keeps of it, it copies."""
+
+    specs: dict[str, torch.Tensor]
+    metadata: dict[str, str] | None
+    each: Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]]
+    transient: bool = False
+
+    @classmethod
+    def of(cls, module: nn.Module) -> Weights:
+        """A module whose weights are all here (one process, DDP, ZeRO stages 1 and 2)."""
+        tensors, metadata = weights_snapshot(module, copy=lambda t: t)
+        return cls(tensors, metadata, lambda names: ((n, tensors[n]) for n in names))
 
 
 def read_manifest(ckpt: Path, verify: bool = True) -> dict[str, Any]:

@@ -33,13 +33,13 @@ from aiayn.checkpoint.format import (
     TRAINER_FILE,
     TRAINER_TENSORS_FILE,
     checkpoints_in,
+    host_copy,
     latest_valid,
     load_checkpoint,
     read_manifest,
     split_tensors,
     step_dir_name,
     step_of,
-    weights_snapshot,
 )
 from aiayn.checkpoint.tensor_files import TensorFile, slice_bytes, write_slices
 from aiayn.distributed import reshard  # as a module: reshard imports checkpoint.format
@@ -321,14 +321,18 @@ class CheckpointManager:
         # brought to the host a part at a time, with no copy of the whole state.
         copy = self._staging.copy if self.async_save else _as_is
         shares = {}
-        with engine.full_module() as module:  # a collective under ZeRO-3: reached by every rank
-            for name, (tensors, metadata) in (
-                (MODEL_FILE, weights_snapshot(module, copy=_as_is)),
-                (TRAINER_TENSORS_FILE, (state_tensors, None)),
-            ):
-                layout = TensorFile.of(tensors, metadata)
-                lo, hi = layout.share(rank, world)
-                shares[name] = (layout.slices(tensors, lo, hi, copy), lo, hi)
+        # A collective under ZeRO-3 (each weight gathered in turn, every rank taking part), so
+        # that no rank holds the whole model: each keeps the parts in its range.
+        with engine.weights() as weights:
+            layout = TensorFile.of(weights.specs, weights.metadata)
+            lo, hi = layout.share(rank, world)
+            keep = host_copy if weights.transient and not self.async_save else copy
+            parts = layout.slices(weights.each(layout.names), lo, hi, keep)
+            shares[MODEL_FILE] = (parts, lo, hi)
+        layout = TensorFile.of(state_tensors, None)
+        lo, hi = layout.share(rank, world)
+        items = ((name, state_tensors[name]) for name in layout.names)
+        shares[TRAINER_TENSORS_FILE] = (layout.slices(items, lo, hi, copy), lo, hi)
         nbytes = sum(slice_bytes(sl) for sl, _, _ in shares.values())
         if self._settle(step, env, tmp, problem, nbytes):  # every rank's shards are on disk
             return None

@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,24 +79,32 @@ class TensorFile:
         """Rank `rank`'s byte range: 1/W of the file, the header included in rank 0's."""
         return self.size * rank // world_size, self.size * (rank + 1) // world_size
 
+    @property
+    def names(self) -> list[str]:
+        """The tensors in the file's order."""
+        return list(self.spans)
+
     def slices(
         self,
-        tensors: dict[str, torch.Tensor],
+        items: Iterable[tuple[str, torch.Tensor]],
         lo: int,
         hi: int,
         copy: Callable[[torch.Tensor], torch.Tensor],
     ) -> Slices:
-        """The bytes of [lo, hi): `copy` of the part of each tensor that falls in the range
-        (a host copy made now, for a write after the state changes; or the part itself, which
-        write_slices brings to the host one part at a time)."""
+        """The bytes of [lo, hi), from `items`: every tensor of the file, in its order (a
+        ZeRO-3 source gathers each as it is reached, every rank taking part). `copy` keeps the
+        part of a tensor that falls in the range: a host copy made now, for a write after the
+        state changes or the tensor is gone; or the part itself, which write_slices brings to
+        the host one part at a time."""
         out: Slices = []
         if lo < len(self.head):
             out.append((lo, self.head[lo : min(hi, len(self.head))]))
-        for name, (a, b) in self.spans.items():
+        for name, tensor in items:
+            a, b = self.spans[name]
             start, end = max(a, lo), min(b, hi)
             if start >= end:
                 continue
-            raw = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8)
+            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
             out.append((start, copy(raw[start - a : end - a])))
         return out
 

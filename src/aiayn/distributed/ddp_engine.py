@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aiayn import parallelize
+from aiayn.checkpoint.format import Weights
 from aiayn.config import Config
 from aiayn.distributed import reshard
 from aiayn.distributed.env import DistEnv
@@ -95,6 +96,10 @@ class LocalEngine:
     @contextlib.contextmanager
     def full_module(self):
         yield self.module
+
+    @contextlib.contextmanager
+    def weights(self):
+        yield Weights.of(self.module)
 
     def save_shards(self, directory: Path) -> list[Path]:
         return []  # the ranks' byte ranges of the checkpoint's tensor files hold all of it

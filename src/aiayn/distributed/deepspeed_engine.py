@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from aiayn import parallelize
+from aiayn.checkpoint.format import Weights
 from aiayn.config import Config
 from aiayn.distributed import deepspeed_config, op_builds, reshard
 from aiayn.distributed.env import DistEnv
@@ -137,6 +138,40 @@ class DeepSpeedEngine:
                     q.copy_(p.data)
         plain.train(self.module.training)
         yield plain
+
+    @contextlib.contextmanager
+    def weights(self):
+        if self.zero_stage < 3:
+            yield Weights.of(self.module)
+            return
+        # Names, dtypes, shapes and ties from a plain model on the meta device (no memory);
+        # the values gathered one parameter at a time as a save asks for them, cast to the
+        # plain model's dtype as full_module's copy is: the same model.safetensors, without
+        # the whole model on any rank.
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            plain = self.rebuild()
+        state = plain.state_dict(keep_vars=True)
+        tied: dict[int, list[str]] = {}  # a tied parameter is one object under several names
+        for name, tensor in state.items():
+            tied.setdefault(id(tensor), []).append(name)
+        specs, metadata = {}, {}
+        for names in tied.values():
+            keep, *others = sorted(names)
+            specs[keep] = state[keep]
+            metadata.update({name: keep for name in others})
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        buffers = dict(self.module.named_buffers(remove_duplicate=False))
+
+        def each(names: list[str]):
+            for name in names:
+                dtype = specs[name].dtype
+                if name not in params:
+                    yield name, buffers[name].to(dtype)
+                    continue
+                with self._gathered([params[name]]):
+                    yield name, params[name].data.to(dtype)
+
+        yield Weights(specs, metadata or None, each, transient=True)
 
     def save_shards(self, directory: Path) -> list[Path]:
         # Every rank writes its ZeRO partition; this is a collective.

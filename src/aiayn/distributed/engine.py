@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from aiayn.checkpoint.format import Weights
 from aiayn.config import Config
 from aiayn.distributed.ddp_engine import DDPEngine, LocalEngine
 from aiayn.distributed.env import DistEnv
@@ -55,6 +56,10 @@ class Engine(Protocol):
     def full_module(self) -> ContextManager[nn.Module]:
         """The whole model with all its weights, on every rank (a collective where parameters
         are partitioned): for validation, decoding and writing model.safetensors."""
+
+    def weights(self) -> ContextManager[Weights]:
+        """What a save writes into model.safetensors, each rank its byte range of it: without
+        the whole model on any rank where parameters are partitioned (a collective there)."""
 
     def replicas_differ(self, env: DistEnv) -> bool: ...
 
