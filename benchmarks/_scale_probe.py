@@ -7,12 +7,14 @@ line-aligned corpus file is opened through aiayn.data.sources.open_bytes) and ho
 opens, and at exit writes OUT_DIR/rank<RANK>.json: those two, the bytes sha256_of hashed
 (verifying checkpoints and caches, writing their manifests), the process's read(2) bytes
 (/proc/self/io rchar: imports included), the bytes it wrote while saving a checkpoint (wchar
-during CheckpointManager.save) and its peak resident memory.
+during CheckpointManager.save), how far its resident memory rose during a save, and its peak
+resident memory.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
 import resource
@@ -28,7 +30,7 @@ from aiayn import files  # noqa: E402
 from aiayn.checkpoint import manager  # noqa: E402
 from aiayn.data import sources  # noqa: E402
 
-counts = {"corpus_bytes": 0, "corpus_opens": 0, "save_written": 0}
+counts = {"corpus_bytes": 0, "corpus_opens": 0, "save_written": 0, "save_peak_growth": 0}
 
 
 class _Counted:
@@ -85,14 +87,33 @@ def _io() -> dict[str, int]:
 _save = manager.CheckpointManager.save
 
 
+def _status(key: str) -> int:
+    """A /proc/self/status figure in bytes (VmRSS, VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def _counted_save(self, *args, **kwargs):
     """What this rank wrote during a save (write(2) bytes: files, and the save's few small
-    collectives; a synchronous save's files are all written before it returns)."""
+    collectives; a synchronous save's files are all written before it returns), and how far
+    its resident memory rose above where it was when the save began (freed memory is returned
+    to the OS and the peak reset to the current size first: echo 5 > /proc/self/clear_refs)."""
     before = _io().get("wchar", 0)
+    try:
+        # Freed memory back to the OS first (aiayn keeps it, aiayn/malloc.py): the rise is then
+        # what the save allocates, not hidden in pages an earlier peak left free.
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    rss = _status("VmRSS")
     try:
         return _save(self, *args, **kwargs)
     finally:
         counts["save_written"] += _io().get("wchar", 0) - before
+        counts["save_peak_growth"] = max(counts["save_peak_growth"], _status("VmHWM") - rss)
 
 
 def _report(out: Path, started: float) -> None:

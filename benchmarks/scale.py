@@ -51,7 +51,7 @@ def make_corpus(root: Path, pairs: int, n_files: int) -> Path:
     return corpus
 
 
-def make_config(root: Path, corpus: Path) -> Path:
+def make_config(root: Path, corpus: Path, d_model: int, layers: int, zero: int | None) -> Path:
     from aiayn.config import load_config
     from aiayn.data import sample_sentences
     from aiayn.tokenizer import train_tokenizer
@@ -59,7 +59,7 @@ def make_config(root: Path, corpus: Path) -> Path:
     config = root / "run.yaml"
     config.write_text(
         f"""
-model: {{N: 1, d_model: 64, d_ff: 128, h: 4, max_len: 64, dropout: 0.0}}
+model: {{N: {layers}, d_model: {d_model}, d_ff: {2 * d_model}, h: 4, max_len: 64, dropout: 0.0}}
 tokenizer: {{path: {root}/spm.model, vocab_size: 120}}
 data: {{train: "{corpus}/part*", valid: {corpus}/valid, src_lang: en, tgt_lang: de,
         max_len: 40, shuffle_buffer: 1000}}
@@ -67,6 +67,7 @@ train: {{max_tokens: 600, eval_every: 2, eval_bleu: 0, threads: 1}}
 logging: {{every_steps: 1, peak_tflops: 1}}
 checkpoint: {{every_steps: 2, async_save: false}}
 """
+        + ("" if zero is None else f"distributed: {{backend: deepspeed, zero_stage: {zero}}}\n")
     )
     cfg = load_config(config)
     train_tokenizer(
@@ -117,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--world", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--pairs", type=int, default=64_000)
     p.add_argument("--files", type=int, default=8)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--zero", type=int, choices=[1, 2, 3], help="DeepSpeed ZeRO (default: DDP)")
     p.add_argument("--workdir", default=str(ROOT / "runs" / "bench" / "scale"))
     args = p.parse_args(argv)
     work = Path(args.workdir)
@@ -124,11 +128,13 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True)
     corpus = make_corpus(work, args.pairs, args.files)
     corpus_bytes = sum(f.stat().st_size for f in corpus.glob("part*"))
-    config = make_config(work, corpus)
+    config = make_config(work, corpus, args.d_model, args.layers, args.zero)
     print(f"Machine: {machine()}")
     print(
         f"Corpus: {args.pairs:,} pairs in {args.files} file pairs, {mib(corpus_bytes)} MiB; "
-        f"model d_model 64, N 1; gloo on CPU, one thread per rank\n"
+        f"model d_model {args.d_model}, N {args.layers}; "
+        f"{'DDP' if args.zero is None else f'DeepSpeed ZeRO-{args.zero}'}, gloo on CPU, one "
+        "thread per rank\n"
     )
     header = [
         "W",
@@ -139,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         "read(2) MiB: max rank",
         "peak RSS MiB: max rank",
         "MiB written by the save: max rank / all",
+        "save's RSS rise MiB: max rank",
         "start-up s (rank 0)",
         "cache build s",
         "save s (rank 0)",
@@ -166,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"{max(r['peak_rss_mib'] for r in got):.0f}",
                     f"{mib(max(r['save_written'] for r in got))} / "
                     f"{mib(sum(r['save_written'] for r in got))}",
+                    f"{mib(max(r.get('save_peak_growth', 0) for r in got))}",
                     startup,
                     built[-1][0] if built else "-",
                     SAVED.findall(log)[-1],
