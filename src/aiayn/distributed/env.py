@@ -208,15 +208,19 @@ def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store
 
 def use_timeout(minutes: float, env: DistEnv | None = None) -> None:
     """From now on a collective that waits longer than `minutes` fails (on every backend the
-    default group uses, and on `env`'s group of host numbers): after a rank dies, the others
-    stop instead of waiting out the set-up timeout. torchtitan shortens its timeout after
-    set-up the same way."""
+    default group uses, and on `env`'s groups of host numbers and of save writers): after a
+    rank dies, the others stop instead of waiting out the set-up timeout. torchtitan shortens
+    its timeout after set-up the same way."""
     if not dist.is_initialized():
         return
     timeout = timedelta(minutes=minutes)
     dist.distributed_c10d._set_pg_timeout(timeout)
     if env is not None and env.distributed and env.host_group is not None:
         dist.distributed_c10d._set_pg_timeout(timeout, env.host_group)
+    if env is not None and env.distributed:
+        # Made here, where every rank is: an async save's writer thread waits in it for the
+        # others' writes, and a process whose peer died must not wait gloo's 30 minutes at exit.
+        dist.distributed_c10d._set_pg_timeout(timeout, env.save_group)
 
 
 def teardown() -> None:
