@@ -1,0 +1,97 @@
+"""What the training loop's one collective per step costs, at W = 2, 4, 8 processes (gloo, CPU).
+
+    python benchmarks/step_collective.py                  # W = 2 4 8, 2,000 calls each
+    python benchmarks/step_collective.py --world 2 4 --calls 500
+
+Before each optimizer step every rank all-reduces three host numbers over a gloo group (the
+step's target tokens, which the loss is divided by before backward; whether a rank was asked
+to stop; whether a rank's step reached train.max_epochs: train._step_totals). This times that
+call, `DistEnv.sum` of three floats, as the loop makes it: each rank alone in a loop of
+calls, torchrun on this machine. A small all-reduce on gloo is latency, not bandwidth: its
+time grows with the hops between the ranks, so the table gives the time per call and per
+rank, from which the cost at 1,024 ranks is extrapolated (benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import machine, markdown_table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def worker(out: Path, calls: int) -> None:
+    from aiayn.distributed.env import setup, teardown
+
+    env = setup("cpu")
+    for _ in range(50):  # the group's connections, made on first use
+        env.sum([1.0, 0.0, 0.0])
+    env.barrier()
+    times = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        env.sum([600.0, 0.0, 0.0])
+        times.append(time.perf_counter() - started)
+    if env.is_main:
+        out.write_text(json.dumps(times))
+    teardown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--calls", type=int, default=2000)
+    args = p.parse_args(argv)
+    print(f"Machine: {machine()}\n")
+    header = ["W", "median µs per call", "p90 µs", "median µs / (2 (W - 1))"]
+    rows = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for world in args.world:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "times.json"
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc_per_node={world}",
+                "--master_addr=127.0.0.1",
+                f"--master_port={free_port()}",
+                __file__,
+                "--worker",
+                str(out),
+                str(args.calls),
+            ]
+            subprocess.run(cmd, check=True, env=env, capture_output=True)
+            times = sorted(json.loads(out.read_text()))
+        median = statistics.median(times) * 1e6
+        p90 = times[int(0.9 * len(times))] * 1e6
+        rows.append(
+            [str(world), f"{median:.0f}", f"{p90:.0f}", f"{median / (2 * (world - 1)):.0f}"]
+        )
+        print(markdown_table(header, rows[-1:]).splitlines()[-1], flush=True)
+    print()
+    print(markdown_table(header, rows))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(Path(sys.argv[2]), int(sys.argv[3]))
+    else:
+        main()
