@@ -45,7 +45,7 @@ from aiayn.malloc import keep_freed_memory
 from aiayn.metrics import Metrics, ProgressBar, cuda_memory, memory_bytes, setup_logging
 from aiayn.model import build_model, count_parameters
 from aiayn.precision import resolve_precision
-from aiayn.preemption import REQUEUE_EXIT_CODE, Preempted, StopFlag
+from aiayn.preemption import REQUEUE_EXIT_CODE, Preempted, StopFlag, StopVote
 from aiayn.seeding import seed_everything
 from aiayn.startup import StartupTimes
 from aiayn.tokenizer import Tokenizer, train_tokenizer
@@ -165,6 +165,10 @@ class Run:
     peak_flops: float
     stop: StopFlag
     startup: StartupTimes
+    vote: StopVote = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.vote = StopVote(self.env, self.stop)
 
 
 def train(cfg: Config) -> dict[str, float]:
@@ -383,6 +387,7 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
             saved_step = step
         if window.tokens == 0:  # tokens/s measures training, not validation or saving
             window.started = time.perf_counter()
+    run.vote.close()  # the stop vote started by the last step
     if progress.step != saved_step:  # stopped early by max_epochs
         _save(run, window, progress.step)
     run.ckpts.wait(run.env)  # a background write of the last checkpoint
@@ -396,8 +401,14 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
 
 def _step_totals(run: Run, steps: StepBatches, micro: list) -> tuple[int, bool, bool]:
     """The step's target tokens on all ranks, whether any rank was asked to stop, and whether
-    any rank's step reached train.max_epochs: one collective of host numbers per step, which
-    waits for no device (DistEnv.sum)."""
+    any rank's step reached train.max_epochs. From the token cache's plan, which every rank
+    knows whole, the first and the last need no collective, and the stop is agreed without
+    waiting (StopVote). Streaming, each rank knows its own batches only: one collective of
+    host numbers, which waits for no device (DistEnv.sum)."""
+    known = steps.group_totals()
+    if known is not None:
+        tokens, past = known
+        return tokens, run.vote.agreed(), past
     here = [sum(b.n_tokens for b in micro), float(run.stop.requested), float(steps.past_limit())]
     tokens, stops, past = run.env.sum(here)
     return int(tokens), stops > 0, past > 0

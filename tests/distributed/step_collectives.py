@@ -54,6 +54,7 @@ def main(config: str, out: str, *overrides: str) -> None:
                     "op": name,
                     "group": "default" if group is None else backend(group),
                     "devices": [t.device.type for t in tensors],
+                    "waits": not kwargs.get("async_op", False),
                 }
             )
             return real(*args, **kwargs)

@@ -12,11 +12,13 @@ pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("step_collectives.py")
 
 
-def test_a_step_makes_one_collective_of_host_numbers_and_no_host_sync(setup):
+def test_a_step_waits_for_no_collective_of_host_numbers_and_no_host_sync(setup):
     """Between the starts of two optimizer steps without a log line, each rank makes exactly
-    one collective: an all-reduce of a host tensor over a gloo group of its own, which on a
-    NCCL job waits for nothing queued on the GPU. It carries the step's tokens, the stop
-    request and train.max_epochs' limit (each was an all-reduce on the default group, through
+    one collective, and does not wait for it: an all-reduce of a host tensor over a gloo group
+    of its own (which on a NCCL job waits for nothing queued on the GPU), started by one step
+    and read by the next: the stop request (StopVote). The step's tokens and train.max_epochs'
+    limit come from the token cache's plan, which every rank knows whole (they were in that
+    all-reduce, waited for, and before that each an all-reduce on the default group, through
     the GPU). The DDP step itself makes no host sync."""
     root, config = setup
     out = root / "step_collectives"
@@ -35,5 +37,6 @@ def test_a_step_makes_one_collective_of_host_numbers_and_no_host_sync(setup):
         assert len(steps) == 5
         for before, after in zip(steps, steps[1:], strict=False):
             between = calls[before["first_call"] : after["first_call"]]
-            assert between == [{"op": "all_reduce", "group": "gloo", "devices": ["cpu"]}], between
+            expected = {"op": "all_reduce", "group": "gloo", "devices": ["cpu"], "waits": False}
+            assert between == [expected], between
         assert all(step["syncs"] == [] for step in steps), steps

@@ -571,3 +571,27 @@ def test_the_check_hashes_each_file_in_the_read_that_checks_it(tmp_path, corpus,
         sha256_of(data / "train.en.gz"),
         sha256_of(data / "train.de"),
     ]
+
+
+@pytest.mark.parametrize("kind", ["seq2seq", "classifier", "lm-documents", "lm-stream"])
+def test_every_rank_knows_each_rounds_targets_from_the_plan(tmp_path, corpus, lm_corpus, tok, kind):
+    """The loop divides the loss by the step's targets on all ranks; the cache's plan gives
+    them on every rank without a collective: each batch's round holds the n_tokens of the W
+    batches the ranks take together, summed, and the epoch of the round's last one."""
+    if kind == "classifier":
+        write_classify(tmp_path, n_train=120, n_valid=10, n_test=10)
+        cfg = s2s(tmp_path, tmp_path / "train.jsonl", kind="classifier", fmt="jsonl")
+    elif kind == "seq2seq":
+        cfg = s2s(tmp_path, corpus / "train")
+    else:
+        cfg = lm(tmp_path, lm_corpus, lm_order=kind.removeprefix("lm-"))
+    world = 3
+    loaders = [cached(cfg, tok, rank=r, world_size=world) for r in range(world)]
+    streams = [iter(ld) for ld in loaders]
+    epochs = set()
+    for _ in range(40):  # past an epoch boundary: the rounds continue into the next epoch
+        batches = [next(it) for it in streams]
+        rounds = {ld.round for ld in loaders}
+        assert rounds == {(sum(b.n_tokens for b in batches), max(ld.epoch for ld in loaders))}
+        epochs |= {ld.epoch for ld in loaders}
+    assert len(epochs) > 1, "no epoch boundary fell in the rounds: the test saw one epoch"

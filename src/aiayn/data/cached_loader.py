@@ -79,6 +79,11 @@ class CachedLoader:
         self._planner: ThreadPoolExecutor | None = None
         self._plan_lock = threading.Lock()  # plans are made on the batch thread, and read here
         self._batches = 0
+        self._targets_of: tuple[int, np.ndarray] | None = None
+        self.round: tuple[int, int] | None = None
+        """For the batch last handed out: the target tokens of its round (the W global batches
+        the ranks take together, one each), and the epoch of the round's last batch. Every rank
+        plans every rank's batches, so the loop needs no collective to learn them (train.py)."""
         # int32 throughout (examples < 2^31, a row < 2^31 tokens): the index and the plan of
         # millions of examples are per-rank memory. Pairs keep only widths; rows read their
         # lengths from the offsets of their own batch.
@@ -153,8 +158,8 @@ class CachedLoader:
         # checkpoint never counts the batches still waiting in the queue.
         ahead = prefetch(self._rank_batches(self._pos), AHEAD, BATCH_THREAD)
         try:
-            for batch, pos, epoch in ahead:
-                self._pos, self.epoch = pos, epoch
+            for batch, pos, epoch, round_ in ahead:
+                self._pos, self.epoch, self.round = pos, epoch, round_
                 self._batches += 1
                 yield batch
         finally:
@@ -162,15 +167,47 @@ class CachedLoader:
         if not self.train:
             self._pos = {"epoch": 0, "done": 0}
 
-    def _rank_batches(self, pos: dict) -> Iterator[tuple[Batch, dict, int]]:
-        """This rank's batches from `pos` on, each with the position after it and its epoch."""
-        W = self.world_size
+    def _rank_batches(self, pos: dict) -> Iterator[tuple[Batch, dict, int, tuple[int, int]]]:
+        """This rank's batches from `pos` on, each with the position after it, its epoch, and
+        its round's target tokens and last epoch (`round`). A batch is handed out once its
+        round is whole (or the stream ends): the others' batches come after it in the stream."""
+        W, mine = self.world_size, None
         for k, (epoch, i) in enumerate(self._stream(pos)):
             if k % W == 0:  # a round of W batches starts: the group's position moves past it
-                round_pos = {"epoch": epoch, "done": i + W}
+                round_pos, targets = {"epoch": epoch, "done": i + W}, 0
+            targets += int(self._targets(epoch)[i])
             if k % W == self.rank:
                 batch = self._make_batch(self.plan(epoch), i)
-                yield (batch.pin_memory() if self.pin_memory else batch), round_pos, epoch
+                mine = (batch.pin_memory() if self.pin_memory else batch), round_pos, epoch
+            if k % W == W - 1 and mine is not None:
+                yield (*mine, (targets, epoch))
+                mine = None
+        if mine is not None:  # an evaluation pass that ends inside a round
+            yield (*mine, (targets, mine[2]))
+
+    def _targets(self, epoch: int) -> np.ndarray:
+        """The target tokens of each global batch of `epoch` (Batch.n_tokens), from the plan
+        and the length index alone."""
+        if self._targets_of is None or self._targets_of[0] != epoch:
+            self._targets_of = (epoch, self._plan_targets(self.plan(epoch)))
+        return self._targets_of[1]
+
+    def _plan_targets(self, plan: Plan | LmPlan) -> np.ndarray:
+        if isinstance(plan, LmPlan):  # a block's targets are its positions 1.. inside the stream
+            starts = plan.offset + np.arange(plan.n_blocks, dtype=np.int64) * plan.size
+            per_block = np.clip(plan.total - starts - 1, 0, plan.size - 1)
+            blocks = per_block if plan.order is None else per_block[plan.order]
+            if not len(blocks):
+                return np.zeros(0, np.int64)
+            return np.add.reduceat(blocks, np.arange(0, len(blocks), plan.rows))
+        rows, starts = plan.rows, plan.bounds[:-1]
+        if self.kind == "classifier":  # one target per example
+            per_batch = np.diff(plan.bounds)
+        else:  # each target side and its eos
+            c = self.cache
+            lengths = (c.tgt_offsets[rows + 1] - c.tgt_offsets[rows]).astype(np.int64) + 1
+            per_batch = np.add.reduceat(lengths, starts) if len(rows) else np.zeros(0, np.int64)
+        return per_batch if plan.order is None else per_batch[plan.order]
 
     def _stream(self, pos: dict) -> Iterator[tuple[int, int]]:
         """(epoch, batch index) of every global batch from `pos` on; epochs follow each other
