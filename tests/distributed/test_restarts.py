@@ -229,8 +229,10 @@ def test_a_preemption_or_an_error_to_fix_is_not_restarted(setup, kind, code, act
     assert got == code, out[-4000:]
     assert starts(run_dir) == 1, out[-4000:]
     assert {f["action"] for f in faults(run_dir)} == {action}, faults(run_dir)
-    if kind == "sigusr1":  # signalled during step 7, both ranks stopped after step 8 and saved
-        assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000008"
+    if kind == "sigusr1":
+        # Signalled during step 7: step 8 starts the vote that carries it (StopVote), step 9
+        # reads it, and both ranks stop after step 9 and save.
+        assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000009"
         assert "not restarted, exiting 75" in out
 
 
