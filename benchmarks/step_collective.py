@@ -31,20 +31,29 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 
-def worker(out: Path, calls: int) -> None:
+def worker(out: Path, calls: int, step_ms: float) -> None:
     from aiayn.distributed.env import setup, teardown
 
     env = setup("cpu")
     for _ in range(50):  # the group's connections, made on first use
         env.sum([1.0, 0.0, 0.0])
     env.barrier()
-    times = []
-    for _ in range(calls):
+    waits, later = [], []
+    for _ in range(calls):  # the loop before: every step waits for its all-reduce
         started = time.perf_counter()
         env.sum([600.0, 0.0, 0.0])
-        times.append(time.perf_counter() - started)
+        waits.append(time.perf_counter() - started)
+    env.barrier()
+    pending = env.sum_later([0.0])
+    for _ in range(calls // 10):  # StopVote: started by a step, read by the next
+        time.sleep(step_ms / 1000)  # the step's work
+        started = time.perf_counter()
+        pending()
+        later.append(time.perf_counter() - started)
+        pending = env.sum_later([0.0])
+    pending()
     if env.is_main:
-        out.write_text(json.dumps(times))
+        out.write_text(json.dumps({"waits": waits, "later": later}))
     teardown()
 
 
@@ -58,9 +67,16 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--step-ms", type=float, default=20.0, help="a step's work between votes")
     args = p.parse_args(argv)
     print(f"Machine: {machine()}\n")
-    header = ["W", "median µs per call", "p90 µs", "median µs / (2 (W - 1))"]
+    header = [
+        "W",
+        "median µs per call",
+        "p90 µs",
+        "median µs / (2 (W - 1))",
+        f"µs waited when started a {args.step_ms:g} ms step before: median / p90",
+    ]
     rows = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for world in args.world:
@@ -77,14 +93,16 @@ def main(argv: list[str] | None = None) -> None:
                 "--worker",
                 str(out),
                 str(args.calls),
+                str(args.step_ms),
             ]
             subprocess.run(cmd, check=True, env=env, capture_output=True)
-            times = sorted(json.loads(out.read_text()))
+            got = json.loads(out.read_text())
+        times, later = sorted(got["waits"]), sorted(got["later"])
         median = statistics.median(times) * 1e6
         p90 = times[int(0.9 * len(times))] * 1e6
-        rows.append(
-            [str(world), f"{median:.0f}", f"{p90:.0f}", f"{median / (2 * (world - 1)):.0f}"]
-        )
+        waited = f"{statistics.median(later) * 1e6:.0f} / {later[int(0.9 * len(later))] * 1e6:.0f}"
+        per_hop = f"{median / (2 * (world - 1)):.0f}"
+        rows.append([str(world), f"{median:.0f}", f"{p90:.0f}", per_hop, waited])
         print(markdown_table(header, rows[-1:]).splitlines()[-1], flush=True)
     print()
     print(markdown_table(header, rows))
@@ -92,6 +110,6 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(Path(sys.argv[2]), int(sys.argv[3]))
+        worker(Path(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
     else:
         main()
