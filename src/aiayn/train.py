@@ -325,13 +325,18 @@ def _loop(run: Run) -> dict[str, float]:
 
 
 def _is_collective_failure(exc: RuntimeError) -> bool:
-    """gloo raises a plain RuntimeError naming itself; NCCL's errors are DistErrors."""
-    return isinstance(exc, torch.distributed.DistError) or "gloo" in str(exc)
+    """gloo raises a plain RuntimeError naming itself, or its pair ("Application timeout caused
+    pair closure", what an operation that timed out reports when it was waited for later);
+    NCCL's errors are DistErrors."""
+    text = str(exc)
+    return isinstance(exc, torch.distributed.DistError) or "gloo" in text or "pair closure" in text
 
 
 def _peer_error(run: Run, exc: RuntimeError) -> PeerError:
     step, minutes = run.progress.step + 1, run.cfg.distributed.timeout_minutes
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+    if "timeout" in first_line.lower() and "timed out" not in first_line.lower():
+        first_line = f"timed out: {first_line}"
     latest = run.ckpts.named_latest() or "none (a new run)"
     return PeerError(
         f"step {step}: a collective failed on rank {run.env.rank} ({first_line}). Another "

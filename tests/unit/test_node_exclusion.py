@@ -146,3 +146,20 @@ def test_the_command_line_resolves_the_run_dir_from_the_config(tmp_path, capsys)
     assert capsys.readouterr().out.startswith("action=requeue\nexclude=n1\nmessage=job 7 ")
     assert node_exclusion.read_excluded(run_dir) == ["n1"]
     assert node_exclusion.main(["at-start", *argv[4:6], "--config", "nope.yaml"]) == 2
+
+
+@pytest.mark.parametrize(
+    "text, collective",
+    [
+        ("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234", True),
+        ("Application timeout caused pair closure", True),  # an all-reduce waited for later
+        ("CUDA out of memory. Tried to allocate 2.00 GiB", False),
+        ("shape '[4, 8]' is invalid for input of size 30", False),
+    ],
+)
+def test_a_collective_that_failed_is_told_from_other_runtime_errors(text, collective):
+    """A collective that failed becomes a PeerError (a peer died or stalled, which a restart
+    fixes), whatever gloo's words for it; another RuntimeError is this rank's own."""
+    from aiayn.train import _is_collective_failure
+
+    assert _is_collective_failure(RuntimeError(text)) is collective
