@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import socket
 import statistics
 import sys
 import time
@@ -122,3 +123,18 @@ def machine() -> str:
 
 def fmt(x: float, digits: int = 0) -> str:
     return f"{x:,.{digits}f}"
+
+
+def torchrun(nproc: int) -> list[str]:
+    """torchrun for `nproc` processes on this machine, on a free port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+    ]

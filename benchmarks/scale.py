@@ -24,12 +24,11 @@ import argparse
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from _common import machine, markdown_table
+from _common import machine, markdown_table, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -76,20 +75,9 @@ checkpoint: {{every_steps: 2, async_save: false}}
     return config
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world: int, config: Path, run_dir: Path, out: Path, steps: int) -> str:
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={world}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
+        *torchrun(world),
         str(PROBE),
         str(out),
         "train",

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import machine, markdown_table
+from _common import machine, markdown_table, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -57,12 +56,6 @@ def worker(out: Path, calls: int, step_ms: float) -> None:
     teardown()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, nargs="+", default=[2, 4, 8])
@@ -83,12 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "times.json"
             cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                f"--nproc_per_node={world}",
-                "--master_addr=127.0.0.1",
-                f"--master_port={free_port()}",
+                *torchrun(world),
                 __file__,
                 "--worker",
                 str(out),

@@ -28,6 +28,19 @@ def sha256_of(path: Path, start: int = 0, end: int | None = None) -> str:
     return digest.hexdigest()
 
 
+def checksums_match(path: Path, entry: dict) -> bool:
+    """Whether the file has the content a manifest entry records: its `sha256`, or, for a file
+    ranks wrote or read by byte range, each range's (`sha256_ranges`: [[start, end, hex]],
+    which must tile the file's `bytes`)."""
+    ranges = entry.get("sha256_ranges")
+    if ranges is None:
+        return sha256_of(path) == entry["sha256"]
+    ends = [0] + [b for _, b, _ in ranges]
+    if [a for a, _, _ in ranges] != ends[:-1] or ends[-1] != entry["bytes"]:
+        return False
+    return all(sha256_of(path, a, b) == digest for a, b, digest in ranges)
+
+
 def count_hashed(n: int) -> None:
     """Count n bytes hashed, for a reader that hashes what it reads for another purpose."""
     global _hashed

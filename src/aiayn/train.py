@@ -93,28 +93,16 @@ def prepare_data(
                 env.world_size,
             )
         return tok, None
-    if cfg.data.cache_scope == "shared":
-        cache = ensure_cache(
-            cfg,
-            "train",
-            tok,
-            rank=env.rank,
-            world_size=env.world_size,
-            sync=env.gather,
-            rebuild=rebuild,
-        )
-        return tok, cache
-    # Each node's copy, built by the node's ranks together and verified by its first.
-    cache = ensure_cache(
-        cfg,
-        "train",
-        tok,
-        rank=env.local_rank,
-        world_size=env.local_world_size,
-        sync=env.node_gather,
-        rebuild=rebuild,
+    shared = cfg.data.cache_scope == "shared"
+    # A node-local cache: each node's copy, built by its ranks together, verified by its first.
+    rank, world, sync = (
+        (env.rank, env.world_size, env.gather)
+        if shared
+        else (env.local_rank, env.local_world_size, env.node_gather)
     )
-    _same_tokens_on_every_node(env, cache)
+    cache = ensure_cache(cfg, "train", tok, rank=rank, world_size=world, sync=sync, rebuild=rebuild)
+    if not shared:
+        _same_tokens_on_every_node(env, cache)
     return tok, cache
 
 

@@ -35,7 +35,7 @@ from torch import nn
 
 from aiayn.checkpoint.tensor_files import DTYPES
 from aiayn.errors import CheckpointError
-from aiayn.files import sha256_of
+from aiayn.files import checksums_match
 from aiayn.tokenizer import check_contract
 
 log = logging.getLogger(__name__)
@@ -153,20 +153,9 @@ def read_manifest(ckpt: Path, verify: bool = True) -> dict[str, Any]:
         path = ckpt / name
         if not path.is_file() or path.stat().st_size != meta["bytes"]:
             raise CheckpointError(f"{path} is missing or truncated")
-        if verify and not _checksums_match(path, meta):
+        if verify and not checksums_match(path, meta):
             raise CheckpointError(f"{path} does not match its checksum: the file is corrupt")
     return manifest
-
-
-def _checksums_match(path: Path, meta: dict[str, Any]) -> bool:
-    """The file's sha256, or each range's where ranks wrote it by range (they must tile it)."""
-    ranges = meta.get("sha256_ranges")
-    if ranges is None:
-        return sha256_of(path) == meta["sha256"]
-    ends = [0] + [b for _, b, _ in ranges]
-    if [a for a, _, _ in ranges] != ends[:-1] or ends[-1] != meta["bytes"]:
-        return False
-    return all(sha256_of(path, a, b) == digest for a, b, digest in ranges)
 
 
 def check_architecture(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:

@@ -549,7 +549,7 @@ def _range_entry(path: Path, ranges: list) -> dict[str, Any]:
     """A file the ranks wrote by range: its ranges' sha256, or its own where one rank wrote
     it all (what checkpoints had before, and what every tool reads)."""
     size = path.stat().st_size
-    ranges = [r for r in ranges if r[0] < r[1]] or [[0, 0, ranges[0][2]]]
+    ranges = [r for r in ranges if r[0] < r[1]]  # rank 0's holds the header: never all empty
     if len(ranges) == 1:
         return {"bytes": size, "sha256": ranges[0][2]}
     return {"bytes": size, "sha256_ranges": ranges}

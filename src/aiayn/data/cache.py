@@ -34,7 +34,7 @@ import numpy as np
 from aiayn.config import Config
 from aiayn.data.sources import read_fields, source_files
 from aiayn.errors import DataError
-from aiayn.files import sha256_of
+from aiayn.files import checksums_match, sha256_of
 from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -195,17 +195,10 @@ def _file_diffs(saved: list[dict], now: list[dict]) -> list[str]:
     for old, new in zip(saved, now, strict=True):
         if old["bytes"] != new["bytes"]:
             diffs.append(f"{new['path']}: cache {old['bytes']} bytes, now {new['bytes']} bytes")
-        elif old["mtime_ns"] != new["mtime_ns"] and _content_changed(old, Path(new["path"])):
+        elif old["mtime_ns"] != new["mtime_ns"] and not checksums_match(Path(new["path"]), old):
             # Only a changed modification time costs a hash: a copy or `touch` is not a change.
             diffs.append(f"{new['path']}: its content changed since the cache was built")
     return diffs
-
-
-def _content_changed(entry: dict, path: Path) -> bool:
-    """A file cut in byte ranges to build the cache has each range's sha256, not the file's."""
-    if entry.get("sha256_ranges"):
-        return any(sha256_of(path, a, b) != h for a, b, h in entry["sha256_ranges"])
-    return entry["sha256"] != sha256_of(path)
 
 
 def fingerprint(cfg: Config, split: str, tok: Tokenizer, hashes: bool = False) -> dict:

@@ -193,10 +193,10 @@ def _open_share(cfg: Config, split: str, rank: int, world_size: int, out: list) 
     share = _Share(source, rank, world_size)
     if world_size > 1:
         n_shards = source.dataset().num_shards
-        lines = LineFiles.of(source, cfg.data.format, cfg.data.on_invalid_utf8 == "error")
+        strict = cfg.data.on_invalid_utf8 == "error"
         if n_shards >= world_size:
             share.shards = n_shards
-        elif lines is not None:
+        elif (lines := LineFiles.of(source, cfg.data.format, strict)) is not None:
             share.lines, share.pieces = lines, lines.pieces(world_size)
         elif rank == 0:
             log.warning(

@@ -94,19 +94,13 @@ class DistEnv:
 
     def node_gather(self, obj) -> list:
         """Every rank's `obj` of this node, in local rank order, on this node's ranks."""
-        if not self.distributed:
-            return [obj]
-        out = [None] * self.local_world_size
-        dist.all_gather_object(out, obj, group=self.node_group)
-        return out
+        return (
+            self._gather(obj, self.local_world_size, self.node_group) if self.distributed else [obj]
+        )
 
     def gather(self, obj) -> list:
         """Every rank's `obj`, in rank order, on every rank."""
-        if not self.distributed:
-            return [obj]
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
+        return self._gather(obj, self.world_size, None) if self.distributed else [obj]
 
     @functools.cached_property
     def save_group(self) -> dist.ProcessGroup:
@@ -117,10 +111,12 @@ class DistEnv:
 
     def save_gather(self, obj) -> list:
         """Every rank's `obj` on every rank, over save_group: safe from a writer thread."""
-        if not self.distributed:
-            return [obj]
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.save_group)
+        return self._gather(obj, self.world_size, self.save_group) if self.distributed else [obj]
+
+    @staticmethod
+    def _gather(obj, size: int, group: dist.ProcessGroup | None) -> list:
+        out = [None] * size
+        dist.all_gather_object(out, obj, group=group)
         return out
 
     def broadcast(self, obj):
