@@ -7,7 +7,9 @@ line-aligned corpus file is opened through aiayn.data.sources.open_bytes) and ho
 opens, and at exit writes OUT_DIR/rank<RANK>.json: those two, the bytes sha256_of hashed
 (verifying checkpoints and caches, writing their manifests), the process's read(2) bytes
 (/proc/self/io rchar: imports included), the bytes it wrote while saving a checkpoint (wchar
-during CheckpointManager.save), how far its resident memory rose during a save, and its peak
+during CheckpointManager.save), how far its resident memory rose during a save and during a
+validation (Validation.run: under ZeRO-3 a gathered copy of the model until the validation is
+shared), the same two rises in CUDA memory allocated when the run is on a GPU, and its peak
 resident memory.
 """
 
@@ -26,11 +28,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from aiayn import files  # noqa: E402
+import torch  # noqa: E402
+
+from aiayn import evaluate, files  # noqa: E402
 from aiayn.checkpoint import manager  # noqa: E402
 from aiayn.data import sources  # noqa: E402
 
-counts = {"corpus_bytes": 0, "corpus_opens": 0, "save_written": 0, "save_peak_growth": 0}
+counts = {
+    "corpus_bytes": 0,
+    "corpus_opens": 0,
+    "save_written": 0,
+    "save_peak_growth": 0,
+    "valid_peak_growth": 0,
+    "save_cuda_growth": 0,
+    "valid_cuda_growth": 0,
+}
 
 
 class _Counted:
@@ -84,9 +96,6 @@ def _io() -> dict[str, int]:
     return io
 
 
-_save = manager.CheckpointManager.save
-
-
 def _status(key: str) -> int:
     """A /proc/self/status figure in bytes (VmRSS, VmHWM)."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -95,25 +104,41 @@ def _status(key: str) -> int:
     return 0
 
 
-def _counted_save(self, *args, **kwargs):
-    """What this rank wrote during a save (write(2) bytes: files, and the save's few small
-    collectives; a synchronous save's files are all written before it returns), and how far
-    its resident memory rose above where it was when the save began (freed memory is returned
-    to the OS and the peak reset to the current size first: echo 5 > /proc/self/clear_refs)."""
-    before = _io().get("wchar", 0)
-    try:
-        # Freed memory back to the OS first (aiayn keeps it, aiayn/malloc.py): the rise is then
-        # what the save allocates, not hidden in pages an earlier peak left free.
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-    rss = _status("VmRSS")
-    try:
-        return _save(self, *args, **kwargs)
-    finally:
-        counts["save_written"] += _io().get("wchar", 0) - before
-        counts["save_peak_growth"] = max(counts["save_peak_growth"], _status("VmHWM") - rss)
+def _measured(name: str, method, counts_writes: bool = False):
+    """`method`, wrapped to record how far this rank's resident memory (and its CUDA memory
+    allocated, on a GPU) rose above where it was when the call began, as NAME_peak_growth and
+    NAME_cuda_growth (the largest over the run's calls); with counts_writes, also its write(2)
+    bytes (a synchronous save's files are all written before it returns)."""
+
+    def wrapped(self, *args, **kwargs):
+        before = _io().get("wchar", 0)
+        try:
+            # Freed memory back to the OS first (aiayn keeps it, aiayn/malloc.py), and the peak
+            # reset to the current size: the rise is then what the call allocates, not hidden
+            # in pages an earlier peak left free.
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+        rss = _status("VmRSS")
+        cuda = torch.cuda.is_initialized()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            allocated = torch.cuda.memory_allocated()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if counts_writes:
+                counts[f"{name}_written"] += _io().get("wchar", 0) - before
+            rise = _status("VmHWM") - rss
+            counts[f"{name}_peak_growth"] = max(counts[f"{name}_peak_growth"], rise)
+            if cuda:
+                torch.cuda.synchronize()
+                rise = torch.cuda.max_memory_allocated() - allocated
+                counts[f"{name}_cuda_growth"] = max(counts[f"{name}_cuda_growth"], rise)
+
+    return wrapped
 
 
 def _report(out: Path, started: float) -> None:
@@ -132,7 +157,8 @@ def _report(out: Path, started: float) -> None:
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     sources.open_bytes = _counting_open
-    manager.CheckpointManager.save = _counted_save
+    manager.CheckpointManager.save = _measured("save", manager.CheckpointManager.save, True)
+    evaluate.Validation.run = _measured("valid", evaluate.Validation.run)
     atexit.register(_report, out, time.perf_counter())
     sys.argv = ["aiayn", *sys.argv[2:]]
     runpy.run_module("aiayn", run_name="__main__")

@@ -12,6 +12,8 @@
 # nccl     whether NCCL lets two ranks share one GPU (the trainer refuses it before NCCL does)
 # train    benchmarks/gpu_train.py: transformer_base bf16 on Multi30k from the token cache:
 #          data wait, checkpoint blocking, tokens/s, MFU in the real trainer
+# scale    benchmarks/scale.py on the GPU, transformer_big under ZeRO-3: how far the CUDA memory
+#          allocated rises during a save and during a validation, against the model's size
 # decode   aiayn translate (beam 4, batch 32) on the GPU, and the same model exported to
 #          Hugging Face transformers
 #
@@ -96,6 +98,8 @@ for stage in "$@"; do
     nccl) run_stage nccl 60 $PY benchmarks/nccl_shared_gpu.py ;;
     train) run_stage train 180 $PY benchmarks/gpu_train.py --corpus "$CORPUS" \
         --workdir "$WORK/train" --out "$LOGS" ;;
+    scale) run_stage scale 120 $PY benchmarks/scale.py --world 1 --device cuda \
+        --preset transformer_big --zero 3 --pairs 4000 --workdir "$WORK/scale" ;;
     decode) run_stage decode 200 bash -c stage_decode ;;
     *) echo "unknown stage $stage" ;;
     esac

@@ -2,13 +2,17 @@
 
     python benchmarks/scale.py                      # W = 1 2 4 8, a 64k-pair corpus in 8 files
     python benchmarks/scale.py --world 1 2 --pairs 16000
+    python benchmarks/scale.py --world 1 --device cuda --preset transformer_big --zero 3 \
+        --pairs 4000                                # a GPU's memory at a save and a validation
 
 For each W, a run of the smallest model (gloo, on CPU) starts, builds its token cache, trains
 2 steps and saves (first start), then the same command with 4 steps resumes from that
 checkpoint (restart). Every rank runs under benchmarks/_scale_probe.py, which counts the bytes
 it read from corpus files and how many it opened, the bytes it hashed (checkpoint and cache
 verification, manifests), its read(2) bytes (imports included), what it wrote while saving
-the checkpoint (synchronously, at the end of each phase) and its peak memory. The
+the checkpoint (synchronously, at the end of each phase), how far its memory rose during the
+save and during a validation (host, and CUDA memory allocated with --device cuda: one GPU per
+rank, NCCL) and its peak memory. The
 tokenizer is trained once beforehand, as `aiayn tokenizer train` would: its sample is rank 0's
 alone and not part of what scales. The corpus is the generated numbers corpus cut into
 --files file pairs, so that the cache build can split it by file (docs/data.md).
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -35,6 +40,7 @@ sys.path.insert(0, str(ROOT / "src"))
 PROBE = Path(__file__).with_name("_scale_probe.py")
 STARTUP = re.compile(r"start-up ([\d.]+) s")
 BUILT = re.compile(r"token cache .* built in ([\d.]+) s by (\d+) rank")
+PASSED = ("PYTHONPATH", "LD_LIBRARY_PATH")
 SAVED = re.compile(r"saved \S+ in ([\d.]+)s")
 
 
@@ -50,19 +56,27 @@ def make_corpus(root: Path, pairs: int, n_files: int) -> Path:
     return corpus
 
 
-def make_config(root: Path, corpus: Path, d_model: int, layers: int, zero: int | None) -> Path:
+def make_config(root: Path, corpus: Path, args) -> Path:
     from aiayn.config import load_config
     from aiayn.data import sample_sentences
     from aiayn.tokenizer import train_tokenizer
 
+    d, zero = args.d_model, args.zero
+    model = (
+        f"{{preset: {args.preset}, max_len: 64, dropout: 0.0}}"
+        if args.preset
+        else f"{{N: {args.layers}, d_model: {d}, d_ff: {2 * d}, h: 4, max_len: 64, dropout: 0.0}}"
+    )
+    precision = "bf16" if args.device == "cuda" else "fp32"
     config = root / "run.yaml"
     config.write_text(
         f"""
-model: {{N: {layers}, d_model: {d_model}, d_ff: {2 * d_model}, h: 4, max_len: 64, dropout: 0.0}}
+model: {model}
 tokenizer: {{path: {root}/spm.model, vocab_size: 120}}
 data: {{train: "{corpus}/part*", valid: {corpus}/valid, src_lang: en, tgt_lang: de,
         max_len: 40, shuffle_buffer: 1000}}
-train: {{max_tokens: 600, eval_every: 2, eval_bleu: 0, threads: 1}}
+train: {{max_tokens: 600, eval_every: 2, eval_bleu: 0, threads: 1, device: {args.device},
+         precision: {precision}}}
 logging: {{every_steps: 1, peak_tflops: 1}}
 checkpoint: {{every_steps: 2, async_save: false}}
 """
@@ -87,6 +101,8 @@ def launch(world: int, config: Path, run_dir: Path, out: Path, steps: int) -> st
         f"train.max_steps={steps}",
     ]
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    # What a GPU machine's packages and driver need (wheels on PYTHONPATH, CUDA libraries).
+    env |= {k: v for k, v in os.environ.items() if k in PASSED or k.startswith(("CUDA_", "NCCL_"))}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
         sys.exit(f"W={world}: the run failed\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
@@ -109,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--zero", type=int, choices=[1, 2, 3], help="DeepSpeed ZeRO (default: DDP)")
+    p.add_argument("--preset", help="a model preset (transformer_big) instead of --d-model")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--workdir", default=str(ROOT / "runs" / "bench" / "scale"))
     args = p.parse_args(argv)
     work = Path(args.workdir)
@@ -116,13 +134,14 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True)
     corpus = make_corpus(work, args.pairs, args.files)
     corpus_bytes = sum(f.stat().st_size for f in corpus.glob("part*"))
-    config = make_config(work, corpus, args.d_model, args.layers, args.zero)
+    config = make_config(work, corpus, args)
     print(f"Machine: {machine()}")
     print(
         f"Corpus: {args.pairs:,} pairs in {args.files} file pairs, {mib(corpus_bytes)} MiB; "
-        f"model d_model {args.d_model}, N {args.layers}; "
-        f"{'DDP' if args.zero is None else f'DeepSpeed ZeRO-{args.zero}'}, gloo on CPU, one "
-        "thread per rank\n"
+        f"model {args.preset or f'd_model {args.d_model}, N {args.layers}'}; "
+        f"{'DDP' if args.zero is None else f'DeepSpeed ZeRO-{args.zero}'}, "
+        f"{'NCCL, one GPU per rank, bf16' if args.device == 'cuda' else 'gloo on CPU, fp32'}, "
+        "one thread per rank\n"
     )
     header = [
         "W",
@@ -134,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         "peak RSS MiB: max rank",
         "MiB written by the save: max rank / all",
         "save's RSS rise MiB: max rank",
+        "validation's RSS rise MiB: max rank",
+        *(["CUDA rise MiB, save / validation: max rank"] if args.device == "cuda" else []),
         "start-up s (rank 0)",
         "cache build s",
         "save s (rank 0)",
@@ -161,14 +182,24 @@ def main(argv: list[str] | None = None) -> None:
                     f"{max(r['peak_rss_mib'] for r in got):.0f}",
                     f"{mib(max(r['save_written'] for r in got))} / "
                     f"{mib(sum(r['save_written'] for r in got))}",
-                    f"{mib(max(r.get('save_peak_growth', 0) for r in got))}",
+                    mib(max(r["save_peak_growth"] for r in got)),
+                    mib(max(r["valid_peak_growth"] for r in got)),
+                    *(
+                        [
+                            f"{mib(max(r['save_cuda_growth'] for r in got))} / "
+                            f"{mib(max(r['valid_cuda_growth'] for r in got))}"
+                        ]
+                        if args.device == "cuda"
+                        else []
+                    ),
                     startup,
                     built[-1][0] if built else "-",
                     SAVED.findall(log)[-1],
                 ]
             )
             print(markdown_table(header, rows[-1:]).splitlines()[-1], flush=True)
-    print()
+    weights = sorted(run_dir.glob("checkpoints/step_*/model.safetensors"))[-1]
+    print(f"\nThe model: {mib(weights.stat().st_size)} MiB of weights (model.safetensors)\n")
     print(markdown_table(header, rows))
 
 
