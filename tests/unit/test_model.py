@@ -291,3 +291,17 @@ def test_sequence_longer_than_max_len_raises_a_clear_error():
         model(ids(1, 4), ids(1, 20))
     with pytest.raises(ValueError, match=r"17 tokens.*max_len \(16\)"):
         tiny("lm", max_len=16)(ids(1, 17))
+
+
+@pytest.mark.parametrize("kind", ["seq2seq", "lm", "classifier"])
+def test_a_model_with_half_parameters_and_fp32_buffers_runs_in_half(kind):
+    """DeepSpeed's fp16 casts the parameters to half and keeps buffers (the sinusoids) in
+    fp32: each layer must still see half inputs (found on a GPU: 'expected mat1 and mat2 to
+    have the same dtype, but got: float != c10::Half')."""
+    model = tiny(kind)
+    for p in model.parameters():
+        p.data = p.data.half()
+    assert any(b.dtype == torch.float32 for b in model.buffers())
+    tokens = ids(2, 6)
+    out = model(tokens, ids(2, 5)) if kind == "seq2seq" else model(tokens)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()

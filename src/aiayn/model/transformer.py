@@ -27,7 +27,10 @@ class Embeddings(nn.Module):
 
     def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         x = self.token(tokens) * self.scale  # (B, T, D)
-        x = x + self.positions(tokens.size(1), start)  # (B, T, D) + (T, D)
+        # In the embedding's dtype: DeepSpeed's fp16 casts the parameters to half and keeps
+        # buffers (the sinusoids) in fp32, which would promote the sum, and every layer's
+        # input, back to fp32.
+        x = x + self.positions(tokens.size(1), start).to(x.dtype)  # (B, T, D) + (T, D)
         return self.dropout(x)
 
 
