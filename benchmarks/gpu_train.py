@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=25000)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--compile", action="store_true")
     args = p.parse_args(argv)
     if not (Path(args.corpus) / "train.de.gz").is_file():
@@ -122,11 +122,16 @@ def main(argv: list[str] | None = None) -> None:
         lo, med, hi = min(values), statistics.median(values), max(values)
         print(f"| {name} | {fmt.format(med)} | {fmt.format(lo)} - {fmt.format(hi)} |")
     if blocked:
-        worst = max(blocked)
+        later_saves = blocked[1:] or blocked  # the first also allocates the reused host buffers
+        med = statistics.median(later_saves)
         print(
-            f"| checkpoint save: training blocked, s | {statistics.median(blocked):.3f} | "
-            f"{min(blocked):.3f} - {worst:.3f} ({worst / step:.0%} of a median step) |"
+            f"| checkpoint save after the first: training blocked, s | {med:.3f} | "
+            f"{min(later_saves):.3f} - {max(later_saves):.3f} ({med / step:.0%} of a median "
+            f"step; the first save {blocked[0]:.3f}) |"
         )
+        print("\nWhere each save blocked the loop (train.log):")
+        for line in re.findall(r"checkpoint \d+: training blocked .*", log):
+            print(f"- {line}")
     else:
         print("| checkpoint save: training blocked | none logged | |")
 

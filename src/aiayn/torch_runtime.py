@@ -69,13 +69,16 @@ def use_deterministic_kernels() -> None:
 def use_attention_kernel(kernel: str) -> None:
     """The fused kernel scaled_dot_product_attention may pick on CUDA (train.attention_kernel).
 
-    auto allows them all, in torch's own order (cuDNN's first on Hopper in torch 2.11). Any
-    other value allows that kernel alone, with torch's math path where it does not apply
-    (flash attention takes no padding mask: the encoder and cross-attention then run the math
-    path). Process-wide switches, read at each call, the backward's too.
+    auto allows flash attention and the memory-efficient kernel, in torch's order (flash where
+    it applies: no padding mask, as the decoder's causal self-attention on right-padded
+    targets), but not cuDNN's, which torch 2.11 tries first on Hopper: at translation lengths
+    it was the slower on an H200 (benchmarks/README.md, "On a GPU"). Any other value allows
+    that kernel alone, with torch's math path where it does not apply (flash attention takes
+    no padding mask: the encoder and cross-attention then run the math path). Process-wide
+    switches, read at each call, the backward's too.
     """
     auto = kernel == "auto"
-    torch.backends.cuda.enable_cudnn_sdp(auto or kernel == "cudnn")
+    torch.backends.cuda.enable_cudnn_sdp(kernel == "cudnn")
     torch.backends.cuda.enable_flash_sdp(auto or kernel == "flash")
     torch.backends.cuda.enable_mem_efficient_sdp(auto or kernel == "efficient")
     torch.backends.cuda.enable_math_sdp(True)

@@ -253,6 +253,7 @@ class CheckpointManager:
         """Every rank saves the tracked run at `step`; `valid` (this step's validation
         metrics) goes into the manifest, so that keeping the best survives restarts."""
         run = self._run
+        marks = _Marks()  # the loop is blocked from here: the log line counts all of it
         if run.engine.replicas_differ(run.env):
             raise TrainingError(
                 f"parameters differ between data-parallel ranks at step {step}: not saving. This "
@@ -264,6 +265,7 @@ class CheckpointManager:
             "rng": run.env.gather(rng_state()),  # every rank's dropout stream, in rank order
             "progress": vars(progress).copy(),
         }
+        marks.add("replica check and state")
         meta = {
             "config": run.cfg.to_dict(),
             "tokenizer": run.tok.contract(),
@@ -271,7 +273,7 @@ class CheckpointManager:
         }
         if valid:
             meta["metrics"] = {metric_names.tag(k): v for k, v in valid.items()}
-        return self.save(step, run.engine, state, meta, run.env)
+        return self.save(step, run.engine, state, meta, run.env, marks)
 
     # ---- writing ----------------------------------------------------------------------------
 
@@ -282,6 +284,7 @@ class CheckpointManager:
         trainer_state: dict[str, Any],
         meta: dict[str, Any],
         env=None,
+        marks: _Marks | None = None,
     ) -> Path | None:
         """Write checkpoint `step` of `engine` with `trainer_state` atomically; return its path
         (None on non-writers, and when the save failed). `save_step` calls it with the tracked
@@ -301,8 +304,10 @@ class CheckpointManager:
         the previous checkpoint, and training goes on until checkpoint.max_failed_saves saves
         in a row have failed (checkpoint/failures.py says why).
         """
-        started = time.perf_counter()
+        marks = marks or _Marks()  # where an async save's blocking time goes, for its log line
+        started = marks.started
         self._join(env)  # one write in flight at a time; every rank learns how the last ended
+        marks.add("previous write")
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{final.name}"
         distributed = env is not None and env.distributed
@@ -311,8 +316,10 @@ class CheckpointManager:
         problem = _attempt(self._make_tmp, tmp) if self.is_writer else None
         if self._settle(step, env, tmp, problem):
             return None
+        marks.add("directory")
         written: list[Path] = []  # this rank's shard files, which it hashes
         problem = _attempt(lambda: written.extend(engine.save_shards(tmp)))
+        marks.add("engine shards")
         rank, world = (env.rank, env.world_size) if distributed else (0, 1)
         skeleton, state_tensors = split_tensors(trainer_state)
         if self.async_save:
@@ -329,13 +336,16 @@ class CheckpointManager:
             keep = host_copy if weights.transient and not self.async_save else copy
             parts = layout.slices(weights.each(layout.names), lo, hi, keep)
             shares[MODEL_FILE] = (parts, lo, hi)
+        marks.add("weights")
         layout = TensorFile.of(state_tensors, None)
         lo, hi = layout.share(rank, world)
         items = ((name, state_tensors[name]) for name in layout.names)
         shares[TRAINER_TENSORS_FILE] = (layout.slices(items, lo, hi, copy), lo, hi)
         nbytes = sum(slice_bytes(sl) for sl, _, _ in shares.values())
+        marks.add("trainer tensors")
         if self._settle(step, env, tmp, problem, nbytes):  # every rank's shards are on disk
             return None
+        marks.add("agreement")
         if self.is_writer:
             skeleton = self._staging.copy_tree(skeleton) if self.async_save else skeleton
         write = (step, tmp, shares, written, skeleton, meta, started, env)
@@ -345,9 +355,10 @@ class CheckpointManager:
             args = (*write, self._staging.end(), nbytes)
             self._writer = threading.Thread(target=self._write_in_background, args=args)
             self._writer.start()  # not a daemon: an exiting process finishes the write
+            marks.add("the rest")
             if self.is_writer:
                 blocked = time.perf_counter() - started
-                log.info("checkpoint %d: training blocked %.2fs", step, blocked)
+                log.info("checkpoint %d: training blocked %.3fs (%s)", step, blocked, marks)
             self._pending = step
             return final if self.is_writer else None
         problem = _attempt(self._write, *write)
@@ -553,6 +564,22 @@ def _range_entry(path: Path, ranges: list) -> dict[str, Any]:
     if len(ranges) == 1:
         return {"bytes": size, "sha256": ranges[0][2]}
     return {"bytes": size, "sha256_ranges": ranges}
+
+
+class _Marks:
+    """Seconds between successive marks, for a log line: "previous write 0.000, ..."."""
+
+    def __init__(self):
+        self.started = self._last = time.perf_counter()
+        self._spans: list[tuple[str, float]] = []
+
+    def add(self, name: str) -> None:
+        now = time.perf_counter()
+        self._spans.append((name, now - self._last))
+        self._last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {seconds:.3f}" for name, seconds in self._spans)
 
 
 def _attempt(action, *args) -> Exception | None:

@@ -316,11 +316,12 @@ class TrainConfig(Section):
     deterministic kernel stops the run with torch's error naming it. On CPU the kernels
     already are: a run with the same settings on the same machine repeats without it."""
     attention_kernel: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
-    """On CUDA, the fused kernel attention may use: auto is torch's choice (cuDNN's on Hopper);
-    another value allows that kernel alone, with torch's math path where it does not apply
-    (flash takes no padding mask). On an H200 cuDNN's attention took a third of a
-    transformer_big step at translation lengths (benchmarks/README.md; mfu.py
-    --attention-kernels compares them). No effect on CPU."""
+    """On CUDA, the fused kernel attention may use: auto allows flash and memory-efficient
+    attention, in torch's order, but not cuDNN's (which torch tries first on Hopper: on an H200
+    it was the slower at translation lengths, 28.1% MFU against 31.0% for transformer_big,
+    benchmarks/README.md); another value allows that kernel alone, with torch's math path
+    where it does not apply (flash takes no padding mask). mfu.py --attention-kernels compares
+    them on a GPU. No effect on CPU."""
     memory_probe: Literal["auto", "always", "never"] = "auto"
     """Before the first step (of a new or resumed run), one forward and backward pass of the
     epoch's largest batch, gradients then dropped and no random state moved, so that an
