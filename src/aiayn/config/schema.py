@@ -316,12 +316,12 @@ class TrainConfig(Section):
     deterministic kernel stops the run with torch's error naming it. On CPU the kernels
     already are: a run with the same settings on the same machine repeats without it."""
     attention_kernel: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
-    """On CUDA, the fused kernel attention may use: auto allows flash and memory-efficient
-    attention, in torch's order, but not cuDNN's (which torch tries first on Hopper: on an H200
-    it was the slower at translation lengths, 28.1% MFU against 31.0% for transformer_big,
-    benchmarks/README.md); another value allows that kernel alone, with torch's math path
-    where it does not apply (flash takes no padding mask). mfu.py --attention-kernels compares
-    them on a GPU. No effect on CPU."""
+    """On CUDA, the fused kernel attention may use: auto is the memory-efficient kernel, the
+    fastest measured at translation lengths (transformer_big on an H200: 31.5% MFU, against
+    29.0% with flash allowed beside it, 28.2% with cuDNN's, torch's own first choice on
+    Hopper, and 24.9% with flash alone; benchmarks/README.md). Another value allows that kernel
+    alone. Each falls back to torch's math path where it does not apply (flash takes no
+    padding mask). mfu.py --attention-kernels compares them on a GPU. No effect on CPU."""
     memory_probe: Literal["auto", "always", "never"] = "auto"
     """Before the first step (of a new or resumed run), one forward and backward pass of the
     epoch's largest batch, gradients then dropped and no random state moved, so that an
@@ -511,8 +511,9 @@ class Config:
         if self.train.deterministic and self.train.attention_kernel == "cudnn":
             errs.append(
                 "train.attention_kernel=cudnn with train.deterministic=true: cuDNN's attention "
-                "has no deterministic backward; set train.attention_kernel=auto (deterministic "
-                "runs use flash or memory-efficient attention) or train.deterministic=false"
+                "has no deterministic backward; set train.attention_kernel=auto (the "
+                "memory-efficient kernel, deterministic under train.deterministic) or "
+                "train.deterministic=false"
             )
         if (self.schedule.cooldown or 0) > self.train.max_steps:
             errs.append(
