@@ -54,6 +54,15 @@ def bytes_hashed() -> int:
     return _hashed
 
 
+def size_text(n: float) -> str:
+    """A byte count for a person: "812 bytes", "3.4 MiB"."""
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""  # unreachable
+
+
 def fsync_path(path: Path) -> None:
     """fsync a file, or a directory (which makes the renames inside it durable)."""
     fd = os.open(path, os.O_RDONLY)

@@ -8,7 +8,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from aiayn.config import Config
-from aiayn.distributed.reshard import Portable, trainable
+from aiayn.distributed.reshard import MOMENTS, Portable, trainable
 from aiayn.schedule import learning_rate
 
 
@@ -49,9 +49,9 @@ def load_torch_adam(optimizer: torch.optim.Optimizer, params, state: Portable) -
     saved = optimizer.state_dict()
     step = torch.tensor(float(state.step))  # torch's Adam keeps the step as a float tensor
     saved["state"] = {
-        i: {"step": step.clone(), **{k: v.clone() for k, v in state.moments[name].items()}}
+        i: {"step": step.clone(), **{k: state.whole(name, k) for k in MOMENTS}}
         for i, (name, _) in enumerate(params)
-        if name in state.moments
+        if state.has_moments(name)
     }
     optimizer.load_state_dict(saved)  # casts to each parameter's device and dtype
 

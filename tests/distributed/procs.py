@@ -16,6 +16,7 @@ from aiayn.data import sample_sentences
 from aiayn.tokenizer import train_tokenizer
 
 STEPS = 20
+EXAMPLES = 3000  # training pairs of the numbers corpus
 
 # torchrun gives each of several local processes one thread; a matmul split over another
 # number of threads sums in another order. Every run here gets one, so runs compare exactly.
@@ -28,7 +29,7 @@ def make_setup(root: Path) -> tuple[Path, Path]:
     Every run reads one token cache, built by the first (the build, by one rank and by two, and
     killed: test_prepare.py), and is given a peak instead of measuring one (MFU:
     tests/unit/test_flops.py): each saves a rank 0.6 s of start-up, in some 60 launches."""
-    corpus = demo_data.write_numbers(root / "numbers", n_train=3000, n_valid=100, n_test=50)
+    corpus = demo_data.write_numbers(root / "numbers", n_train=EXAMPLES, n_valid=100, n_test=50)
     config = root / "run.yaml"
     config.write_text(
         f"""

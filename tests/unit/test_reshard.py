@@ -31,14 +31,22 @@ def engine_after_steps(steps: int) -> LocalEngine:
     return engine
 
 
+def portable_of(engine: LocalEngine) -> reshard.Portable:
+    """The engine's state as a checkpoint would give it to a new topology."""
+    shapes = {n: p.shape for n, p in reshard.trainable(engine.module)}
+    weights = {
+        (n, reshard.WEIGHT): reshard.Pieces([p.detach().clone().flatten()])
+        for n, p in reshard.trainable(engine.module)
+    }
+    saved = engine.state_dict()
+    return reshard._from_torch_optimizer(saved["optimizer"], weights, shapes, saved["scheduler"], 0)
+
+
 def test_torch_adam_state_round_trips_exactly_through_the_portable_form():
     source = engine_after_steps(3)
     names = [n for n, _ in reshard.trainable(source.module)]
-    weights = {n: p.detach().clone() for n, p in reshard.trainable(source.module)}
-    saved = source.state_dict()
-    state = reshard._from_torch_optimizer(saved["optimizer"], weights, names,
-                                          saved["scheduler"], 0)  # fmt: skip
-    assert state.step == 3 and set(state.moments) == set(names)
+    state = portable_of(source)
+    assert state.step == 3 and all(state.has_moments(n) for n in names)
     target = engine_after_steps(0)  # another initialisation, no Adam state yet
     target.load_portable(state)
     assert target.lr == source.lr  # the schedule's position and the lr it set
@@ -77,24 +85,70 @@ def zero12_partitions(full: dict[str, torch.Tensor], paddings: list[int], world:
     return list(flat.chunk(world))
 
 
+def merged(pieces: dict[str, reshard.Pieces]) -> dict[str, torch.Tensor]:
+    return {n: p.read(0, p.numel).view(SHAPES[n]) for n, p in pieces.items()}
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_zero_partitions_merge_back_into_whole_tensors(world):
     full = {n: torch.randn(s) for n, s in SHAPES.items()}
-    merged = reshard._zero3_merge(zero3_partitions(full, world), SHAPES, world)
-    assert all(torch.equal(merged[n], full[n]) for n in full)
+    ranks = [reshard.Pieces([t]) for t in zero3_partitions(full, world)]
+    got = merged(reshard._zero3_pieces(ranks, SHAPES, world))
+    assert all(torch.equal(got[n], full[n]) for n in full)
     paddings = [1, 0, 3]
-    flat = torch.cat(zero12_partitions(full, paddings, world))
-    merged = reshard._zero12_merge([flat], [SHAPES], [paddings])
-    assert all(torch.equal(merged[n], full[n]) for n in full)
+    flat = reshard.Pieces(zero12_partitions(full, paddings, world))
+    got = merged(reshard._zero12_pieces([flat], [SHAPES], [paddings]))
+    assert all(torch.equal(got[n], full[n]) for n in full)
+
+
+@pytest.mark.parametrize("old", [1, 2, 3, 4])
+@pytest.mark.parametrize("new", [1, 2, 3, 4])
+def test_each_new_rank_reads_its_partition_and_about_1_over_w_of_the_state(old, new):
+    """Resharding W_old ZeRO-3 partitions (sub-groups within each rank, as DeepSpeed keeps them)
+    for W_new ranks: each new rank's range of each parameter is exactly that range of the whole
+    tensor, and it reads its ranges only: 1/W_new of the elements, however the old files cut
+    them."""
+    torch.manual_seed(old * 10 + new)
+    shapes = {"a": torch.Size([30, 5]), "b": torch.Size([77]), "c": torch.Size([16, 8])}
+    full = {n: torch.randn(s) for n, s in shapes.items()}
+    subgroups = [[t[: t.numel() // 3], t[t.numel() // 3 :]] for t in zero3_partitions(full, old)]
+    pieces = reshard._zero3_pieces([reshard.Pieces(g) for g in subgroups], shapes, old)
+    total = sum(t.numel() for t in full.values())
+    for rank in range(new):
+        state = reshard.Portable(shapes, {(n, "weight"): pieces[n] for n in shapes}, 0, {}, 0)
+        for name, shape in shapes.items():
+            n = math.ceil(shape.numel() / new)
+            start, end = rank * n, min((rank + 1) * n, shape.numel())
+            if start < end:
+                got = state.read(name, "weight", start, end)
+                assert torch.equal(got, full[name].flatten()[start:end])
+        share = state.bytes_read / (4 * total)
+        assert abs(share - 1 / new) < 0.05, (rank, share)
+
+
+def test_a_stored_tensor_is_read_by_rows(tmp_path):
+    """A tensor of a safetensors file is read by element range through its rows alone."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tensors = {"m": torch.randn(9, 7), "v": torch.randn(11)}
+    save_file(tensors, tmp_path / "t.safetensors")
+    with safe_open(str(tmp_path / "t.safetensors"), framework="pt") as fh:
+        for key, t in tensors.items():
+            rows = reshard.Rows(fh, key)
+            for start, end in [(0, t.numel()), (3, 4), (6, 20), (t.numel() - 2, t.numel())]:
+                assert torch.equal(rows.read(start, end), t.flatten()[start:end])
 
 
 def test_partitions_of_another_model_are_refused():
     full = {n: torch.randn(s) for n, s in SHAPES.items()}
     other = {**SHAPES, "b": torch.Size([9])}
     with pytest.raises(CheckpointError, match="do not belong to this model"):
-        reshard._zero3_merge(zero3_partitions(full, 2), other, 2)
+        ranks = [reshard.Pieces([t]) for t in zero3_partitions(full, 2)]
+        reshard._zero3_pieces(ranks, other, 2)
     with pytest.raises(CheckpointError, match="do not belong to this model"):
-        reshard._zero12_merge([torch.cat(zero12_partitions(full, [0, 0, 0], 1))], [other], None)
+        flat = reshard.Pieces(zero12_partitions(full, [0, 0, 0], 1))
+        reshard._zero12_pieces([flat], [other], None)
 
 
 def test_which_topologies_share_a_layout():

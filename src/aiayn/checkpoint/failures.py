@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from aiayn.errors import CheckpointError
+from aiayn.files import size_text
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def is_disk_full(exc: BaseException | None) -> bool:
 def tensor_bytes(obj: Any) -> int:
     """Bytes of the tensors in `obj` (nested dicts, lists, tuples): what writing it needs."""
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
+        return obj.numel() * obj.elementsize_text()
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, list | tuple):
@@ -85,14 +86,6 @@ def free_bytes(path: Path) -> int:
     return 0
 
 
-def _size(n: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""  # unreachable
-
-
 def message(step: int, seen: list[Seen], root: Path, previous: Path | None) -> tuple[str, bool]:
     """What every rank reports about failed save `step` (the cause, the space it needs and
     the space there is, and that the previous checkpoint is intact), and whether the disk is
@@ -110,10 +103,10 @@ def message(step: int, seen: list[Seen], root: Path, previous: Path | None) -> t
         kept = "There is no earlier checkpoint: a restart begins from step 0."
     full = any(s.disk_full for s in failed) or (free is not None and free < needed)
     if full:
-        space = f"; {_size(free)} are free on that filesystem" if free is not None else ""
+        space = f"; {size_text(free)} are free on that filesystem" if free is not None else ""
         return (
             f"checkpoint step {step} was not written: no space left on device ({root}){where}. "
-            f"It needs about {_size(needed)}{space}. {kept} Free space, or move run_dir to a "
+            f"It needs about {size_text(needed)}{space}. {kept} Free space, or move run_dir to a "
             "larger disk."
         ), True
     return (

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, load_model
 from torch import nn
 
@@ -219,6 +220,7 @@ def load_checkpoint(
     tokenizer: Any = None,
     verify: bool = True,
     with_trainer_state: bool = True,
+    lazy: Callable[[str], bool] | None = None,
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """Load weights into `model`; return (trainer_state, manifest). Never unpickles code.
 
@@ -229,7 +231,8 @@ def load_checkpoint(
     `verify=False` skips the checksums for a checkpoint that `CheckpointManager.latest` or
     `resolve_checkpoint` has just verified: hashing the weights twice doubles the load time.
     `with_trainer_state=False` (inference) reads no optimizer state and returns None for it;
-    averaged checkpoints have none.
+    averaged checkpoints have none. `lazy`: which of the trainer state's tensors to leave
+    unread (read_trainer_state).
     """
     manifest = read_manifest(ckpt, verify=verify)
     if expect_model is not None:
@@ -254,13 +257,46 @@ def load_checkpoint(
             f"{ckpt} holds weights only (an averaged checkpoint?): it can be translated and "
             "evaluated, not resumed. Resume from a checkpoint the run saved."
         )
-    return read_trainer_state(ckpt), manifest
+    return read_trainer_state(ckpt, lazy), manifest
 
 
-def read_trainer_state(ckpt: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Stored:
+    """A tensor of trainer.safetensors left unread (read_trainer_state's `lazy`): resharding
+    reads only the ranges of it that this rank keeps (distributed/reshard.py)."""
+
+    key: str
+
+
+def read_trainer_state(ckpt: Path, lazy: Callable[[str], bool] | None = None) -> dict[str, Any]:
     """trainer.pt, with its tensors put back from trainer.safetensors where they are there
-    (checkpoints written before hold them in trainer.pt)."""
+    (checkpoints written before hold them in trainer.pt); those whose key `lazy` accepts
+    ("/engine/optimizer/state/3/exp_avg") stand as `Stored` placeholders, unread."""
     trainer_state = torch.load(ckpt / TRAINER_FILE, map_location="cpu", weights_only=True)
-    if (ckpt / TRAINER_TENSORS_FILE).is_file():
-        trainer_state = join_tensors(trainer_state, load_file(ckpt / TRAINER_TENSORS_FILE))
-    return trainer_state
+    path = ckpt / TRAINER_TENSORS_FILE
+    if not path.is_file():
+        return trainer_state
+    if lazy is None:
+        return join_tensors(trainer_state, load_file(path))
+    with safe_open(str(path), framework="pt") as fh:
+        tensors = {k: Stored(k) if lazy(k) else fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
+    return join_tensors(trainer_state, tensors)
+
+
+def read_stored(state: Any, ckpt: Path) -> Any:
+    """`state` with every `Stored` placeholder read from the checkpoint's trainer.safetensors."""
+    keys: list[str] = []
+    _tree_map(state, lambda leaf: isinstance(leaf, Stored) and keys.append(leaf.key))
+    if not keys:
+        return state
+    with safe_open(str(ckpt / TRAINER_TENSORS_FILE), framework="pt") as fh:
+        tensors = {k: fh.get_tensor(k) for k in keys}
+    return _tree_map(state, lambda leaf: tensors[leaf.key] if isinstance(leaf, Stored) else leaf)
+
+
+def _tree_map(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    if isinstance(obj, dict):
+        return {k: _tree_map(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_tree_map(v, fn) for v in obj)
+    return fn(obj)

@@ -37,6 +37,7 @@ from aiayn.checkpoint.format import (
     latest_valid,
     load_checkpoint,
     read_manifest,
+    read_stored,
     split_tensors,
     step_dir_name,
     step_of,
@@ -45,7 +46,7 @@ from aiayn.checkpoint.tensor_files import TensorFile, slice_bytes, write_slices
 from aiayn.distributed import reshard  # as a module: reshard imports checkpoint.format
 from aiayn.distributed.env import DistEnv
 from aiayn.errors import CheckpointError, TrainingError
-from aiayn.files import fsync_path, sha256_of, write_atomic
+from aiayn.files import fsync_path, sha256_of, size_text, write_atomic
 from aiayn.seeding import load_rng_state, rng_state, seed_everything
 from aiayn.startup import StartupTimes
 
@@ -210,8 +211,15 @@ class CheckpointManager:
         cfg, env = run.cfg, run.env
         startup = startup or StartupTimes.of_this_process()
         with startup.phase("checkpoint load"):
+            # The engine's tensors (Adam's moments) stay unread until it is known whether they
+            # are loaded whole or resharded, when each rank reads only its part.
             trainer_state, manifest = load_checkpoint(
-                ckpt, None, expect_model=cfg.model, tokenizer=run.tok, verify=False
+                ckpt,
+                None,
+                expect_model=cfg.model,
+                tokenizer=run.tok,
+                verify=False,
+                lazy=lambda key: key.startswith("/engine/"),
             )
             self._load_engine(ckpt, trainer_state, manifest)
         with startup.phase("data position"):
@@ -239,13 +247,22 @@ class CheckpointManager:
         if saved.same_layout(here):  # the engine reads its own format: a bitwise resume
             if engine.loads_weights:
                 load_checkpoint(ckpt, engine.module, verify=False, with_trainer_state=False)
-            engine.load_state_dict(trainer_state["engine"], ckpt)
+            engine.load_state_dict(read_stored(trainer_state["engine"], ckpt), ckpt)
         else:  # weights and optimizer state resharded by parameter name
             log.warning(
                 "checkpoint written by %s, resuming on %s: resharding its state", saved, here
             )
-            names = [name for name, _ in reshard.trainable(engine.module)]
-            engine.load_portable(reshard.read(ckpt, trainer_state, saved, names))
+            shapes = {name: p.shape for name, p in reshard.trainable(engine.module)}
+            with reshard.read(ckpt, trainer_state, saved, shapes) as state:
+                engine.load_portable(state)
+            # Each rank read its share of the state, not the whole of it (ZeRO): say so.
+            busiest = env.max([float(state.bytes_read)])[0] if env.distributed else state.bytes_read
+            log.info(
+                "resharding read %s of the checkpoint's %s of weights and optimizer state on the "
+                "busiest rank",
+                size_text(busiest),
+                size_text(state.bytes_stored),
+            )
 
     def save_step(
         self, step: int, progress: Progress, valid: dict[str, float] | None = None

@@ -123,7 +123,7 @@ class LocalEngine:
         params = reshard.trainable(self.module)
         with torch.no_grad():
             for name, p in params:
-                p.copy_(state.weights[name])
+                p.copy_(state.whole(name, reshard.WEIGHT))
         load_torch_adam(self.optimizer, params, state)
         load_schedule(self.scheduler, state)
         self.skipped_steps = state.skipped_steps

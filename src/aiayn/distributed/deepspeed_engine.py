@@ -219,8 +219,10 @@ class DeepSpeedEngine:
             raise CheckpointError(f"DeepSpeed could not load the shards in {checkpoint}")
 
     def load_portable(self, state: Portable) -> None:
-        """Restore from a checkpoint written on another topology (distributed/reshard.py):
-        every rank holds the whole state and keeps its own partition of it."""
+        """Restore from a checkpoint written on another topology (distributed/reshard.py).
+        Each rank reads only the part of the state it keeps: its ZeRO partition of the fp32
+        weights and of Adam's moments (and under ZeRO 0-2, the whole weights every rank
+        holds)."""
         if self.offload or "fp16" in self.ds_config:
             raise CheckpointError(
                 "resuming on another topology is not supported with DeepSpeed's CPU offload or "
@@ -229,17 +231,13 @@ class DeepSpeedEngine:
                 "at a later resume on the same topology"
             )
         params = reshard.trainable(self.module)
-        self._load_weights(params, state.weights)
         zero = self.model.optimizer
         if self.zero_stage == 0:  # DeepSpeed runs the torch optimizer on the module itself
+            self._load_whole_weights(params, state)
             load_torch_adam(zero, params, state)
         else:
-            from deepspeed.utils import lazy_init_hp_params_optimizer_state
-            from deepspeed.utils import safe_set_full_optimizer_state as set_state
-
             # Adam creates its state at the first step; create it here, on this rank's flat
-            # fp32 partitions, then write each parameter's share through DeepSpeed's
-            # tensor-fragment API, which knows every stage's partitioning.
+            # fp32 partitions, then write each parameter's part of it.
             flats = (
                 zero.fp32_partitioned_groups_flat
                 if self.zero_stage == 3
@@ -255,32 +253,70 @@ class DeepSpeedEngine:
                     ),
                     **{k: torch.zeros_like(flat) for k in reshard.MOMENTS},
                 }
-            if self.zero_stage < 3:  # link each parameter to its slice of the new state
-                for group, flat in zip(zero.bit16_groups, flats, strict=True):
-                    lazy_init_hp_params_optimizer_state(group, flat, zero.optimizer.state)
-                zero._hp_optimizer_states_linked = True
-            for name, p in params:
-                for key, value in state.moments.get(name, {}).items():
-                    set_state(p, value.to(self.device), key)
+            if self.zero_stage == 3:
+                self._load_zero3_partitions(params, state)
+            else:
+                self._load_whole_weights(params, state)
+                self._load_zero12_moments(params, flats, state)
         load_schedule(self.scheduler, state)
         # DeepSpeed's own counters: steps taken (skipped ones included) and samples seen.
         self.model.skipped_steps = state.skipped_steps
         self.model.global_steps = state.scheduler["last_epoch"] + state.skipped_steps
         self.model.global_samples = self.model.global_steps * self.model.train_batch_size()
 
-    def _load_weights(self, params, weights: dict[str, torch.Tensor]) -> None:
-        """Module weights, then the optimizer's fp32 master copies from them."""
+    def _load_whole_weights(self, params, state: Portable) -> None:
+        """Stages 0-2 hold the whole weights on every rank; then the optimizer's fp32 master
+        partition from them."""
         with torch.no_grad():
             for name, p in params:
-                # ZeRO-3 keeps only a partition: gather, write the whole tensor, re-partition.
-                with (
-                    self._gathered([p], modifier_rank=0)
-                    if self.zero_stage == 3
-                    else contextlib.nullcontext()
-                ):
-                    p.data.copy_(weights[name].to(p.device, p.dtype).view_as(p.data))
+                p.data.copy_(state.whole(name, reshard.WEIGHT).to(p.device, p.dtype))
         if self.zero_stage > 0:
             self.model.optimizer.refresh_fp32_params()
+
+    def _load_zero12_moments(self, params, flats, state: Portable) -> None:
+        """Each parameter's fragment of this rank's partition (DeepSpeed's tensor-fragment
+        mapping says which elements of the flattened parameter it holds)."""
+        from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+        zero = self.model.optimizer
+        for group, flat in zip(zero.bit16_groups, flats, strict=True):
+            lazy_init_hp_params_optimizer_state(group, flat, zero.optimizer.state)
+        zero._hp_optimizer_states_linked = True
+        for name, p in params:
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is None or not state.has_moments(name):
+                continue  # none of it on this rank, or Adam never stepped it
+            start = mapping.lp_fragment_address.start
+            end = start + mapping.lp_fragment_address.numel
+            for key in reshard.MOMENTS:
+                fragment = mapping.get_hp_fragment(key)
+                fragment.copy_(state.read(name, key, start, end).to(fragment.device))
+
+    def _load_zero3_partitions(self, params, state: Portable) -> None:
+        """This rank's piece of each parameter: the elements [r * n, (r + 1) * n) of the
+        flattened tensor, n = ceil(numel / W), zero-padded past its end. The weights go into
+        the module's partition (then the fp32 master copies from it), the moments into the
+        optimizer's."""
+        from deepspeed.utils import safe_set_local_optimizer_state
+
+        with torch.no_grad():
+            for name, p in params:
+                n = p.ds_tensor.ds_numel
+                start = p._z3_optimizer._get_param_partition_rank(p) * n
+                end = min(start + n, p.ds_numel)
+
+                def piece(key: str, start=start, end=end, n=n, name=name) -> torch.Tensor:
+                    out = torch.zeros(n)
+                    if start < end:
+                        out[: end - start] = state.read(name, key, start, end)
+                    return out
+
+                t = p.ds_tensor
+                t.data.copy_(piece(reshard.WEIGHT).to(t.device, t.dtype))
+                if state.has_moments(name):
+                    for key in reshard.MOMENTS:
+                        safe_set_local_optimizer_state(p, piece(key).to(self.device), key)
+        self.model.optimizer.refresh_fp32_params()
 
 
 def _join_single_process_group(env: DistEnv) -> None:

@@ -41,10 +41,17 @@ class DistEnv:
         """Element-wise sum over ranks (a no-op on one process). One collective for the list,
         over host memory (host_group): it neither copies to the GPU nor waits for the work
         queued there, so a sum of host numbers is no host sync."""
+        return self._reduce(values, dist.ReduceOp.SUM)
+
+    def max(self, values: list[float]) -> list[float]:
+        """Element-wise maximum over ranks, as `sum`."""
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+    def _reduce(self, values: list[float], op) -> list[float]:
         if not self.distributed:
             return values
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, group=self.host_group)
+        dist.all_reduce(t, op=op, group=self.host_group)
         return t.tolist()
 
     @functools.cached_property

@@ -12,12 +12,22 @@ global stream of batches (data/loader.py).
 
 Nothing here converts at save time: a checkpoint stays in its writer's format, and the work is
 done once, when the topology changes.
+
+Each rank reads only what it keeps. The `Portable` state reads a parameter's tensors by element
+range: from model.safetensors and trainer.safetensors through safetensors' slices, and from
+DeepSpeed's rank files mapped into memory (torch.load's mmap), whose partitions are joined
+virtually (`Pieces`), never concatenated. A ZeRO rank asks for its partition of each tensor,
+so its reads and its host memory are about 1/W of the state, where reading every old rank's
+files whole on every new rank was W_new x the checkpoint. DDP keeps a whole copy of the state
+and reads the whole of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +36,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from aiayn.checkpoint.format import MODEL_FILE
+from aiayn.checkpoint.format import MODEL_FILE, TRAINER_TENSORS_FILE, Stored
 from aiayn.errors import CheckpointError
 
 DEEPSPEED_DIR = "deepspeed"  # where every rank's `save_checkpoint` writes (deepspeed_engine.py)
@@ -69,15 +79,83 @@ class Topology:
         return cls(backend, stage, manifest.get("world_size", len(trainer_state["rng"])))
 
 
+WEIGHT = "weight"  # the fp32 (master) weights, beside MOMENTS
+
+
+class Pieces:
+    """Elements held as consecutive 1-D tensor views (a parameter's partitions in several ZeRO
+    rank files, mapped from disk): `view` selects a range without reading it, `read` copies one
+    range out as fp32."""
+
+    def __init__(self, parts: list[torch.Tensor], numel: int | None = None):
+        self.parts = [t for t in parts if t.numel()]
+        self.numel = sum(t.numel() for t in self.parts) if numel is None else numel
+        self.itemsize = self.parts[0].element_size() if self.parts else 4
+
+    def view(self, start: int, end: int) -> Pieces:
+        out, at = [], 0
+        for t in self.parts:
+            lo, hi = max(start - at, 0), min(end - at, t.numel())
+            if lo < hi:
+                out.append(t[lo:hi])
+            at += t.numel()
+        return Pieces(out)
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        parts = self.view(start, end).parts
+        return torch.cat([t.float() for t in parts]) if parts else torch.zeros(0)
+
+
+class Rows:
+    """A tensor of a safetensors file, read by element range: only the rows that hold it."""
+
+    def __init__(self, handle, key: str):
+        self.handle, self.key = handle, key
+        stored = handle.get_slice(key)
+        self.shape = list(stored.get_shape())
+        self.numel = math.prod(self.shape)
+        self.itemsize = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}.get(stored.get_dtype(), 4)
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        if len(self.shape) < 2:
+            return self.handle.get_slice(self.key)[start:end].reshape(-1).float()
+        row = self.numel // self.shape[0]
+        first = start // row
+        rows = self.handle.get_slice(self.key)[first : -(-end // row)].reshape(-1)
+        return rows[start - first * row : end - first * row].float()
+
+
 @dataclass
 class Portable:
-    """Optimizer state by parameter name, fp32, each tensor of its parameter's shape."""
+    """The optimizer state by parameter name: each trainable parameter's fp32 weights and
+    Adam moments (read by element range of the flattened parameter), Adam's step, the schedule
+    and the skipped-step count."""
 
-    weights: dict[str, torch.Tensor]  # the fp32 (master) weights
-    moments: dict[str, dict[str, torch.Tensor]]  # name -> {"exp_avg": ..., "exp_avg_sq": ...}
+    shapes: dict[str, torch.Size]  # the trainable parameters
+    tensors: dict[tuple[str, str], Pieces | Rows]  # (name, WEIGHT or a MOMENT) -> where it is
     step: int  # Adam's step count (bias correction): all parameters step together here
     scheduler: dict[str, Any]  # the LambdaLR state dict: where the schedule is
     skipped_steps: int  # fp16 overflow steps, which the schedule did not count
+    bytes_read: int = 0  # what this rank has read of the tensors so far, in their dtypes
+
+    def has_moments(self, name: str) -> bool:
+        """False for a parameter Adam never stepped (no gradient yet): it starts from zeros."""
+        return (name, MOMENTS[0]) in self.tensors
+
+    def read(self, name: str, key: str, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Elements [start, end) of the flattened tensor, fp32."""
+        source = self.tensors[name, key]
+        end = source.numel if end is None else end
+        out = source.read(start, end)
+        self.bytes_read += out.numel() * source.itemsize
+        return out
+
+    def whole(self, name: str, key: str) -> torch.Tensor:
+        return self.read(name, key).view(self.shapes[name])
+
+    @property
+    def bytes_stored(self) -> int:
+        return sum(source.numel * source.itemsize for source in self.tensors.values())
 
 
 def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -86,50 +164,72 @@ def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
-def read(ckpt: Path, trainer_state: dict[str, Any], saved: Topology, names: list[str]) -> Portable:
-    """The checkpoint's state as a Portable. `names`: the trainable parameters, in order."""
+@contextlib.contextmanager
+def read(
+    ckpt: Path, trainer_state: dict[str, Any], saved: Topology, shapes: dict[str, torch.Size]
+) -> Iterator[Portable]:
+    """The checkpoint's state as a Portable, its files open while the `with` lasts. `shapes`:
+    the trainable parameters, in order. The trainer state's tensors may be left unread
+    (format.Stored): they are read by range from trainer.safetensors."""
     if saved.backend == "deepspeed":
-        return _read_deepspeed(ckpt / DEEPSPEED_DIR, names)
+        yield _read_deepspeed(ckpt / DEEPSPEED_DIR, shapes)
+        return
     engine = trainer_state["engine"]
-    return _from_torch_optimizer(
-        engine["optimizer"],
-        _read_weights(ckpt / MODEL_FILE, names),
-        names,
-        engine["scheduler"],
-        engine.get("skipped_steps", 0),
-    )
-
-
-def _read_weights(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """model.safetensors by parameter name; tied names resolve through its metadata."""
-    with safe_open(str(path), framework="pt") as fh:
-        aliases = fh.metadata() or {}
-        return {n: fh.get_tensor(aliases.get(n, n)).float() for n in names}
+    with contextlib.ExitStack() as files:
+        weights = files.enter_context(safe_open(str(ckpt / MODEL_FILE), framework="pt"))
+        aliases = weights.metadata() or {}  # tied names: one tensor, stored once
+        tensors = {(n, WEIGHT): Rows(weights, aliases.get(n, n)) for n in shapes}
+        stored = ckpt / TRAINER_TENSORS_FILE
+        trainer = (
+            files.enter_context(safe_open(str(stored), framework="pt"))
+            if stored.is_file()
+            else None
+        )
+        yield _from_torch_optimizer(
+            engine["optimizer"],
+            tensors,
+            shapes,
+            engine["scheduler"],
+            engine.get("skipped_steps", 0),
+            trainer,
+        )
 
 
 def _from_torch_optimizer(
-    state: dict[str, Any], weights, names: list[str], scheduler: dict, skipped: int
+    state: dict[str, Any],
+    tensors: dict[tuple[str, str], Pieces | Rows],
+    shapes: dict[str, torch.Size],
+    scheduler: dict,
+    skipped: int,
+    trainer=None,
 ) -> Portable:
-    """A torch Adam state dict: `state` is indexed by position in the (single) param group."""
+    """A torch Adam state dict: `state` is indexed by position in the (single) param group.
+    Its tensors are in memory, or `Stored` in `trainer` (trainer.safetensors, open)."""
     (group,) = state["param_groups"]
-    if len(group["params"]) != len(names):
+    if len(group["params"]) != len(shapes):
         raise CheckpointError(
             f"the checkpoint's optimizer has {len(group['params'])} parameters, this model "
-            f"{len(names)}: it was written by another model; use a new run_dir"
+            f"{len(shapes)}: it was written by another model; use a new run_dir"
         )
-    moments, steps = {}, set()
-    for index, name in zip(group["params"], names, strict=True):
+
+    def source(value) -> Pieces | Rows:
+        return Rows(trainer, value.key) if isinstance(value, Stored) else Pieces([value.flatten()])
+
+    steps = set()
+    tensors = dict(tensors)
+    for index, name in zip(group["params"], shapes, strict=True):
         entry = state["state"].get(index)
         if entry is None:  # never stepped (no gradient yet): Adam starts it from zeros
             continue
-        moments[name] = {k: entry[k].float() for k in MOMENTS}
-        steps.add(int(entry["step"]))
+        tensors.update({(name, k): source(entry[k]) for k in MOMENTS})
+        step = entry["step"]
+        steps.add(int(trainer.get_tensor(step.key) if isinstance(step, Stored) else step))
     if len(steps) > 1:
         raise CheckpointError(
             f"parameters have different Adam step counts {sorted(steps)}: a sharded optimizer "
             "keeps one; resume this checkpoint with the backend it was written by"
         )
-    return Portable(weights, moments, steps.pop() if steps else 0, scheduler, skipped)
+    return Portable(dict(shapes), tensors, steps.pop() if steps else 0, scheduler, skipped)
 
 
 # ---- DeepSpeed's files --------------------------------------------------------------------
@@ -146,8 +246,9 @@ def _from_torch_optimizer(
 
 
 def _load_pickle(path: Path) -> dict[str, Any]:
-    """A DeepSpeed file. It pickles a few DeepSpeed classes, so we allow exactly those and
-    nothing else (weights_only): the manifest's checksums were verified before, too."""
+    """A DeepSpeed file, mapped into memory: a tensor's bytes are read when a range of it is
+    (Pieces.read). It pickles a few DeepSpeed classes, so we allow exactly those and nothing
+    else (weights_only): the manifest's checksums were verified before, too."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
@@ -155,7 +256,7 @@ def _load_pickle(path: Path) -> dict[str, Any]:
     allowed = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
     try:
         with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same thing
         raise CheckpointError(
             f"cannot read DeepSpeed shard {path} ({str(exc).splitlines()[0]}): it was written "
@@ -175,7 +276,7 @@ def _rank_files(folder: Path, suffix: str) -> list[Path]:
     return [found[r] for r in range(len(found))]
 
 
-def _read_deepspeed(folder: Path, names: list[str]) -> Portable:
+def _read_deepspeed(folder: Path, shapes: dict[str, torch.Size]) -> Portable:
     if not folder.is_dir():
         raise CheckpointError(f"{folder} is missing: the checkpoint has no DeepSpeed shards")
     model_file = folder / "mp_rank_00_model_states.pt"
@@ -184,27 +285,27 @@ def _read_deepspeed(folder: Path, names: list[str]) -> Portable:
     model = _load_pickle(model_file)
     scheduler, skipped = model["lr_scheduler"], int(model.get("skipped_steps", 0))
     if model.get("optimizer") is not None:  # stage 0: DeepSpeed kept the torch optimizer
-        missing = [n for n in names if n not in model["module"]]
+        missing = [n for n in shapes if n not in model["module"]]
         if missing:
             raise _other_model(folder, missing)
-        weights = {n: model["module"][n].float() for n in names}
-        return _from_torch_optimizer(model["optimizer"], weights, names, scheduler, skipped)
-    shapes = {n: torch.Size(s) for group in model["param_shapes"] for n, s in group.items()}
-    if list(shapes) != names:
-        raise _other_model(folder, sorted(set(names) ^ set(shapes)) or names)
+        weights = {(n, WEIGHT): Pieces([model["module"][n].flatten()]) for n in shapes}
+        return _from_torch_optimizer(model["optimizer"], weights, shapes, scheduler, skipped)
+    saved = {n: torch.Size(s) for group in model["param_shapes"] for n, s in group.items()}
+    if list(saved) != list(shapes):
+        raise _other_model(folder, sorted(set(shapes) ^ set(saved)) or list(shapes))
     ranks = [
         _load_pickle(p)["optimizer_state_dict"] for p in _rank_files(folder, "optim_states.pt")
     ]
     if int(ranks[0]["zero_stage"]) == 3:
         flats, step = _zero3_flats(ranks)
-        full = {key: _zero3_merge(flat, shapes, len(ranks)) for key, flat in flats.items()}
+        each = {key: _zero3_pieces(flat, saved, len(ranks)) for key, flat in flats.items()}
     else:
         flats, step = _zero12_flats(ranks)
         paddings = ranks[0].get("param_alignment_paddings")
         groups = model["param_shapes"]
-        full = {key: _zero12_merge(flat, groups, paddings) for key, flat in flats.items()}
-    moments = {n: {k: full[k][n] for k in MOMENTS} for n in names}
-    return Portable(full["fp32"], moments, step, scheduler, skipped)
+        each = {key: _zero12_pieces(flat, groups, paddings) for key, flat in flats.items()}
+    tensors = {(n, key): each[key][n] for key in each for n in shapes}
+    return Portable(dict(shapes), tensors, step, scheduler, skipped)
 
 
 def _other_model(folder: Path, names: list[str]) -> CheckpointError:
@@ -221,32 +322,31 @@ def _step_of(states: list[dict]) -> int:
     return steps.pop()
 
 
-def _zero12_flats(ranks: list[dict]) -> tuple[dict[str, list[torch.Tensor]], int]:
-    """Per param group, the whole flat vector of the fp32 weights and of each moment."""
+def _zero12_flats(ranks: list[dict]) -> tuple[dict[str, list[Pieces]], int]:
+    """Per param group, its whole flat vector of the fp32 weights and of each moment: the
+    ranks' partitions in order."""
     groups = range(len(ranks[0]["single_partition_of_fp32_groups"]))
     states = [r["base_optimizer_state"]["state"][g] for r in ranks for g in groups]
     flats = {
-        "fp32": [
-            torch.cat([r["single_partition_of_fp32_groups"][g] for r in ranks]) for g in groups
-        ]
+        WEIGHT: [Pieces([r["single_partition_of_fp32_groups"][g] for r in ranks]) for g in groups]
     }
     for key in MOMENTS:
         flats[key] = [
-            torch.cat([r["base_optimizer_state"]["state"][g][key] for r in ranks]) for g in groups
+            Pieces([r["base_optimizer_state"]["state"][g][key] for r in ranks]) for g in groups
         ]
     return flats, _step_of(states)
 
 
-def _zero12_merge(flat_groups, groups: list[dict], paddings) -> dict[str, torch.Tensor]:
-    """Cut each group's flat vector into its parameters (`groups`: name -> shape per group)."""
+def _zero12_pieces(flat_groups: list[Pieces], groups: list[dict], paddings) -> dict[str, Pieces]:
+    """Each group's flat vector cut into its parameters (`groups`: name -> shape per group)."""
     out = {}
     for g, (flat, shapes) in enumerate(zip(flat_groups, groups, strict=True)):
         shapes = {n: torch.Size(s) for n, s in shapes.items()}
         pads = paddings[g] if paddings else [0] * len(shapes)
-        _check_size(flat.numel(), sum(s.numel() for s in shapes.values()) + sum(pads), exact=False)
+        _check_size(flat.numel, sum(s.numel() for s in shapes.values()) + sum(pads), exact=False)
         offset = 0
         for (name, shape), pad in zip(shapes.items(), pads, strict=True):
-            out[name] = flat[offset : offset + shape.numel()].view(shape).clone()
+            out[name] = flat.view(offset, offset + shape.numel())
             offset += shape.numel() + pad
     return out
 
@@ -259,22 +359,26 @@ def _check_size(have: int, need: int, exact: bool) -> None:
         )
 
 
-def _zero3_flats(ranks: list[dict]) -> tuple[dict[str, list[torch.Tensor]], int]:
-    """Per rank, its flat vector (sub-groups joined) of the fp32 weights and of each moment."""
+def _zero3_flats(ranks: list[dict]) -> tuple[dict[str, list[Pieces]], int]:
+    """Per rank, its flat vector (sub-groups in order) of the fp32 weights and of each moment."""
     inner = [r["optimizer_state_dict"]["state"] for r in ranks]
-    flats = {"fp32": [torch.cat(list(r["fp32_flat_groups"])) for r in ranks]}
+    flats = {WEIGHT: [Pieces(list(r["fp32_flat_groups"])) for r in ranks]}
     for key in MOMENTS:
-        flats[key] = [torch.cat([s[g][key] for g in sorted(s)]) for s in inner]
+        flats[key] = [Pieces([s[g][key] for g in sorted(s)]) for s in inner]
     return flats, _step_of([s[g] for s in inner for g in s])
 
 
-def _zero3_merge(rank_flats, shapes: dict[str, torch.Size], world: int) -> dict[str, torch.Tensor]:
+def _zero3_pieces(
+    rank_flats: list[Pieces], shapes: dict[str, torch.Size], world: int
+) -> dict[str, Pieces]:
+    """Each parameter: its piece of ceil(numel / world) elements in every rank's flat vector,
+    in rank order (the last piece's padding beyond numel is never read)."""
     pieces = {name: math.ceil(shape.numel() / world) for name, shape in shapes.items()}
-    _check_size(rank_flats[0].numel(), sum(pieces.values()), exact=True)
+    _check_size(rank_flats[0].numel, sum(pieces.values()), exact=True)
     out, offset = {}, 0
     for name, shape in shapes.items():
         piece = pieces[name]
-        whole = torch.cat([flat[offset : offset + piece] for flat in rank_flats])
-        out[name] = whole[: shape.numel()].view(shape).clone()
+        parts = [t for flat in rank_flats for t in flat.view(offset, offset + piece).parts]
+        out[name] = Pieces(parts, numel=shape.numel())
         offset += piece
     return out
