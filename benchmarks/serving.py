@@ -231,7 +231,7 @@ def run_worker(args, name: str, model: Path, beam: int) -> dict:
 def report(args, results: dict[tuple[str, int], list[dict]]) -> str:
     import statistics
 
-    from aiayn.evaluate import bleu_scores
+    from aiayn.evaluate import translation_scores
 
     refs = None if args.base else read_lines(Path(args.ref))[: args.limit]
     n = len(read_lines(Path(args.src))[: args.limit])
@@ -244,7 +244,7 @@ def report(args, results: dict[tuple[str, int], list[dict]]) -> str:
         med_s = statistics.median(r["seconds"] for r in runs)
         hyps = runs[0]["hyps"]
         same = sum(a == b for a, b in zip(hyps, results[("aiayn", beam)][0]["hyps"], strict=True))
-        bleu = "-" if refs is None else f"{bleu_scores(hyps, refs)['bleu']:.2f}"
+        bleu = "-" if refs is None else f"{translation_scores(hyps, refs)['bleu']:.2f}"
         rows.append(
             [
                 name,

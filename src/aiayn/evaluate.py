@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,22 @@ from aiayn.data.batch import Batch
 from aiayn.data.run_splits import copied_split
 from aiayn.decode import beam_search, greedy_search
 from aiayn.errors import CheckpointError
+from aiayn.files import write_atomic
 from aiayn.lm_eval import lm_scores, sample_text
 from aiayn.loss import batch_loss
-from aiayn.metric_names import ACCURACY, BLEU, BLEU_LC, LOSS, PPL, PREFIX, tag
+from aiayn.metric_names import (
+    ACCURACY,
+    BLEU,
+    BLEU_LC,
+    CHRF,
+    LOSS,
+    PPL,
+    PREFIX,
+    SECONDS,
+    TER,
+    TRANSLATION,
+    tag,
+)
 from aiayn.model import build_model
 from aiayn.tokenizer import Tokenizer, check_contract
 
@@ -72,6 +86,15 @@ def translate(
     model: nn.Module, tok: Tokenizer, lines: list[str], cfg: DecodeConfig, device: torch.device
 ) -> list[str]:
     """Translate `lines` in length-sorted batches; hypotheses come back in input order."""
+    decode = decoder(model, tok, cfg, device)
+    return translate_batches(tok, lines, model.cfg.max_len, cfg.batch_size, decode)
+
+
+def decoder(
+    model: nn.Module, tok: Tokenizer, cfg: DecodeConfig, device: torch.device
+) -> Callable[[list[list[int]]], list[list[int]]]:
+    """A batch's source token ids (no eos) -> its hypotheses' token ids, by beam search (or
+    greedy search with decode.beam 1)."""
     special = dict(bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id)
 
     def decode(batch: list[list[int]]) -> list[list[int]]:
@@ -90,7 +113,7 @@ def translate(
             **special,
         )
 
-    return translate_batches(tok, lines, model.cfg.max_len, cfg.batch_size, decode)
+    return decode
 
 
 def translate_batches(
@@ -103,6 +126,16 @@ def translate_batches(
     """What every engine's translation shares: each line encoded and cut to max_len - 1 tokens
     (room for eos) with a warning, batches of batch_size lines of similar length, and the text of
     each hypothesis in input order. decode maps a batch's token ids (no eos) to its hypotheses'."""
+    encoded = encode_sources(tok, lines, max_len)
+    out: list[str] = [""] * len(lines)
+    for idx in length_batches(encoded, batch_size):
+        for i, text in zip(idx, tok.decode(decode([encoded[i] for i in idx])), strict=True):
+            out[i] = text
+    return out
+
+
+def encode_sources(tok: Tokenizer, lines: list[str], max_len: int) -> list[list[int]]:
+    """Each line's token ids, cut to max_len - 1 (room for eos), with a warning if any was."""
     max_src = max_len - 1
     encoded = tok.encode(lines)
     too_long = sum(len(ids) > max_src for ids in encoded)
@@ -114,34 +147,59 @@ def translate_batches(
             max_src,
         )
         encoded = [ids[:max_src] for ids in encoded]
-    order = sorted(range(len(lines)), key=lambda i: len(encoded[i]))
-    out: list[str] = [""] * len(lines)
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        hyps = decode([encoded[i] for i in idx])
-        for i, text in zip(idx, tok.decode(hyps), strict=True):
-            out[i] = text
-    return out
+    return encoded
 
 
-def bleu_scores(hyps: list[str], refs: list[str], tokenize: str = "13a") -> dict[str, Any]:
-    """Cased and lowercased corpus sacreBLEU, each with its signature, and exact match."""
-    cased = sacrebleu.metrics.BLEU(tokenize=tokenize)
-    lower = sacrebleu.metrics.BLEU(tokenize=tokenize, lowercase=True)
-    return {
-        BLEU: cased.corpus_score(hyps, [refs]).score,
-        "bleu_signature": str(cased.get_signature()),
-        BLEU_LC: lower.corpus_score(hyps, [refs]).score,
-        "bleu_lc_signature": str(lower.get_signature()),
-        "exact_match": sum(h.strip() == r.strip() for h, r in zip(hyps, refs, strict=True))
-        / max(len(refs), 1),
+def length_batches(encoded: list[list[int]], batch_size: int) -> list[list[int]]:
+    """The sentences' indices in batches of batch_size, by length: how one process batches
+    them, and so what every rank's share is cut from (a sentence's hypothesis can depend on its
+    batch's padded shape, in the last bits of a score)."""
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+def rank_shares(batches: list[list[int]], encoded: list[list[int]], world: int) -> list[list[int]]:
+    """Which batches each rank decodes (their indices, in order), balanced by cost: each
+    batch, costliest first, goes to the rank with the least so far. A batch's cost is its
+    rows times its longest source, which the decoding steps follow."""
+    cost = [len(b) * (1 + max(len(encoded[i]) for i in b)) for b in batches]
+    load, shares = [0] * world, [[] for _ in range(world)]
+    for j in sorted(range(len(batches)), key=lambda j: (-cost[j], j)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        load[rank] += cost[j]
+        shares[rank].append(j)
+    return [sorted(share) for share in shares]
+
+
+def translation_scores(hyps: list[str], refs: list[str], tokenize: str = "13a") -> dict[str, Any]:
+    """Corpus sacreBLEU: BLEU cased and lowercased, chrF (chrF2, sacreBLEU's default) and TER,
+    each with its signature, and the share of exact matches."""
+    metrics = {
+        BLEU: sacrebleu.metrics.BLEU(tokenize=tokenize),
+        BLEU_LC: sacrebleu.metrics.BLEU(tokenize=tokenize, lowercase=True),
+        CHRF: sacrebleu.metrics.CHRF(),
+        TER: sacrebleu.metrics.TER(),
     }
+    out: dict[str, Any] = {}
+    for name, metric in metrics.items():
+        out[name] = metric.corpus_score(hyps, [refs]).score
+        out[f"{name}_signature"] = str(metric.get_signature())
+    out["exact_match"] = sum(h.strip() == r.strip() for h, r in zip(hyps, refs, strict=True)) / max(
+        len(refs), 1
+    )
+    return out
 
 
 class Validation:
     """What each validation measures: loss, perplexity and accuracy on the validation batches
-    (built once), and for translation sacreBLEU on the first train.eval_bleu sentences, with a
-    few source / reference / hypothesis samples for TensorBoard."""
+    (built once), and for translation sacreBLEU's BLEU, chrF and TER on the dev set's
+    translations (the whole of it unless train.eval_bleu limits it), with a few source /
+    reference / hypothesis samples for TensorBoard and every hypothesis in a file of the run.
+
+    Every rank translates its share of the dev set: the batches one process would decode
+    (length_batches), dealt out by cost (rank_shares), so that the hypotheses are those of one
+    process at any world size. Rank 0 gathers them in order, scores them and writes them; the
+    scores reach every rank."""
 
     def __init__(self, cfg: Config, tok: Tokenizer, env):
         self.cfg, self.tok = cfg, tok
@@ -155,15 +213,24 @@ class Validation:
             )
             limit = cfg.train.eval_batches  # None: all
             self.batches = list(itertools.islice(loader, limit))
-        self.pairs: list[dict] = []
-        if cfg.model.kind == "seq2seq" and cfg.train.eval_bleu:
+        self.sources: list[list[int]] = []  # the dev sentences' token ids, every rank's
+        self.mine: list[list[int]] = []  # this rank's batches: indices into sources
+        self.pairs: list[dict] = []  # rank 0: the dev set's sources and references
+        self.signatures_logged = False
+        if cfg.model.kind == "seq2seq" and cfg.train.eval_bleu != 0:
             source = open_split(cfg.data, cfg.data.valid, "seq2seq")
-            self.pairs = list(itertools.islice(source, cfg.train.eval_bleu))
+            pairs = list(itertools.islice(source, cfg.train.eval_bleu))  # None: all
+            self.sources = encode_sources(tok, [p["src"] for p in pairs], cfg.model.max_len)
+            batches = length_batches(self.sources, cfg.decode.batch_size)
+            share = rank_shares(batches, self.sources, env.world_size)[env.rank]
+            self.mine = [batches[j] for j in share]
+            self.pairs = pairs if env.is_main else []
 
     def run(self, engine, metrics, step: int, env) -> dict[str, float]:
-        """Validate; every rank must call it (the counts are summed over ranks). Translation
-        runs on rank 0 only."""
+        """Validate; every rank must call it (the counts are summed over ranks, each rank
+        translates its share)."""
         cfg, device = self.cfg, engine.device
+        started = time.perf_counter()
         # The bare module: a DDP forward outside the training step would wait for its peers.
         # Under ZeRO-3 it is a gathered copy, whose forward needs no collective either.
         with engine.full_module() as module, engine.autocast():
@@ -176,19 +243,63 @@ class Validation:
                 result = validation_metrics(
                     module, self.batches, cfg.model.kind, self.tok.pad_id, device, env.sum
                 )
-            if self.pairs and env.is_main:
-                srcs, refs = [p["src"] for p in self.pairs], [p["tgt"] for p in self.pairs]
-                hyps = translate(module, self.tok, srcs, cfg.decode, device)
-                scores = bleu_scores(hyps, refs, cfg.decode.bleu_tokenize)
-                result.update({name: scores[name] for name in (BLEU, BLEU_LC)})
-                samples = zip(srcs[: cfg.logging.samples], refs, hyps, strict=False)
-                text = "\n\n".join(
-                    f"**source:** {s}  \n**reference:** {r}  \n**hypothesis:** {h}"
-                    for s, r, h in samples
-                )
-                metrics.text(tag("samples"), step, text)
+            if self.sources:
+                result.update(self._translate(module, device, metrics, step, env))
+        result[SECONDS] = time.perf_counter() - started
         metrics.log(PREFIX, step, result)
         return result
+
+    def _translate(self, module, device, metrics, step: int, env) -> dict[str, float]:
+        """This rank's share of the dev set translated; the scores of all of it, on every rank."""
+        cfg, started = self.cfg, time.perf_counter()
+        decode = decoder(module, self.tok, cfg.decode, device)
+        mine = []
+        for idx in self.mine:
+            hyps = self.tok.decode(decode([self.sources[i] for i in idx]))
+            mine.extend(zip(idx, hyps, strict=True))
+        busiest = env.max([time.perf_counter() - started])[0]
+        parts = env.gather_to_main(mine)
+        scores = None
+        if env.is_main:
+            hyps = [""] * len(self.sources)
+            for part in parts:
+                for i, text in part:
+                    hyps[i] = text
+            scores = self._report(hyps, metrics, step, busiest, env.world_size)
+        return env.broadcast(scores)
+
+    def _report(self, hyps: list[str], metrics, step: int, busiest: float, world: int) -> dict:
+        """Rank 0: score the dev set's hypotheses, write them to the run, show a few."""
+        cfg = self.cfg
+        srcs, refs = [p["src"] for p in self.pairs], [p["tgt"] for p in self.pairs]
+        scores = translation_scores(hyps, refs, cfg.decode.bleu_tokenize)
+        path = hypotheses_path(cfg.run_dir, step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, "".join(h.replace("\n", " ") + "\n" for h in hyps))
+        log.info(
+            "valid step %d: %d dev sentences translated by %d rank(s), the busiest in %.1f s; "
+            "hypotheses in %s",
+            step,
+            len(hyps),
+            world,
+            busiest,
+            path,
+        )
+        if not self.signatures_logged:
+            for name in TRANSLATION:
+                log.info("valid %s signature: %s", name, scores[f"{name}_signature"])
+            self.signatures_logged = True
+        samples = zip(srcs[: cfg.logging.samples], refs, hyps, strict=False)
+        text = "\n\n".join(
+            f"**source:** {s}  \n**reference:** {r}  \n**hypothesis:** {h}" for s, r, h in samples
+        )
+        metrics.text(tag("samples"), step, text)
+        return {name: scores[name] for name in TRANSLATION}
+
+
+def hypotheses_path(run_dir: str | Path, step: int) -> Path:
+    """Where a validation writes the dev set's hypotheses, a line per sentence, in order."""
+    return Path(run_dir) / "valid" / f"step_{step:08d}.hyp"
 
 
 def split_lines(cfg: Config, spec: str) -> list[str]:
@@ -295,7 +406,7 @@ def evaluate(checkpoint: str | Path, split: str = "test", overrides: list[str] =
         pairs = list(open_split(cfg.data, spec, kind))
         srcs, refs = [p["src"] for p in pairs], [p["tgt"] for p in pairs]
         hyps = translate(model, tok, srcs, cfg.decode, device)
-        result: dict[str, Any] = bleu_scores(hyps, refs, cfg.decode.bleu_tokenize)
+        result: dict[str, Any] = translation_scores(hyps, refs, cfg.decode.bleu_tokenize)
         result["samples"] = list(zip(srcs[:5], refs[:5], hyps[:5], strict=True))
         out = Path(cfg.run_dir) / "eval" / f"{split}.{ckpt.name}.hyp"
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -271,8 +271,10 @@ class TrainConfig(Section):
     """Validate on at most this many batches (None: the whole validation split). An lm scores
     the first this many batches of windows, and then reports no per-character or per-word
     figure, which needs the whole text."""
-    eval_bleu: int = bounded(200, low=0)
-    """Validation sentences translated for sacreBLEU at each validation (seq2seq); 0: none."""
+    eval_bleu: int | None = bounded(None, low=0)
+    """seq2seq: the validation sentences translated and scored (BLEU, chrF, TER) at each
+    validation, the first this many; None: the whole dev set, shared out among the ranks;
+    0: none."""
     eval_stride: int | None = bounded(None, low=1)
     """lm: validation and `aiayn evaluate` score the whole text in windows of data.max_len
     tokens. None: non-overlapping windows; s: windows advance by s tokens and score their last
@@ -393,12 +395,12 @@ class CheckpointConfig(Section):
     at a validation step record the metric, so train.eval_every must be a multiple of
     every_steps."""
     best_metric: str = "valid/loss"
-    """What keep_best ranks by: valid/loss, valid/ppl, valid/accuracy, valid/bleu or
-    valid/bleu_lc (seq2seq with train.eval_bleu > 0), valid/bpc or valid/word_ppl (lm with
-    data.unit characters or words)."""
+    """What keep_best ranks by: valid/loss, valid/ppl, valid/accuracy; valid/bleu,
+    valid/bleu_lc, valid/chrf or valid/ter (seq2seq, unless train.eval_bleu is 0); valid/bpc or
+    valid/word_ppl (lm with data.unit characters or words)."""
     best_mode: Literal["auto", "min", "max"] = "auto"
-    """min: lower is better; max: higher is better; auto: max for accuracy and BLEU, min for
-    loss and perplexity."""
+    """min: lower is better; max: higher is better; auto: max for accuracy, BLEU and chrF, min
+    for loss, perplexity, TER, bpc and word perplexity."""
     resume: Literal["auto", "never"] = "auto"
     """auto: continue from the latest valid checkpoint in run_dir; never: refuse a run_dir that
     already holds checkpoints rather than overwrite it."""
@@ -554,11 +556,11 @@ class Config:
                 f"checkpoint.best_metric {ckpt.best_metric} needs model.kind lm and "
                 f"data.unit {unit}"
             )
-        bleu = ckpt.best_metric in map(metric_names.tag, (metric_names.BLEU, metric_names.BLEU_LC))
-        if bleu and (self.model.kind != "seq2seq" or not train.eval_bleu):
+        translated = ckpt.best_metric in map(metric_names.tag, metric_names.TRANSLATION)
+        if translated and (self.model.kind != "seq2seq" or train.eval_bleu == 0):
             errs.append(
                 f"checkpoint.best_metric {ckpt.best_metric} needs model.kind seq2seq and "
-                "train.eval_bleu > 0"
+                "train.eval_bleu not 0 (the dev set translated at each validation)"
             )
         return errs
 

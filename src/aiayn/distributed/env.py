@@ -109,6 +109,15 @@ class DistEnv:
         """Every rank's `obj`, in rank order, on every rank."""
         return self._gather(obj, self.world_size, None) if self.distributed else [obj]
 
+    def gather_to_main(self, obj) -> list | None:
+        """Every rank's `obj`, in rank order, on rank 0 (None elsewhere): what rank 0 alone
+        needs of every rank costs the others one send."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size if self.is_main else None
+        dist.gather_object(obj, out, dst=0, group=self.host_group)
+        return out
+
     @functools.cached_property
     def save_group(self) -> dist.ProcessGroup:
         """A gloo group of every rank for the checkpoint writer threads (an async save's

@@ -230,7 +230,7 @@ def evaluate_ct2(
     from its checkpoint (--engine torch)."""
     from aiayn.data import open_split
     from aiayn.errors import ConfigError
-    from aiayn.evaluate import bleu_scores
+    from aiayn.evaluate import translation_scores
 
     model = Ct2Model(model_dir, overrides, device, threads)
     if model.kind != "seq2seq":
@@ -245,7 +245,7 @@ def evaluate_ct2(
     pairs = list(open_split(model.cfg.data, spec, "seq2seq"))
     srcs, refs = [p["src"] for p in pairs], [p["tgt"] for p in pairs]
     hyps = translate_ct2(model, srcs)
-    result: dict[str, Any] = bleu_scores(hyps, refs, model.cfg.decode.bleu_tokenize)
+    result: dict[str, Any] = translation_scores(hyps, refs, model.cfg.decode.bleu_tokenize)
     result["samples"] = list(zip(srcs[:5], refs[:5], hyps[:5], strict=True))
     out = Path(model.cfg.run_dir) / "eval" / f"{split}.{model.path.name}.ct2.hyp"
     out.parent.mkdir(parents=True, exist_ok=True)
