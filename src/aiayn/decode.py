@@ -18,11 +18,13 @@ from aiayn.model import DecoderOnlyLM, DecoderState, Seq2SeqTransformer
 
 @contextmanager
 def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """Eval mode (no dropout) and no autograd while decoding; the caller's mode comes back."""
+    """Eval mode (no dropout) and no autograd while decoding; the caller's mode comes back.
+    A model that says `inference_mode = False` (evaluate.Lockstep: ZeRO-3 gathers parameters in
+    the forward, which inference mode would mark) gets no_grad instead."""
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        with torch.inference_mode() if getattr(model, "inference_mode", True) else torch.no_grad():
             yield
     finally:
         model.train(was_training)

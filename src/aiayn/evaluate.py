@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -58,21 +59,27 @@ def validation_metrics(
     pad_id: int,
     device: torch.device,
     reduce: Callable[[list[float]], list[float]] = lambda sums: sums,
+    lockstep: tuple[int, Batch] | None = None,
 ) -> dict[str, float]:
     """Loss without label smoothing (so perplexity is the model's own), and accuracy.
 
     `reduce` sums the counts over data-parallel ranks, each of which holds a shard of batches.
+    `lockstep` (rounds, filler), for a model whose forward is a collective (ZeRO-3's
+    partitioned one): every rank runs `rounds` forwards, a rank with fewer batches the filler
+    batch, whose result it drops.
     """
     was_training = model.training
     model.eval()
     loss_sum, correct, n = 0.0, 0.0, 0
-    with torch.inference_mode():
-        for batch in batches:
-            batch = batch.to(device)
+    rounds, filler = lockstep or (len(batches), None)
+    with _no_grad(lockstep is not None):
+        for i in range(rounds):
+            batch = (batches[i] if i < len(batches) else filler).to(device)
             loss, right = batch_loss(model, batch, kind, 0.0, pad_id)
-            loss_sum += float(loss)
-            correct += float(right)
-            n += batch.n_tokens
+            if i < len(batches):
+                loss_sum += float(loss)
+                correct += float(right)
+                n += batch.n_tokens
     model.train(was_training)
     loss_sum, correct, n = reduce([loss_sum, correct, n])
     loss = loss_sum / max(n, 1)
@@ -171,6 +178,66 @@ def rank_shares(batches: list[list[int]], encoded: list[list[int]], world: int) 
     return [sorted(share) for share in shares]
 
 
+def _no_grad(partitioned: bool):
+    """inference_mode, except for ZeRO-3's partitioned model: the parameters it gathers for a
+    forward would be inference tensors, which the training step then may not touch."""
+    return torch.no_grad() if partitioned else torch.inference_mode()
+
+
+class Lockstep:
+    """ZeRO-3's partitioned model, decoded by every rank in step.
+
+    Each forward of a ZeRO-3 layer gathers its parameters from every rank: all ranks must call
+    the same layers in the same order. So the ranks start each batch together (an encode),
+    and each decoding step is a round that every rank takes: a rank whose search has ended
+    (`idle`) keeps feeding one row of its last state through the decoder, with its caches, so
+    that it calls the layers the others call, until no rank has a step left (one sum per
+    round). The search functions see the model (encode, decode, cfg) and nothing else."""
+
+    inference_mode = False  # decode.py: no_grad (see _no_grad)
+
+    def __init__(self, model: nn.Module, env):
+        self.model, self.env, self.cfg = model, env, model.cfg
+        self._last = None  # this rank's last decoding step: a row of it to repeat when idle
+
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
+    def train(self, mode: bool = True):
+        self.model.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def encode(self, src: torch.Tensor):
+        return self.model.encode(src)
+
+    def decode(self, tgt, memory, src_mask, state=None, **kwargs):
+        self._round(active=True)
+        self._last = (tgt[:1, -1:], memory[:1], src_mask[:1], state)
+        return self.model.decode(tgt, memory, src_mask, state, **kwargs)
+
+    def idle(self) -> None:
+        """After this rank's search of a batch: decode a row of its last state while any rank
+        still decodes."""
+        if self._last is None:
+            return
+        tgt, memory, src_mask, state = self._last
+        first = torch.zeros(1, dtype=torch.long, device=tgt.device)
+        state.select_sources(first)
+        state.reorder(first)
+        with _no_grad(True):
+            while self._round(active=False):
+                self.model.decode(tgt, memory, src_mask, state)
+        self._last = None
+
+    def _round(self, active: bool) -> bool:
+        """One round: how many ranks decode in it; True if any."""
+        return self.env.sum([float(active)])[0] > 0
+
+
 def translation_scores(hyps: list[str], refs: list[str], tokenize: str = "13a") -> dict[str, Any]:
     """Corpus sacreBLEU: BLEU cased and lowercased, chrF (chrF2, sacreBLEU's default) and TER,
     each with its signature, and the share of exact matches."""
@@ -231,32 +298,58 @@ class Validation:
         translates its share)."""
         cfg, device = self.cfg, engine.device
         started = time.perf_counter()
-        # The bare module: a DDP forward outside the training step would wait for its peers.
-        # Under ZeRO-3 it is a gathered copy, whose forward needs no collective either.
-        with engine.full_module() as module, engine.autocast():
+        # ZeRO-3's partitioned model, every rank in step (Lockstep), rather than a gathered
+        # copy of it on every rank; an lm's scoring and sampling still use the copy.
+        partitioned = engine.partitioned and not self.lines
+        # Otherwise the bare module: a DDP forward outside the training step would wait for
+        # its peers.
+        whole = contextlib.nullcontext(engine.module) if partitioned else engine.full_module()
+        with whole as module, engine.autocast():
             if self.lines:
                 limit = cfg.train.eval_batches
                 result = score_lines(module, self.tok, self.lines, cfg, device, env, limit)
                 if cfg.logging.samples and env.is_main:
                     metrics.text(tag("samples"), step, lm_samples(module, self.tok, cfg))
             else:
+                lockstep = self._filled(env) if partitioned else None
                 result = validation_metrics(
-                    module, self.batches, cfg.model.kind, self.tok.pad_id, device, env.sum
+                    module, self.batches, cfg.model.kind, self.tok.pad_id, device, env.sum, lockstep
                 )
             if self.sources:
-                result.update(self._translate(module, device, metrics, step, env))
+                model = Lockstep(module, env) if partitioned else module
+                result.update(self._translate(model, device, metrics, step, env))
         result[SECONDS] = time.perf_counter() - started
         metrics.log(PREFIX, step, result)
         return result
 
-    def _translate(self, module, device, metrics, step: int, env) -> dict[str, float]:
-        """This rank's share of the dev set translated; the scores of all of it, on every rank."""
+    def _filled(self, env) -> tuple[int, Batch]:
+        """(rounds, filler) for validation_metrics in lockstep: the most batches a rank holds,
+        and a batch for the rounds past this rank's (its first; a rank with none borrows the
+        split's first)."""
+        rounds = int(env.max([float(len(self.batches))])[0])
+        if self.batches:
+            return rounds, self.batches[0]
+        cfg = self.cfg
+        return rounds, next(iter(make_loader(cfg, cfg.data.valid, self.tok, train=False)))
+
+    def _translate(self, model, device, metrics, step: int, env) -> dict[str, float]:
+        """This rank's share of the dev set translated; the scores of all of it, on every rank.
+        In lockstep every rank takes as many batches as the busiest (an empty sentence past its
+        own) and waits for the others at the end of each."""
         cfg, started = self.cfg, time.perf_counter()
-        decode = decoder(module, self.tok, cfg.decode, device)
+        decode = decoder(model, self.tok, cfg.decode, device)
+        lockstep = isinstance(model, Lockstep)
+        rounds = int(env.max([float(len(self.mine))])[0]) if lockstep else len(self.mine)
         mine = []
-        for idx in self.mine:
-            hyps = self.tok.decode(decode([self.sources[i] for i in idx]))
-            mine.extend(zip(idx, hyps, strict=True))
+        for b in range(rounds):
+            if b < len(self.mine):
+                idx = self.mine[b]
+                hyps = self.tok.decode(decode([self.sources[i] for i in idx]))
+                mine.extend(zip(idx, hyps, strict=True))
+            else:
+                decode([[]])
+            if lockstep:
+                model.idle()
         busiest = env.max([time.perf_counter() - started])[0]
         parts = env.gather_to_main(mine)
         scores = None

@@ -1,6 +1,7 @@
 """The whole dev set translated at a validation, shared among ranks (evaluate.Validation), with
-real processes: two ranks give one process's hypotheses line for line, each translating about
-half, and every rank gets the same scores."""
+real processes: two ranks, under DDP and under ZeRO-3 (its partitioned model, in lockstep),
+give one process's hypotheses line for line, each translating about half, and every rank gets
+the same scores."""
 
 import json
 import sys
@@ -24,18 +25,37 @@ def validate(setup, launcher: list[str], name: str, *overrides: str) -> tuple[Pa
     return run_dir, ranks
 
 
-def test_two_ranks_translate_half_each_and_give_one_process_hypotheses(setup):
-    one_dir, (one,) = validate(setup, [sys.executable], "one", "decode.batch_size=8")
-    two_dir, two = validate(setup, torchrun(2), "two", "decode.batch_size=8")
-    hyps = (one_dir / "valid" / "step_00000001.hyp").read_text().splitlines()
+@pytest.fixture(scope="module")
+def one(setup):
+    """One process's validation: (its hypotheses, its rank's report)."""
+    run_dir, (report,) = validate(setup, [sys.executable], "one", "decode.batch_size=8")
+    hyps = (run_dir / "valid" / "step_00000001.hyp").read_text().splitlines()
     assert len(hyps) == DEV and len(set(hyps)) > 1  # one line per dev sentence
-    assert (two_dir / "valid" / "step_00000001.hyp").read_text().splitlines() == hyps
-    assert one["translated"] == list(range(DEV))
+    assert report["translated"] == list(range(DEV))
+    return hyps, report
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        (),
+        # Partitioned: every layer's forward is a collective, so the ranks decode in step
+        # (evaluate.Lockstep), with no gathered copy of the model.
+        ("distributed.backend=deepspeed", "distributed.zero_stage=3"),
+    ],
+    ids=["ddp", "zero3"],
+)
+def test_two_ranks_translate_half_each_and_give_one_process_hypotheses(setup, one, engine):
+    hyps, single = one
+    name = "two_" + ("zero3" if engine else "ddp")
+    run_dir, two = validate(setup, torchrun(2), name, "decode.batch_size=8", *engine)
+    assert (run_dir / "valid" / "step_00000001.hyp").read_text().splitlines() == hyps
+    assert all(r["partitioned"] == bool(engine) for r in two)
     shares = [r["translated"] for r in two]
     assert sorted(shares[0] + shares[1]) == list(range(DEV))
     assert all(0.35 < len(share) / DEV < 0.65 for share in shares), [len(s) for s in shares]
-    keys = ("bleu", "bleu_lc", "chrf", "ter", "loss")
+    keys = ("bleu", "bleu_lc", "chrf", "ter", "loss", "accuracy")
     assert all(
-        r["result"][k] == pytest.approx(one["result"][k], rel=1e-9) for r in two for k in keys
+        r["result"][k] == pytest.approx(single["result"][k], rel=1e-6) for r in two for k in keys
     )
     assert two[0]["result"]["ter"] == two[1]["result"]["ter"]  # every rank has rank 0's scores

@@ -1,7 +1,8 @@
 """Run by test_validation.py, alone or under torchrun: one validation, as the training loop
 runs it, of a model initialised from seed 0 (the same untrained model on every rank) on the
-distributed tests' dev set. Each rank writes OUT/rank_<r>.json: the dev sentences it
-translated and the metrics it got back.
+distributed tests' dev set, with the engine the config names (DDP, DeepSpeed ZeRO-3). Each
+rank writes OUT/rank_<r>.json: the dev sentences it translated, the metrics it got back, and
+whether its engine's model is partitioned.
 
 usage: validate_dev.py CONFIG RUN_DIR OUT [KEY=VALUE ...]
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 
 from aiayn.config import load_config
-from aiayn.distributed.ddp_engine import LocalEngine
+from aiayn.distributed.engine import build_engine
 from aiayn.distributed.env import setup, teardown
 from aiayn.evaluate import Validation
 from aiayn.metrics import Metrics
@@ -26,11 +27,12 @@ def main(config: str, run_dir: str, out: str, *overrides: str) -> None:
     cfg = load_config(config, [f"run_dir={run_dir}", "train.eval_bleu=null", *overrides])
     tok = Tokenizer(cfg.tokenizer_path)
     torch.manual_seed(0)
-    engine = LocalEngine(build_model(cfg.model, tok.vocab_size, tok.pad_id), cfg, env.device)
+    model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
+    engine = build_engine(model, cfg, env, lambda: build_model(cfg.model, tok.vocab_size, 0))
     validation = Validation(cfg, tok, env)
     result = validation.run(engine, Metrics(run_dir, env.is_main, tensorboard=False), 1, env)
     translated = sorted(i for batch in validation.mine for i in batch)
-    got = {"translated": translated, "result": result}
+    got = {"translated": translated, "result": result, "partitioned": engine.partitioned}
     Path(out, f"rank_{env.rank}.json").write_text(json.dumps(got))
     teardown()
 

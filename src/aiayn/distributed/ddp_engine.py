@@ -34,6 +34,7 @@ class LocalEngine:
     """One process, one device."""
 
     loads_weights = True  # model.safetensors holds the whole model
+    partitioned = False  # every rank holds the whole model
 
     def __init__(self, model: nn.Module, cfg: Config, device: torch.device):
         self.module = model.to(device)

@@ -123,6 +123,10 @@ class DeepSpeedEngine:
     def train(self, mode: bool = True) -> None:
         self.module.train(mode)
 
+    @property
+    def partitioned(self) -> bool:
+        return self.zero_stage == 3
+
     @contextlib.contextmanager
     def full_module(self):
         if self.zero_stage < 3:

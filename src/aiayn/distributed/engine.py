@@ -31,6 +31,7 @@ class Engine(Protocol):
     device: torch.device
     optimizer: Any
     loads_weights: bool  # True: model.safetensors is loaded into `module` before the state
+    partitioned: bool  # True: `module`'s forward is a collective (ZeRO-3 gathers each layer)
 
     @property
     def lr(self) -> float: ...
