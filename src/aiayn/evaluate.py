@@ -214,23 +214,41 @@ class Lockstep:
     def encode(self, src: torch.Tensor):
         return self.model.encode(src)
 
+    def parameters(self):
+        return self.model.parameters()
+
     def decode(self, tgt, memory, src_mask, state=None, **kwargs):
+        """A translation model's decoding step, in this rank's round."""
         self._round(active=True)
         self._last = (tgt[:1, -1:], memory[:1], src_mask[:1], state)
         return self.model.decode(tgt, memory, src_mask, state, **kwargs)
 
+    def __call__(self, tokens, state=None, **kwargs):
+        """A language model's step (sampling), in this rank's round."""
+        self._round(active=True)
+        self._last = (tokens[:1, -1:], None, None, None)
+        return self.model(tokens, state=state, **kwargs)
+
     def idle(self) -> None:
-        """After this rank's search of a batch: decode a row of its last state while any rank
-        still decodes."""
-        if self._last is None:
-            return
+        """After this rank's search of a batch (or its sampling): a step of a row of its last
+        state while any rank still decodes. A translation model repeats a row of its own
+        decoding, caches included, so that it calls the layers the others call (the
+        cross-attention's key and value projections only at a sentence's first step); a
+        language model calls the same layers at every step, and takes a one-token input."""
+        if self._last is None:  # an lm rank that took no step (rank 0 alone samples)
+            device = next(self.model.parameters()).device
+            self._last = (torch.zeros(1, 1, dtype=torch.long, device=device), None, None, None)
         tgt, memory, src_mask, state = self._last
-        first = torch.zeros(1, dtype=torch.long, device=tgt.device)
-        state.select_sources(first)
-        state.reorder(first)
+        if state is not None:
+            first = torch.zeros(1, dtype=torch.long, device=tgt.device)
+            state.select_sources(first)
+            state.reorder(first)
         with _no_grad(True):
             while self._round(active=False):
-                self.model.decode(tgt, memory, src_mask, state)
+                if memory is None:
+                    self.model(tgt)
+                else:
+                    self.model.decode(tgt, memory, src_mask, state)
         self._last = None
 
     def _round(self, active: bool) -> bool:
@@ -299,17 +317,18 @@ class Validation:
         cfg, device = self.cfg, engine.device
         started = time.perf_counter()
         # ZeRO-3's partitioned model, every rank in step (Lockstep), rather than a gathered
-        # copy of it on every rank; an lm's scoring and sampling still use the copy.
-        partitioned = engine.partitioned and not self.lines
-        # Otherwise the bare module: a DDP forward outside the training step would wait for
-        # its peers.
+        # copy of it on every rank. Otherwise the bare module: a DDP forward outside the
+        # training step would wait for its peers.
+        partitioned = engine.partitioned
         whole = contextlib.nullcontext(engine.module) if partitioned else engine.full_module()
         with whole as module, engine.autocast():
             if self.lines:
                 limit = cfg.train.eval_batches
-                result = score_lines(module, self.tok, self.lines, cfg, device, env, limit)
-                if cfg.logging.samples and env.is_main:
-                    metrics.text(tag("samples"), step, lm_samples(module, self.tok, cfg))
+                result = score_lines(
+                    module, self.tok, self.lines, cfg, device, env, limit, partitioned
+                )
+                if cfg.logging.samples:
+                    self._lm_samples(module, partitioned, metrics, step, env)
             else:
                 lockstep = self._filled(env) if partitioned else None
                 result = validation_metrics(
@@ -321,6 +340,17 @@ class Validation:
         result[SECONDS] = time.perf_counter() - started
         metrics.log(PREFIX, step, result)
         return result
+
+    def _lm_samples(self, module, partitioned: bool, metrics, step: int, env) -> None:
+        """Rank 0 samples a few texts for TensorBoard; under ZeRO-3 the others take its rounds."""
+        if not partitioned:
+            if env.is_main:
+                metrics.text(tag("samples"), step, lm_samples(module, self.tok, self.cfg))
+            return
+        model = Lockstep(module, env)
+        if env.is_main:
+            metrics.text(tag("samples"), step, lm_samples(model, self.tok, self.cfg))
+        model.idle()
 
     def _filled(self, env) -> tuple[int, Batch]:
         """(rounds, filler) for validation_metrics in lockstep: the most batches a rank holds,
@@ -408,9 +438,11 @@ def score_lines(
     device,
     env=None,
     max_batches: int | None = None,
+    lockstep: bool = False,
 ) -> dict[str, float]:
     """lm_eval's scores of `lines` with the run's window, stride, unit and batch size; with a
-    DistEnv, each rank scores its share of the windows and the sums are combined."""
+    DistEnv, each rank scores its share of the windows and the sums are combined (`lockstep`:
+    every rank runs as many forwards as the busiest, for ZeRO-3's partitioned model)."""
     window = cfg.data.max_len
     rows = max(1, cfg.train.max_tokens // window)
     return lm_scores(
@@ -426,6 +458,7 @@ def score_lines(
         world_size=env.world_size if env else 1,
         reduce=env.sum if env else lambda sums: sums,
         max_windows=None if max_batches is None else max_batches * rows,
+        rounds=(lambda n: int(env.max([float(n)])[0])) if lockstep else None,
     )
 
 

@@ -80,17 +80,24 @@ def score_stream(
     rank: int = 0,
     world_size: int = 1,
     max_windows: int | None = None,
+    rounds: Callable[[int], int] | None = None,
 ) -> tuple[float, float, int]:
     """(summed NLL in nats, correct argmax predictions, tokens scored) of this rank's share of
     the windows over `stream` (window i belongs to rank i % world_size; sum over ranks for the
-    whole text)."""
-    spans = windows(len(stream) - 1, window, stride)[:max_windows][rank::world_size]
+    whole text). `rounds` (this rank's batch count -> every rank's), for a model whose forward
+    is a collective (ZeRO-3's partitioned one): every rank runs as many forwards as the
+    busiest, the extra ones on a batch whose result it drops."""
+    every = windows(len(stream) - 1, window, stride)[:max_windows]
+    spans = every[rank::world_size]
+    batches = [spans[lo : lo + rows] for lo in range(0, len(spans), rows)]
+    count_rounds = rounds(len(batches)) if rounds else len(batches)
+    filler = batches[0] if batches else every[:rows]
     was_training = model.training
     model.eval()
     nll, correct, n = 0.0, 0.0, 0
-    with torch.inference_mode():
-        for lo in range(0, len(spans), rows):
-            part = spans[lo : lo + rows]
+    with torch.no_grad() if rounds else torch.inference_mode():
+        for b in range(count_rounds):
+            part = batches[b] if b < len(batches) else filler
             width = max(end - begin for begin, end, _ in part)
             tgt_in = torch.full((len(part), width), pad_id, dtype=torch.long)
             tgt_out = torch.full((len(part), width), pad_id, dtype=torch.long)
@@ -101,7 +108,8 @@ def score_stream(
             count = int((tgt_out != pad_id).sum())
             batch = Batch(torch.arange(len(part)), count, tgt_in=tgt_in, tgt_out=tgt_out)
             loss, right = batch_loss(model, batch.to(device), "lm", 0.0, pad_id)
-            nll, correct, n = nll + float(loss), correct + float(right), n + count
+            if b < len(batches):
+                nll, correct, n = nll + float(loss), correct + float(right), n + count
     model.train(was_training)
     return nll, correct, n
 
@@ -120,14 +128,26 @@ def lm_scores(
     world_size: int = 1,
     reduce: Callable[[list[float]], list[float]] = lambda sums: sums,
     max_windows: int | None = None,
+    rounds: Callable[[int], int] | None = None,
 ) -> dict[str, float]:
     """Loss per token, perplexity and, for unit characters or words, bits per character or
     word-level perplexity of the whole text `lines`. `reduce` sums over data-parallel ranks.
-    max_windows scores only the first windows: loss and perplexity only, of a part."""
+    max_windows scores only the first windows: loss and perplexity only, of a part. `rounds`:
+    see score_stream."""
     encoded = tok.encode(lines)  # once: the stream and the round-trip check share it
     stream = _joined(encoded, tok.eos_id)
     sums = score_stream(
-        model, stream, window, stride, tok.pad_id, device, rows, rank, world_size, max_windows
+        model,
+        stream,
+        window,
+        stride,
+        tok.pad_id,
+        device,
+        rows,
+        rank,
+        world_size,
+        max_windows,
+        rounds,
     )
     nll, correct, n = reduce(list(sums))
     loss = nll / max(n, 1)

@@ -1,8 +1,9 @@
-"""The Tiny Shakespeare config on the real corpus, on 2 ranks: DDP and ZeRO-2 follow one process.
+"""The Tiny Shakespeare config on the real corpus, on 2 ranks: DDP and ZeRO-3 follow one process.
 
 One process accumulating two micro-batches takes the same global batches as two ranks taking
 one each (the token cache's plan is global), so the three loss curves agree up to float
-rounding, and so do the validation scores of the whole validation text.
+rounding, and so do the validation scores of the whole validation text. ZeRO-3 validates on its
+partitioned model, the ranks in step (evaluate.Lockstep): scoring and rank 0's samples.
 """
 
 import gzip
@@ -29,6 +30,18 @@ pytestmark = [
 STEPS = 20
 
 
+def tb_text(run_dir: Path, tag: str) -> dict[int, str]:
+    """Step -> the text the run logged to TensorBoard under `tag`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"tensors": 0})
+    acc.Reload()
+    return {
+        e.step: tensor_util.make_ndarray(e.tensor_proto).item().decode() for e in acc.Tensors(tag)
+    }
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("shakespeare")
@@ -53,18 +66,18 @@ def setup(tmp_path_factory):
     return root, config, overrides
 
 
-def test_ddp_and_zero2_follow_one_process_on_tiny_shakespeare(setup):
+def test_ddp_and_zero3_follow_one_process_on_tiny_shakespeare(setup):
     root, config, overrides = setup
     runs = {
         "one": [sys.executable] + aiayn(config, root / "one", *overrides, "train.grad_accum=2"),
         "ddp": torchrun(2) + aiayn(config, root / "ddp", *overrides),
-        "zero2": torchrun(2)
+        "zero3": torchrun(2)
         + aiayn(
             config,
-            root / "zero2",
+            root / "zero3",
             *overrides,
             "distributed.backend=deepspeed",
-            "distributed.zero_stage=2",
+            "distributed.zero_stage=3",
         ),  # fmt: skip
     }
     for cmd in runs.values():
@@ -74,7 +87,7 @@ def test_ddp_and_zero2_follow_one_process_on_tiny_shakespeare(setup):
     assert ref[STEPS] < 0.85 * ref[1]  # it learns (7.0 -> 5.6 nats per BPE token seen)
     ref_bpc = scalars(root / "one", "valid/bpc")
     assert sorted(ref_bpc) == [10, 20] and ref_bpc[20] < 6.2  # ln(512)/ln(2)/0.49 = 18 at first
-    for name in ("ddp", "zero2"):
+    for name in ("ddp", "zero3"):
         got = scalars(root / name, "train/loss")
         worst = max(abs(got[s] - ref[s]) / ref[s] for s in ref)
         assert worst <= 1e-4, f"{name}: loss curve differs from one process's by {worst:.3g}"
@@ -82,3 +95,5 @@ def test_ddp_and_zero2_follow_one_process_on_tiny_shakespeare(setup):
         assert bpc == pytest.approx(ref_bpc, rel=1e-4)  # the windows split over both ranks
     log = (root / "ddp" / "train.log").read_text()
     assert "x 2 ranks per step" in log and os.path.isdir(root / "ddp" / "data_cache")
+    samples = [tb_text(root / name, "valid/samples") for name in ("one", "zero3")]
+    assert samples[0] and samples[0] == samples[1]  # rank 0 sampled them, the other in step
