@@ -95,5 +95,5 @@ def test_ddp_and_zero3_follow_one_process_on_tiny_shakespeare(setup):
         assert bpc == pytest.approx(ref_bpc, rel=1e-4)  # the windows split over both ranks
     log = (root / "ddp" / "train.log").read_text()
     assert "x 2 ranks per step" in log and os.path.isdir(root / "ddp" / "data_cache")
-    samples = [tb_text(root / name, "valid/samples") for name in ("one", "zero3")]
+    samples = [tb_text(root / name, "valid/samples/text_summary") for name in ("one", "zero3")]
     assert samples[0] and samples[0] == samples[1]  # rank 0 sampled them, the other in step
