@@ -80,7 +80,13 @@ train: {{max_tokens: 600, eval_every: 2, eval_bleu: 0, threads: 1, device: {args
 logging: {{every_steps: 1, peak_tflops: 1}}
 checkpoint: {{every_steps: 2, async_save: false}}
 """
-        + ("" if zero is None else f"distributed: {{backend: deepspeed, zero_stage: {zero}}}\n")
+        + (
+            ""
+            if zero is None
+            else f"distributed: {{backend: deepspeed, zero_stage: {zero}"
+            + (f", deepspeed_config: {args.deepspeed_config}" if args.deepspeed_config else "")
+            + "}\n"
+        )
     )
     cfg = load_config(config)
     train_tokenizer(
@@ -126,6 +132,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--zero", type=int, choices=[1, 2, 3], help="DeepSpeed ZeRO (default: DDP)")
     p.add_argument("--preset", help="a model preset (transformer_big) instead of --d-model")
+    p.add_argument(
+        "--deepspeed-config",
+        help="a JSON file of DeepSpeed keys merged into the run's (distributed.deepspeed_config), "
+        "e.g. ZeRO-3's stage3_max_live_parameters",
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--workdir", default=str(ROOT / "runs" / "bench" / "scale"))
     args = p.parse_args(argv)
