@@ -14,6 +14,7 @@ from procs import run, torchrun
 pytestmark = pytest.mark.distributed
 WORKER = str(Path(__file__).with_name("validate_dev.py"))
 DEV = 100  # the numbers corpus's validation pairs (procs.make_setup)
+RELEASE = Path(__file__).with_name("zero3_release.json")
 
 
 def validate(setup, launcher: list[str], name: str, *overrides: str) -> tuple[Path, list[dict]]:
@@ -40,8 +41,13 @@ def one(setup):
     [
         (),
         # Partitioned: every layer's forward is a collective, so the ranks decode in step
-        # (evaluate.Lockstep), with no gathered copy of the model.
-        ("distributed.backend=deepspeed", "distributed.zero_stage=3"),
+        # (evaluate.Lockstep), with no gathered copy of the model. DeepSpeed is told to release
+        # each layer after its forward (it keeps up to 1e9 parameters gathered by default).
+        (
+            "distributed.backend=deepspeed",
+            "distributed.zero_stage=3",
+            f"distributed.deepspeed_config={RELEASE}",
+        ),
     ],
     ids=["ddp", "zero3"],
 )
@@ -59,3 +65,7 @@ def test_two_ranks_translate_half_each_and_give_one_process_hypotheses(setup, on
         r["result"][k] == pytest.approx(single["result"][k], rel=1e-6) for r in two for k in keys
     )
     assert two[0]["result"]["ter"] == two[1]["result"]["ter"]  # every rank has rank 0's scores
+    if engine:  # never the whole model on a rank: a layer's weights at a time (a gathered
+        # copy, as validation made before, holds all of it)
+        most = [r["most_gathered"] for r in two]
+        assert None not in most and max(most) < 0.5, most

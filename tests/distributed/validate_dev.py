@@ -1,8 +1,9 @@
 """Run by test_validation.py, alone or under torchrun: one validation, as the training loop
 runs it, of a model initialised from seed 0 (the same untrained model on every rank) on the
 distributed tests' dev set, with the engine the config names (DDP, DeepSpeed ZeRO-3). Each
-rank writes OUT/rank_<r>.json: the dev sentences it translated, the metrics it got back, and
-whether its engine's model is partitioned.
+rank writes OUT/rank_<r>.json: the dev sentences it translated, the metrics it got back,
+whether its engine's model is partitioned, and (ZeRO-3) the largest share of the model it held
+gathered at once.
 
 usage: validate_dev.py CONFIG RUN_DIR OUT [KEY=VALUE ...]
 """
@@ -22,6 +23,22 @@ from aiayn.model import build_model
 from aiayn.tokenizer import Tokenizer
 
 
+def watch_gathered(module: torch.nn.Module) -> list[float]:
+    """ZeRO-3: the share of the model's parameters gathered whole on this rank, sampled as each
+    layer's forward begins (a list that grows while the forward hooks are there)."""
+    params = list(module.parameters())
+    total = sum(p.ds_numel for p in params)
+    seen: list[float] = []
+
+    def sample(*_):
+        seen.append(sum(p.ds_numel for p in params if p.ds_status.name == "AVAILABLE") / total)
+
+    for sub in module.modules():
+        sub.register_forward_pre_hook(sample)
+        sub.register_forward_hook(sample)
+    return seen
+
+
 def main(config: str, run_dir: str, out: str, *overrides: str) -> None:
     env = setup("cpu")
     cfg = load_config(config, [f"run_dir={run_dir}", "train.eval_bleu=null", *overrides])
@@ -30,9 +47,11 @@ def main(config: str, run_dir: str, out: str, *overrides: str) -> None:
     model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
     engine = build_engine(model, cfg, env, lambda: build_model(cfg.model, tok.vocab_size, 0))
     validation = Validation(cfg, tok, env)
+    whole = watch_gathered(engine.module) if engine.partitioned else [1.0]
     result = validation.run(engine, Metrics(run_dir, env.is_main, tensorboard=False), 1, env)
     translated = sorted(i for batch in validation.mine for i in batch)
     got = {"translated": translated, "result": result, "partitioned": engine.partitioned}
+    got["most_gathered"] = max(whole, default=None)  # None: the partitioned layers never ran
     Path(out, f"rank_{env.rank}.json").write_text(json.dumps(got))
     teardown()
 
