@@ -42,6 +42,7 @@ from aiayn.files import bytes_hashed
 from aiayn.flops import device_peak_flops, training_flops
 from aiayn.loss import batch_loss
 from aiayn.malloc import keep_freed_memory
+from aiayn.metric_names import PREFIX
 from aiayn.metrics import Metrics, ProgressBar, cuda_memory, memory_bytes, setup_logging
 from aiayn.model import build_model, count_parameters
 from aiayn.precision import resolve_precision
@@ -373,11 +374,15 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
         bar.update(shown)
         if stop_now:
             _stop(run, window, step)
+        stop_early = False
         if validation and ((cfg.train.eval_every and step % cfg.train.eval_every == 0) or last):
             last_eval = valid = validation.run(engine, run.metrics, step, run.env)
-        if run.ckpts.due(step) or last:
+            stop_early = _no_longer_improving(cfg, progress, valid) and not last
+        if run.ckpts.due(step) or last or stop_early:
             _save(run, window, step, valid)
             saved_step = step
+        if stop_early:
+            break
         if window.tokens == 0:  # tokens/s measures training, not validation or saving
             window.started = time.perf_counter()
     run.vote.close()  # the stop vote started by the last step
@@ -390,6 +395,37 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
         cfg.to_dict(), {f"valid_{k}": v for k, v in last_eval.items()}, progress.step
     )
     return last_eval
+
+
+def _no_longer_improving(cfg: Config, progress: Progress, valid: dict[str, float]) -> bool:
+    """Count this validation for train.patience (in `progress`, which the checkpoint holds);
+    True when the run should stop. Every rank decides alike: it sees the same scores (summed
+    over the ranks, or rank 0's broadcast)."""
+    metric, delta = cfg.checkpoint.best_metric, cfg.train.patience_delta
+    value = valid.get(metric.removeprefix(f"{PREFIX}/"), float("nan"))
+    best = progress.best_value
+    gain = (
+        float("nan")
+        if best is None
+        else (value - best if cfg.checkpoint.higher_is_better else best - value)
+    )
+    if math.isfinite(value) and (best is None or gain > delta):
+        progress.best_value, progress.best_step, progress.since_best = value, progress.step, 0
+        return False
+    progress.since_best += 1
+    if not cfg.train.patience or progress.since_best < cfg.train.patience:
+        return False
+    log.info(
+        "early stop at step %d: %s has not improved by more than %g in %d validations; its "
+        "last improvement was to %.6g at step %d",
+        progress.step,
+        metric,
+        delta,
+        progress.since_best,
+        best if best is not None else float("nan"),
+        progress.best_step,
+    )
+    return True
 
 
 def _step_totals(run: Run, steps: StepBatches, micro: list) -> tuple[int, bool, bool]:

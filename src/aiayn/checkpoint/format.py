@@ -45,6 +45,8 @@ FORMAT_VERSION = 1
 CHECKPOINTS_DIR = "checkpoints"  # under run_dir
 MODEL_FILE, TRAINER_FILE, MANIFEST_FILE = "model.safetensors", "trainer.pt", "manifest.json"
 TRAINER_TENSORS_FILE = "trainer.safetensors"
+# Pointer files in checkpoints/, each naming a step directory (checkpoint/retention.py).
+BEST, LATEST = "best", "latest"
 _TENSOR_KEY = "__tensor__"
 # A copy of the SentencePiece model, in checkpoints made by averaging (self-contained).
 TOKENIZER_FILE = "tokenizer.model"
@@ -197,8 +199,11 @@ def latest_valid(root: Path) -> Path | None:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or the latest valid one of a run directory; verified."""
+    """A checkpoint directory, or the latest valid one of a run directory, or the one a
+    pointer names (RUN/best or RUN/latest, or the files in RUN/checkpoints); verified."""
     path = Path(path)
+    if path.name in (BEST, LATEST) and not path.is_dir():
+        return _follow(path)
     if (path / MANIFEST_FILE).is_file():
         read_manifest(path)  # a corrupt checkpoint named explicitly is an error, not a fallback
         return path
@@ -210,6 +215,21 @@ def resolve_checkpoint(path: str | Path) -> Path:
         f"no valid checkpoint at {path}: pass a run_dir holding checkpoints/ or a "
         "checkpoints/step_XXXXXXXX directory"
     )
+
+
+def _follow(path: Path) -> Path:
+    """The checkpoint a pointer names: RUN/checkpoints/NAME, given as that or as RUN/NAME."""
+    for pointer in (path, path.parent / CHECKPOINTS_DIR / path.name):
+        if pointer.is_file():
+            ckpt = pointer.parent / pointer.read_text().strip()
+            read_manifest(ckpt)
+            return ckpt
+    if path.name == BEST:
+        raise CheckpointError(
+            f"{path.parent} has no best checkpoint yet: none has recorded "
+            "checkpoint.best_metric (a checkpoint saved at a validation step records it)"
+        )
+    raise CheckpointError(f"{path.parent} has no checkpoints/{LATEST}: it has saved none yet")
 
 
 def load_checkpoint(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 import threading
@@ -40,8 +39,8 @@ from aiayn.checkpoint.format import (
     read_stored,
     split_tensors,
     step_dir_name,
-    step_of,
 )
+from aiayn.checkpoint.retention import LATEST, Retention, pointed
 from aiayn.checkpoint.tensor_files import TensorFile, slice_bytes, write_slices
 from aiayn.distributed import reshard  # as a module: reshard imports checkpoint.format
 from aiayn.distributed.env import DistEnv
@@ -59,6 +58,11 @@ class Progress:
 
     step: int = 0
     tokens: int = 0
+    # Early stopping (train.patience): the best value of checkpoint.best_metric so far, the
+    # step it was reached at, and the validations since without an improvement.
+    best_value: float | None = None
+    best_step: int = 0
+    since_best: int = 0
 
     @classmethod
     def from_state(cls, saved: dict[str, Any]) -> Progress:
@@ -79,11 +83,7 @@ class Tracked:
 
 class CheckpointManager:
     """Saves and finds checkpoints of one run. Every rank calls it; only writers write.
-
-    Retention: the newest `keep_last`, every step that is a multiple of `keep_every`, and the
-    `keep_best` with the best `best_metric` as recorded in their manifests (so the choice
-    survives restarts). The checkpoint `latest` names is never deleted.
-    """
+    Which checkpoints are kept, and which is the best: checkpoint/retention.py."""
 
     def __init__(
         self,
@@ -107,10 +107,8 @@ class CheckpointManager:
         self._staging = staging.Staging()  # an async save's host copies
         self.failures = FailedSaves(max_failed_saves)
         self.every_steps = every_steps
-        self.keep_last = keep_last
         self.is_writer = is_writer
-        self.keep_every, self.keep_best = keep_every, keep_best
-        self.best_metric, self.higher_is_better = best_metric, higher_is_better
+        self.retention = Retention(keep_last, keep_every, keep_best, best_metric, higher_is_better)
 
     @classmethod
     def from_config(cls, run_dir: str | Path, cfg: Any, is_writer: bool) -> CheckpointManager:
@@ -521,52 +519,27 @@ class CheckpointManager:
         os.replace(tmp, final)
         try:
             fsync_path(self.root)
-            write_atomic(self.root / "latest", final.name + "\n")
+            write_atomic(self.root / LATEST, final.name + "\n")
         except BaseException:
             # A resume takes the newest valid directory: one that `latest` does not name yet
             # must go too, or the previous checkpoint would not be the one a restart finds.
             shutil.rmtree(final, ignore_errors=True)
             raise
-        self._prune()
+        self.retention.after_save(self.root, self.checkpoints())
         log.info("saved %s in %.2fs", final, time.perf_counter() - started)
         return final
 
     def best(self) -> list[Path]:
         """Checkpoints that recorded `best_metric`, best first (the later one on a tie)."""
-        scored = []
-        for ckpt in self.checkpoints():
-            try:
-                value = json.loads((ckpt / MANIFEST_FILE).read_text())["metrics"][self.best_metric]
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # saved without a validation at its step, or incomplete
-            if not isinstance(value, int | float) or not math.isfinite(value):
-                continue
-            scored.append((value if self.higher_is_better else -value, ckpt))
-        return [ckpt for _, ckpt in sorted(scored, reverse=True)]
+        return self.retention.ranked(self.checkpoints())
 
     def _pointed(self) -> Path | None:
-        try:
-            return self.root / (self.root / "latest").read_text().strip()
-        except OSError:
-            return None
+        return pointed(self.root, LATEST)
 
     def _pointed_checkpoint(self) -> Path | None:
         """The checkpoint `latest` names, when it is there."""
-        pointed = self._pointed()
-        return pointed if pointed is not None and pointed.is_dir() else None
-
-    def _prune(self) -> None:
-        for stale in self.root.glob(".tmp-*"):  # left by a crash during an earlier save
-            shutil.rmtree(stale, ignore_errors=True)
-        ckpts = self.checkpoints()
-        keep = set(ckpts[-self.keep_last :]) | {self._pointed()}
-        if self.keep_every:
-            keep |= {c for c in ckpts if step_of(c) % self.keep_every == 0}
-        if self.keep_best:
-            keep |= set(self.best()[: self.keep_best])
-        for old in ckpts:
-            if old not in keep:
-                shutil.rmtree(old, ignore_errors=True)
+        found = self._pointed()
+        return found if found is not None and found.is_dir() else None
 
 
 def _as_is(tensor: torch.Tensor) -> torch.Tensor:

@@ -275,6 +275,14 @@ class TrainConfig(Section):
     """seq2seq: the validation sentences translated and scored (BLEU, chrF, TER) at each
     validation, the first this many; None: the whole dev set, shared out among the ranks;
     0: none."""
+    patience: int = bounded(0, low=0)
+    """Stop the run after this many validations in a row without an improvement of
+    checkpoint.best_metric (in the direction checkpoint.best_mode gives) by more than
+    patience_delta; 0: never. An equal score or a NaN is no improvement. The run saves, says
+    why and at which step the best was, and exits 0; the count is in the checkpoint, so a
+    resumed run stops where an uninterrupted one would. One metric decides: best_metric."""
+    patience_delta: float = bounded(0.0, low=0)
+    """The least change of best_metric that counts as an improvement for train.patience."""
     eval_stride: int | None = bounded(None, low=1)
     """lm: validation and `aiayn evaluate` score the whole text in windows of data.max_len
     tokens. None: non-overlapping windows; s: windows advance by s tokens and score their last
@@ -497,7 +505,7 @@ class Config:
                 f"data.format parallel is for model.kind seq2seq; a {self.model.kind} model "
                 "reads text, tsv, jsonl, parquet or hub data"
             )
-        errs += self._validate_keep_best()
+        errs += self._validate_ranking()
         if self.train.compile and self.distributed.backend == "deepspeed":
             errs.append(
                 "train.compile is for distributed.backend ddp (and one process): DeepSpeed's "
@@ -536,18 +544,25 @@ class Config:
             )
         return errs
 
-    def _validate_keep_best(self) -> list[str]:
+    def _validate_ranking(self) -> list[str]:
         ckpt, train = self.checkpoint, self.train
-        if not ckpt.keep_best:
+        if not (ckpt.keep_best or train.patience):
             return []
         errs = []
+        # Who ranks by validation: the messages name the setting that asks for it.
+        who = "checkpoint.keep_best" if ckpt.keep_best else "train.patience"
         if not self.data.valid:
-            errs.append("checkpoint.keep_best ranks by validation: set data.valid")
-        if not train.eval_every or train.eval_every % max(ckpt.every_steps, 1):
+            errs.append(f"{who} ranks by validation: set data.valid")
+        if ckpt.keep_best and (not train.eval_every or train.eval_every % max(ckpt.every_steps, 1)):
             errs.append(
                 f"checkpoint.keep_best ranks checkpoints by the validation at their step: "
                 f"train.eval_every ({train.eval_every}) must be a multiple of "
                 f"checkpoint.every_steps ({ckpt.every_steps})"
+            )
+        if train.patience and not train.eval_every:
+            errs.append(
+                "train.patience counts validations without improvement: set train.eval_every "
+                "(validations happen every train.eval_every steps)"
             )
         units = {metric_names.tag(name): unit for name, unit in metric_names.UNIT.items()}
         unit = units.get(ckpt.best_metric)
