@@ -200,6 +200,16 @@ def device_peak_flops(
     return peak
 
 
+def raise_kept_peak(kept: Path, flops: float) -> None:
+    """Record a higher measured peak in run_dir/peak_flops.json (see device_peak_flops)."""
+    try:
+        saved = json.loads(kept.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(saved, dict) and float(saved.get("flops", 0)) < flops:
+        write_atomic(kept, json.dumps({**saved, "flops": flops}) + "\n")
+
+
 def device_name(device: torch.device) -> str:
     """The GPU's name, or the CPU's model name (from /proc/cpuinfo where there is one)."""
     if device.type == "cuda":

@@ -39,7 +39,7 @@ from aiayn.distributed.env import DistEnv, setup, teardown, use_timeout
 from aiayn.errors import DataError, PeerError, TrainingError
 from aiayn.evaluate import Validation
 from aiayn.files import bytes_hashed
-from aiayn.flops import device_peak_flops, training_flops
+from aiayn.flops import datasheet_peak, device_peak_flops, raise_kept_peak, training_flops
 from aiayn.loss import batch_loss
 from aiayn.malloc import keep_freed_memory
 from aiayn.metric_names import PREFIX
@@ -152,6 +152,7 @@ class Run:
     metrics: Metrics
     progress: Progress
     peak_flops: float
+    peak_measured: bool  # a matmul measured at the first start, not a data sheet's or configured
     stop: StopFlag
     startup: StartupTimes
     vote: StopVote = field(init=False)
@@ -277,7 +278,12 @@ def _assemble(cfg: Config, stop: StopFlag, startup: StartupTimes) -> Run:
         _log_launcher()
     use_timeout(cfg.distributed.timeout_minutes, env)  # set-up is done: a lost rank fails fast
     startup.set_up_done()
-    return Run(cfg, env, tok, engine, loader, ckpts, metrics, progress, peak, stop, startup)
+    measured = not cfg.logging.peak_tflops and (
+        datasheet_peak(env.device, cfg.train.precision, cfg.train.tf32) is None
+    )
+    return Run(
+        cfg, env, tok, engine, loader, ckpts, metrics, progress, peak, measured, stop, startup
+    )
 
 
 def _log_launcher() -> None:
@@ -557,7 +563,7 @@ def _log_window(run: Run, window: Window, grad_norm, console: bool) -> dict[str,
         "tokens_per_s": tokens / elapsed,  # all ranks
         "step_time_s": elapsed / max(window.steps, 1),
         "data_wait_fraction": window.data_seconds / elapsed,  # rank 0's
-        "mfu": flops / elapsed / (run.peak_flops * run.env.world_size),
+        "mfu": flops / elapsed / (_peak(run, flops / elapsed) * run.env.world_size),
         "memory_gib": memory_bytes(run.env.device) / 2**30,
         **cuda_memory(run.env.device),
         "loss_scale": run.engine.loss_scale,
@@ -566,6 +572,25 @@ def _log_window(run: Run, window: Window, grad_norm, console: bool) -> dict[str,
     }
     run.metrics.log("train", step, scalars, console=console)
     return {k: scalars[k] for k in ("loss", "lr", "tokens_per_s")}
+
+
+def _peak(run: Run, achieved: float) -> float:
+    """The peak MFU counts against. A measured one (CPU) was taken once, at the run's first
+    start, maybe under load; when training outruns it, it was too low, and the rate training
+    reached is the better estimate from then on (kept for restarts): so MFU never exceeds 1."""
+    per_rank = achieved / run.env.world_size
+    if run.peak_measured and per_rank > run.peak_flops:
+        log.warning(
+            "training reached %.3g TFLOP/s per rank, above the %.3g TFLOP/s measured as this "
+            "device's peak at the run's first start (measured under load?): MFU counts against "
+            "the rate reached from here on",
+            per_rank / 1e12,
+            run.peak_flops / 1e12,
+        )
+        run.peak_flops = per_rank
+        if run.env.is_main:
+            raise_kept_peak(Path(run.cfg.run_dir) / "peak_flops.json", per_rank)
+    return run.peak_flops
 
 
 def _save(run: Run, window: Window, step: int, valid: dict[str, float] | None = None) -> None:

@@ -1,5 +1,6 @@
 """aiayn.flops: the FLOP count behind MFU, and the peaks it is measured against."""
 
+import json
 import math
 
 import pytest
@@ -125,3 +126,23 @@ def test_a_measured_peak_is_kept_for_the_restarts_of_the_run(tmp_path, monkeypat
     finally:
         torch.set_num_threads(threads)
     assert len(measured) == 3
+
+
+def test_a_measured_peak_that_training_outruns_is_raised_so_mfu_never_exceeds_1(tmp_path):
+    """A CPU's peak is a matmul measured at the run's first start, maybe under load (a run
+    logged mfu 1.1): when training outruns it, MFU counts against the rate reached, kept for
+    restarts. A data sheet's or a configured peak stays as it is."""
+    from types import SimpleNamespace
+
+    from aiayn.train import _peak
+
+    kept = tmp_path / "peak_flops.json"
+    kept.write_text(json.dumps({"device": "cpu", "flops": 1e11}))
+    env = SimpleNamespace(world_size=2, is_main=True)
+    run = SimpleNamespace(
+        peak_measured=True, peak_flops=1e11, env=env, cfg=SimpleNamespace(run_dir=tmp_path)
+    )
+    assert _peak(run, 1.5e11) == 1e11  # 0.75e11 per rank: below the peak
+    assert _peak(run, 3e11) == 1.5e11 and json.loads(kept.read_text())["flops"] == 1.5e11
+    run.peak_measured, run.peak_flops = False, 1e11
+    assert _peak(run, 3e11) == 1e11
