@@ -100,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="the new checkpoint directory")
 
     p = sub.add_parser(
+        "finish",
+        help="average a run's last (or best) K checkpoints into RUN/averaged and score it",
+    )
+    p.add_argument("run_dir", help="the run directory")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--last", type=int, help="the newest K checkpoints")
+    which.add_argument("--best", type=int, help="the K best by checkpoint.best_metric")
+
+    p = sub.add_parser(
         "export", help="the model for inference: safetensors, CTranslate2 or Hugging Face"
     )
     p.add_argument("checkpoint", help="run_dir (its latest valid checkpoint) or a step dir")
@@ -330,6 +339,16 @@ def cmd_average(args) -> int:
     return 0
 
 
+def cmd_finish(args) -> int:
+    from aiayn.finish import finish
+    from aiayn.metrics import setup_logging
+
+    setup_logging(None)
+    summary = finish(args.run_dir, args.last or args.best, "last" if args.last else "best")
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
 def cmd_export(args) -> int:
     from aiayn.checkpoint.tools import export_paths
     from aiayn.export import export_model
@@ -383,6 +402,7 @@ COMMANDS = {
     "evaluate": cmd_evaluate,
     "generate": cmd_generate,
     "average": cmd_average,
+    "finish": cmd_finish,
     "export": cmd_export,
     "demo-data": cmd_demo_data,
 }

@@ -520,8 +520,11 @@ def evaluate(checkpoint: str | Path, split: str = "test", overrides: list[str] =
     """Score a checkpoint on a data split: BLEU (seq2seq), perplexity (lm), accuracy."""
     cfg, model, tok, ckpt = load_for_inference(checkpoint, overrides, "auto")
     device = next(model.parameters()).device
-    if ckpt.parent.name == CHECKPOINTS_DIR:  # a training run's: it may hold a copy of the split
-        cfg = copied_split(cfg, split, ckpt.parent.parent) or cfg
+    # A training run's checkpoint (or its averaged model, RUN/averaged): the run may hold a
+    # copy of the split.
+    run_dir = ckpt.parent.parent if ckpt.parent.name == CHECKPOINTS_DIR else ckpt.parent
+    if (run_dir / CHECKPOINTS_DIR).is_dir():
+        cfg = copied_split(cfg, split, run_dir) or cfg
     spec = getattr(cfg.data, split, None)
     if spec is None:
         from aiayn.errors import ConfigError

@@ -39,6 +39,7 @@ from aiayn.distributed.env import DistEnv, setup, teardown, use_timeout
 from aiayn.errors import DataError, PeerError, TrainingError
 from aiayn.evaluate import Validation
 from aiayn.files import bytes_hashed
+from aiayn.finish import finish
 from aiayn.flops import datasheet_peak, device_peak_flops, raise_kept_peak, training_flops
 from aiayn.loss import batch_loss
 from aiayn.malloc import keep_freed_memory
@@ -400,6 +401,8 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
     run.metrics.hparams(
         cfg.to_dict(), {f"valid_{k}": v for k, v in last_eval.items()}, progress.step
     )
+    if cfg.train.finish and run.env.is_main:  # the averaged model: one process's work
+        finish(cfg.run_dir, cfg.train.finish, cfg.train.finish_select)
     return last_eval
 
 

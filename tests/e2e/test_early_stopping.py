@@ -2,7 +2,8 @@
 checkpoint.best_metric, saves, says why and exits 0. The count is in the checkpoint: a run
 killed -9 after its first validation and resumed stops at the same step, with bitwise-equal
 weights. checkpoints/best names the checkpoint with the best recorded metric, and every
-command that takes a checkpoint finds it as RUN/best."""
+command that takes a checkpoint finds it as RUN/best. train.finish leaves the average of the
+last checkpoints in RUN/averaged, scored, which evaluate and export accept."""
 
 import json
 import os
@@ -40,6 +41,7 @@ def command(run_dir: Path, corpus: Path, config: Path) -> list[str]:
         "checkpoint.every_steps=10",
         "checkpoint.keep_last=5",
         "train.threads=1",
+        "train.finish=2",
     )
 
 
@@ -121,3 +123,34 @@ def test_killed_after_the_first_validation_and_resumed_it_stops_at_the_same_step
         for r in (killed, straight)
     )
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_a_finished_run_leaves_its_averaged_model_scored(straight, numbers, tmp_path):
+    averaged = straight / "averaged"
+    summary = json.loads((averaged / "summary.json").read_text())
+    assert summary["checkpoints"] == ["step_00000020", f"step_{STOP:08d}"]
+    assert {"bleu", "chrf", "ter", "chrf_signature"} <= set(summary["scores"]["valid"])
+    a, b = (
+        load_file(straight / "checkpoints" / f"step_{s:08d}" / "model.safetensors")
+        for s in (20, STOP)
+    )
+    mean = load_file(averaged / "model.safetensors")
+    assert all(torch.equal(mean[k], (a[k] + b[k]) / 2) for k in a)
+    cli = [sys.executable, "-m", "aiayn"]
+    evaluated = subprocess.run(
+        cli + ["evaluate", "--checkpoint", str(averaged), "--split", "valid", "--json"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert json.loads(evaluated.stdout)["chrf"] == pytest.approx(summary["scores"]["valid"]["chrf"])
+    out = tmp_path / "averaged.safetensors"
+    exported = subprocess.run(
+        cli + ["export", str(averaged), "--output", str(out)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
+    assert exported.returncode == 0 and out.is_file(), exported.stderr[-3000:]

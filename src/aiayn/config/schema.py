@@ -283,6 +283,13 @@ class TrainConfig(Section):
     resumed run stops where an uninterrupted one would. One metric decides: best_metric."""
     patience_delta: float = bounded(0.0, low=0)
     """The least change of best_metric that counts as an improvement for train.patience."""
+    finish: int = bounded(0, low=0)
+    """At the end of the run (max_steps, max_epochs or an early stop), average this many
+    checkpoints into run_dir/averaged and score it on the dev and test sets, with a summary
+    (`aiayn finish`); 0: off."""
+    finish_select: Literal["last", "best"] = "last"
+    """Which checkpoints train.finish averages: the newest, or the best by
+    checkpoint.best_metric."""
     eval_stride: int | None = bounded(None, low=1)
     """lm: validation and `aiayn evaluate` score the whole text in windows of data.max_len
     tokens. None: non-overlapping windows; s: windows advance by s tokens and score their last
@@ -506,6 +513,7 @@ class Config:
                 "reads text, tsv, jsonl, parquet or hub data"
             )
         errs += self._validate_ranking()
+        errs += self._validate_finish()
         if self.train.compile and self.distributed.backend == "deepspeed":
             errs.append(
                 "train.compile is for distributed.backend ddp (and one process): DeepSpeed's "
@@ -543,6 +551,22 @@ class Config:
                 f"({self.model.max_len}); lower data.max_len or raise model.max_len"
             )
         return errs
+
+    def _validate_finish(self) -> list[str]:
+        train, ckpt = self.train, self.checkpoint
+        if not train.finish:
+            return []
+        kept, setting = (
+            (ckpt.keep_last, "checkpoint.keep_last")
+            if train.finish_select == "last"
+            else (ckpt.keep_best, "checkpoint.keep_best")
+        )
+        if train.finish > kept:
+            return [
+                f"train.finish averages {train.finish} checkpoints ({train.finish_select}) but "
+                f"{setting} keeps {kept}: raise {setting} to {train.finish} or lower train.finish"
+            ]
+        return []
 
     def _validate_ranking(self) -> list[str]:
         ckpt, train = self.checkpoint, self.train
