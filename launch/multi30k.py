@@ -6,13 +6,14 @@
 Stages, each the `aiayn` command a user would type (printed before it runs):
   1. tokenizer  `aiayn tokenizer train`: one joint SentencePiece BPE vocabulary (§3.4)
   2. train      `aiayn train`: the warmup schedule, label smoothing, Adam 0.9/0.98/1e-9
-  3. average    `aiayn average --last K`: the last K checkpoints (§6.1)
-  4. evaluate   `aiayn evaluate --split test`: beam search with a length penalty, sacreBLEU
+  3. finish     `aiayn finish RUN --last K`: the last K checkpoints averaged (§6.1) into
+                RUN/averaged, scored on the dev and test sets: beam search with a length
+                penalty, sacreBLEU's BLEU, chrF and TER
 
-It then prints the wall time of each stage and test_2016_flickr sacreBLEU, lowercased and
-cased with their signatures, for the averaged model and, as the ablation, for the last
-checkpoint alone (beam and greedy). The run resumes where it stopped if interrupted
-(`aiayn train` resumes from run_dir); a finished run is only re-scored.
+It then prints the wall time of each stage and test_2016_flickr sacreBLEU (BLEU lowercased
+and cased, chrF, TER) with signatures, for the averaged model and, as the ablation, for the
+last checkpoint alone (beam and greedy). The run resumes where it stopped if interrupted
+(`aiayn train` resumes from run_dir); a finished run is only averaged and scored again.
 
 key=value overrides go to every stage (e.g. run_dir=runs/m30_try2 train.max_steps=1000).
 """
@@ -21,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-from aiayn.checkpoint import resolve_checkpoint
 from aiayn.config import load_config
 
 from stages import ROOT, Stages, main_guard, run, tokenizer_once  # launch/stages.py
@@ -57,15 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_once(ROOT / cfg.tokenizer_path, common)
     with stage("train"):
         run(["train", *common])
-    with stage("average"):
-        latest = resolve_checkpoint(run_dir).name  # the newest valid step_XXXXXXXX
-        averaged = str(run_dir / f"average_last{k}_{latest}")
-        if Path(averaged).exists():  # this run's average was made before: score it again
-            print(f"{averaged} exists: kept")
-        else:
-            run(["average", str(run_dir), "--last", str(k), "--output", averaged])
-    with stage("evaluate"):
-        rows = [(f"average of last {k}, beam", score(averaged, []))]
+    with stage("finish"):
+        summary = json.loads(run(["finish", str(run_dir), "--last", str(k)], True))
+        rows = [(f"average of last {k}, beam", summary["scores"]["test"])]
     stage.done()
 
     if not args.no_ablation:  # outside the timed recipe: it answers what each part adds
@@ -78,12 +71,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {seconds / 60:.1f} min |")
     print(
         f"\n| model (beam {cfg.decode.beam}, alpha {cfg.decode.alpha}) "
-        "| BLEU lowercased | BLEU cased |\n| --- | ---: | ---: |"
+        "| BLEU lowercased | BLEU cased | chrF | TER |\n| --- | ---: | ---: | ---: | ---: |"
     )
-    for name, result in rows:
-        print(f"| {name} | {result['bleu_lc']:.2f} | {result['bleu']:.2f} |")
+    for name, r in rows:
+        print(
+            f"| {name} | {r['bleu_lc']:.2f} | {r['bleu']:.2f} | {r['chrf']:.2f} | {r['ter']:.2f} |"
+        )
     print(f"\nlowercased: {rows[0][1]['bleu_lc_signature']}")
     print(f"cased:      {rows[0][1]['bleu_signature']}")
+    print(f"chrF:       {rows[0][1]['chrf_signature']}")
+    print(f"TER:        {rows[0][1]['ter_signature']}")
     print(f"hypotheses: {rows[0][1]['hypotheses_file']}")
     return 0
 

@@ -1,6 +1,6 @@
 """launch/multi30k.py, the recipe script, chains its stages and prints its table. Run here on
 the numbers corpus with a tiny model: what is checked is the plumbing (tokenizer, train,
-average, evaluate, table), not the Multi30k score, which takes 25 minutes (docs/recipes.md)."""
+finish, table), not the Multi30k score, which takes 25 minutes (docs/recipes.md)."""
 
 import re
 import subprocess
@@ -32,7 +32,7 @@ def test_the_recipe_trains_averages_scores_and_prints_its_table(project_root, tm
     out = subprocess.run(cmd, cwd=project_root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
 
-    averaged = run_dir / "average_last3_step_00000012"
+    averaged = run_dir / "averaged"  # aiayn finish
     assert [s["step"] for s in read_manifest(averaged)["averaged_from"]] == [4, 8, 12]
     rows = re.findall(
         r"^\| (average of last 3, beam|last checkpoint, \w+) \| ([\d.]+) \|", out.stdout, re.M
@@ -43,10 +43,10 @@ def test_the_recipe_trains_averages_scores_and_prints_its_table(project_root, tm
         "last checkpoint, greedy",
     ]
     assert all(0 <= float(bleu) <= 100 for _, bleu in rows)
-    assert "| train |" in out.stdout and "case:lc" in out.stdout
-    assert (run_dir / "eval" / "test.average_last3_step_00000012.hyp").read_text().count("\n") == 50
+    assert "| train |" in out.stdout and "case:lc" in out.stdout and "nc:6" in out.stdout
+    assert (run_dir / "eval" / "test.averaged.hyp").read_text().count("\n") == 50
 
     # Run again: the tokenizer is kept, training is already done, only scoring runs again.
     again = subprocess.run(cmd, cwd=project_root, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count("exists: kept") == 2  # the tokenizer and the average
+    assert again.stdout.count("exists: kept") == 1  # the tokenizer; finish averages again
