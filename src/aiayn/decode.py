@@ -13,18 +13,18 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from aiayn.loss import grad_free
 from aiayn.model import DecoderOnlyLM, DecoderState, Seq2SeqTransformer
 
 
 @contextmanager
 def _eval_mode(model: nn.Module) -> Iterator[None]:
     """Eval mode (no dropout) and no autograd while decoding; the caller's mode comes back.
-    A model that says `inference_mode = False` (evaluate.Lockstep: ZeRO-3 gathers parameters in
-    the forward, which inference mode would mark) gets no_grad instead."""
+    A model that says it is `partitioned` (evaluate.Lockstep) gets loss.grad_free's no_grad."""
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode() if getattr(model, "inference_mode", True) else torch.no_grad():
+        with grad_free(getattr(model, "partitioned", False)):
             yield
     finally:
         model.train(was_training)

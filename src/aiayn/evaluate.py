@@ -32,7 +32,7 @@ from aiayn.decode import beam_search, greedy_search
 from aiayn.errors import CheckpointError
 from aiayn.files import write_atomic
 from aiayn.lm_eval import lm_scores, sample_text
-from aiayn.loss import batch_loss
+from aiayn.loss import batch_loss, grad_free
 from aiayn.metric_names import (
     ACCURACY,
     BLEU,
@@ -72,7 +72,7 @@ def validation_metrics(
     model.eval()
     loss_sum, correct, n = 0.0, 0.0, 0
     rounds, filler = lockstep or (len(batches), None)
-    with _no_grad(lockstep is not None):
+    with grad_free(lockstep is not None):
         for i in range(rounds):
             batch = (batches[i] if i < len(batches) else filler).to(device)
             loss, right = batch_loss(model, batch, kind, 0.0, pad_id)
@@ -178,12 +178,6 @@ def rank_shares(batches: list[list[int]], encoded: list[list[int]], world: int) 
     return [sorted(share) for share in shares]
 
 
-def _no_grad(partitioned: bool):
-    """inference_mode, except for ZeRO-3's partitioned model: the parameters it gathers for a
-    forward would be inference tensors, which the training step then may not touch."""
-    return torch.no_grad() if partitioned else torch.inference_mode()
-
-
 class Lockstep:
     """ZeRO-3's partitioned model, decoded by every rank in step.
 
@@ -194,7 +188,7 @@ class Lockstep:
     that it calls the layers the others call, until no rank has a step left (one sum per
     round). The search functions see the model (encode, decode, cfg) and nothing else."""
 
-    inference_mode = False  # decode.py: no_grad (see _no_grad)
+    partitioned = True  # decode.py: no_grad, not inference_mode (loss.grad_free)
 
     def __init__(self, model: nn.Module, env):
         self.model, self.env, self.cfg = model, env, model.cfg
@@ -243,7 +237,7 @@ class Lockstep:
             first = torch.zeros(1, dtype=torch.long, device=tgt.device)
             state.select_sources(first)
             state.reorder(first)
-        with _no_grad(True):
+        with grad_free(True):
             while self._round(active=False):
                 if memory is None:
                     self.model(tgt)
@@ -302,6 +296,10 @@ class Validation:
         self.mine: list[list[int]] = []  # this rank's batches: indices into sources
         self.pairs: list[dict] = []  # rank 0: the dev set's sources and references
         self.signatures_logged = False
+        # ZeRO-3's lockstep, found at the first validation (a collective): the rounds of loss
+        # batches and a filler batch, and the rounds of translation batches.
+        self._fill: tuple[int, Batch] | None = None
+        self._rounds: int | None = None
         if cfg.model.kind == "seq2seq" and cfg.train.eval_bleu != 0:
             source = open_split(cfg.data, cfg.data.valid, "seq2seq")
             pairs = list(itertools.islice(source, cfg.train.eval_bleu))  # None: all
@@ -355,12 +353,16 @@ class Validation:
     def _filled(self, env) -> tuple[int, Batch]:
         """(rounds, filler) for validation_metrics in lockstep: the most batches a rank holds,
         and a batch for the rounds past this rank's (its first; a rank with none borrows the
-        split's first)."""
-        rounds = int(env.max([float(len(self.batches))])[0])
-        if self.batches:
-            return rounds, self.batches[0]
-        cfg = self.cfg
-        return rounds, next(iter(make_loader(cfg, cfg.data.valid, self.tok, train=False)))
+        split's first). The same at every validation: found at the first."""
+        if self._fill is None:
+            rounds = int(env.max([float(len(self.batches))])[0])
+            if self.batches:
+                self._fill = rounds, self.batches[0]
+            else:
+                cfg = self.cfg
+                loader = make_loader(cfg, cfg.data.valid, self.tok, train=False)
+                self._fill = rounds, next(iter(loader))
+        return self._fill
 
     def _translate(self, model, device, metrics, step: int, env) -> dict[str, float]:
         """This rank's share of the dev set translated; the scores of all of it, on every rank.
@@ -369,7 +371,9 @@ class Validation:
         cfg, started = self.cfg, time.perf_counter()
         decode = decoder(model, self.tok, cfg.decode, device)
         lockstep = isinstance(model, Lockstep)
-        rounds = int(env.max([float(len(self.mine))])[0]) if lockstep else len(self.mine)
+        if lockstep and self._rounds is None:  # the busiest rank's batches: found once
+            self._rounds = int(env.max([float(len(self.mine))])[0])
+        rounds = self._rounds if lockstep else len(self.mine)
         mine = []
         for b in range(rounds):
             if b < len(self.mine):

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from aiayn.data.batch import Batch
-from aiayn.loss import batch_loss
+from aiayn.loss import batch_loss, grad_free
 from aiayn.metric_names import ACCURACY, BPC, LOSS, PPL, WORD_PPL
 from aiayn.tokenizer import Tokenizer
 
@@ -95,7 +95,7 @@ def score_stream(
     was_training = model.training
     model.eval()
     nll, correct, n = 0.0, 0.0, 0
-    with torch.no_grad() if rounds else torch.inference_mode():
+    with grad_free(rounds is not None):
         for b in range(count_rounds):
             part = batches[b] if b < len(batches) else filler
             width = max(end - begin for begin, end, _ in part)

@@ -88,3 +88,10 @@ def batch_loss(
         target = batch.tgt_out.reshape(-1).index_select(0, keep)  # (N,)
     loss, correct = smoothed_cross_entropy(logits, target, smoothing)
     return loss, correct.sum()
+
+
+def grad_free(partitioned: bool = False):
+    """No autograd for an evaluation forward: inference_mode, except on ZeRO-3's partitioned
+    model, whose forward gathers parameters that inference mode would mark as inference
+    tensors, which the training step then may not touch."""
+    return torch.no_grad() if partitioned else torch.inference_mode()

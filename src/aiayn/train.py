@@ -413,12 +413,9 @@ def _no_longer_improving(cfg: Config, progress: Progress, valid: dict[str, float
     metric, delta = cfg.checkpoint.best_metric, cfg.train.patience_delta
     value = valid.get(metric.removeprefix(f"{PREFIX}/"), float("nan"))
     best = progress.best_value
-    gain = (
-        float("nan")
-        if best is None
-        else (value - best if cfg.checkpoint.higher_is_better else best - value)
-    )
-    if math.isfinite(value) and (best is None or gain > delta):
+    if math.isfinite(value) and (
+        best is None or (value - best if cfg.checkpoint.higher_is_better else best - value) > delta
+    ):
         progress.best_value, progress.best_step, progress.since_best = value, progress.step, 0
         return False
     progress.since_best += 1
