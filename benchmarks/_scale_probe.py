@@ -7,16 +7,14 @@ line-aligned corpus file is opened through aiayn.data.sources.open_bytes) and ho
 opens, and at exit writes OUT_DIR/rank<RANK>.json: those two, the bytes sha256_of hashed
 (verifying checkpoints and caches, writing their manifests), the process's read(2) bytes
 (/proc/self/io rchar: imports included), the bytes it wrote while saving a checkpoint (wchar
-during CheckpointManager.save), how far its resident memory rose during a save and during a
-validation (Validation.run: under ZeRO-3 a gathered copy of the model until the validation is
-shared), the same two rises in CUDA memory allocated when the run is on a GPU, and its peak
-resident memory.
+during CheckpointManager.save), how far its allocated host memory rose during a save and during a
+validation (sampled; under ZeRO-3 one layer's weights, never the whole model), the same two
+rises in CUDA memory allocated when the run is on a GPU, and its peak resident memory.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import os
 import resource
@@ -33,6 +31,7 @@ import torch  # noqa: E402
 from aiayn import evaluate, files  # noqa: E402
 from aiayn.checkpoint import manager  # noqa: E402
 from aiayn.data import sources  # noqa: E402
+from aiayn.malloc import AllocatedPeak  # noqa: E402
 
 counts = {
     "corpus_bytes": 0,
@@ -96,43 +95,29 @@ def _io() -> dict[str, int]:
     return io
 
 
-def _status(key: str) -> int:
-    """A /proc/self/status figure in bytes (VmRSS, VmHWM)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def _measured(name: str, method, counts_writes: bool = False):
-    """`method`, wrapped to record how far this rank's resident memory (and its CUDA memory
-    allocated, on a GPU) rose above where it was when the call began, as NAME_peak_growth and
+    """`method`, wrapped to record how far this rank's allocated host memory (malloc's bytes
+    in use, sampled every millisecond: aiayn.malloc.AllocatedPeak) and, on a GPU, its CUDA
+    memory allocated rose above where they were when the call began, as NAME_peak_growth and
     NAME_cuda_growth (the largest over the run's calls); with counts_writes, also its write(2)
-    bytes (a synchronous save's files are all written before it returns)."""
+    bytes (a synchronous save's files are all written before it returns; gloo's sockets count
+    too). Resident memory is not the measure: freed blocks stay resident and are reused
+    (aiayn/malloc.py), and after a malloc_trim their re-use reads as a rise."""
 
     def wrapped(self, *args, **kwargs):
         before = _io().get("wchar", 0)
-        try:
-            # Freed memory back to the OS first (aiayn keeps it, aiayn/malloc.py), and the peak
-            # reset to the current size: the rise is then what the call allocates, not hidden
-            # in pages an earlier peak left free.
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-            Path("/proc/self/clear_refs").write_text("5")
-        except OSError:
-            pass
-        rss = _status("VmRSS")
         cuda = torch.cuda.is_initialized()
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             allocated = torch.cuda.memory_allocated()
         try:
-            return method(self, *args, **kwargs)
+            with AllocatedPeak() as host:
+                return method(self, *args, **kwargs)
         finally:
             if counts_writes:
                 counts[f"{name}_written"] += _io().get("wchar", 0) - before
-            rise = _status("VmHWM") - rss
-            counts[f"{name}_peak_growth"] = max(counts[f"{name}_peak_growth"], rise)
+            counts[f"{name}_peak_growth"] = max(counts[f"{name}_peak_growth"], host.rise or 0)
             if cuda:
                 torch.cuda.synchronize()
                 rise = torch.cuda.max_memory_allocated() - allocated

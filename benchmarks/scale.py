@@ -95,7 +95,9 @@ checkpoint: {{every_steps: 2, async_save: false}}
     return config
 
 
-def launch(world: int, config: Path, run_dir: Path, out: Path, steps: int) -> str:
+def launch(
+    world: int, config: Path, run_dir: Path, out: Path, steps: int, overrides: list[str]
+) -> str:
     cmd = [
         *torchrun(world),
         str(PROBE),
@@ -105,6 +107,7 @@ def launch(world: int, config: Path, run_dir: Path, out: Path, steps: int) -> st
         str(config),
         f"run_dir={run_dir}",
         f"train.max_steps={steps}",
+        *overrides,
     ]
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
     # What a GPU machine's packages and driver need (wheels on PYTHONPATH, CUDA libraries).
@@ -138,6 +141,13 @@ def main(argv: list[str] | None = None) -> None:
         "e.g. ZeRO-3's stage3_max_live_parameters",
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides for every run, e.g. train.malloc=system",
+    )
     p.add_argument("--workdir", default=str(ROOT / "runs" / "bench" / "scale"))
     args = p.parse_args(argv)
     work = Path(args.workdir)
@@ -163,8 +173,8 @@ def main(argv: list[str] | None = None) -> None:
         "read(2) MiB: max rank",
         "peak RSS MiB: max rank",
         "MiB written by the save: max rank / all",
-        "save's RSS rise MiB: max rank",
-        "validation's RSS rise MiB: max rank",
+        "save's allocated rise MiB: max rank",
+        "validation's allocated rise MiB: max rank",
         *(["CUDA rise MiB, save / validation: max rank"] if args.device == "cuda" else []),
         "start-up s (rank 0)",
         "cache build s",
@@ -175,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         run_dir = work / f"w{world}"
         for phase, steps in (("first start", 2), ("restart", 4)):
             out = work / f"probe_w{world}_{phase.replace(' ', '_')}"
-            launch(world, config, run_dir, out, steps)
+            launch(world, config, run_dir, out, steps, args.set)
             got = reports(out, world)
             log = (run_dir / "train.log").read_text()
             startup = STARTUP.findall(log)[-1]

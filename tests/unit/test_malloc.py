@@ -1,11 +1,14 @@
-"""malloc.keep_freed_memory: large tensors come from the heap and their memory is reused."""
+"""malloc.keep_freed_memory: large tensors come from the heap and their memory is reused;
+malloc.AllocatedPeak: the highest allocated host memory while a block runs."""
 
 import json
 import platform
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
 from aiayn import malloc
 
@@ -16,29 +19,22 @@ pytestmark = pytest.mark.skipif(
 # In a fresh interpreter, so that the setting does not leak into the test process: allocate and
 # touch a 64 MiB tensor, free it, allocate it again, and read glibc's own accounting.
 _PROBE = """
-import ctypes, json, sys
+import json, sys
 import torch
-from aiayn.malloc import keep_freed_memory
+from aiayn.malloc import keep_freed_memory, mallinfo
 
-class Info(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
-
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = Info
 applied = keep_freed_memory() if sys.argv[1] == "keep" else None
 out = {"applied": applied}
 x = torch.empty(16 << 20).fill_(1.0)  # 64 MiB
-out["held"] = {"mmapped": libc.mallinfo2().hblkhd, "heap": libc.mallinfo2().arena}
+out["held"] = {"mmapped": mallinfo().hblkhd, "heap": mallinfo().arena}
 del x
-out["freed"] = {"free_in_heap": libc.mallinfo2().fordblks}
+out["freed"] = {"free_in_heap": mallinfo().fordblks}
 heaps = []
 for i in range(1, 41):  # allocate and free again: the heap settles, it does not keep growing
     y = torch.empty(16 << 20).fill_(2.0)
     del y
     if i in (20, 40):
-        heaps.append(libc.mallinfo2().arena)
+        heaps.append(mallinfo().arena)
 out["again"] = {"heaps": heaps}
 print(json.dumps(out))
 """
@@ -72,3 +68,15 @@ def test_system_policy_maps_large_tensors_and_keep_serves_them_from_the_heap():
 def test_other_c_libraries_are_left_alone(monkeypatch):
     monkeypatch.setattr(platform, "libc_ver", lambda: ("musl", "1.2"))
     assert malloc.keep_freed_memory() is False
+
+
+def test_allocated_peak_sees_a_block_freed_before_the_block_ends():
+    with malloc.AllocatedPeak() as peak:
+        x = torch.empty(16 << 20).fill_(1.0)  # 64 MiB, held for 20 samples
+        time.sleep(0.02)
+        del x
+    assert 64 * MiB <= peak.rise < 68 * MiB
+    assert malloc.allocated() < peak._base + 4 * MiB  # gone again
+    with malloc.AllocatedPeak() as idle:
+        time.sleep(0.01)
+    assert 0 <= idle.rise < MiB

@@ -432,6 +432,7 @@ class CheckpointManager:
         try:
             for name, (slices, lo, hi) in shares.items():
                 ranges[name] = write_slices(tmp / name, slices, lo, hi)
+                slices.clear()  # written: its host copies (a ZeRO-3 share) go before hashing
             for path in written:
                 with open(path, "rb+") as fh:
                     os.fsync(fh.fileno())

@@ -1,0 +1,70 @@
+"""ZeRO-3 never holds the whole model on a rank while it saves or validates (issue: saves and
+validation at scale), measured in 4 real processes: each rank's allocated host memory, sampled
+every millisecond through each save and each validation, rises by its share of the weights
+file and a gathered weight or two at a save, by a layer's weights and the activations at a
+validation; never by a whole model. The same instrument sees the whole model in the gathered
+copy that validation built before (`full_module`), so the bounds can fail."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from aiayn.malloc import allocated
+
+from procs import aiayn, run, torchrun
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(allocated() is None, reason="needs glibc's mallinfo2 (glibc 2.33+)"),
+]
+PROBE = str(Path(__file__).with_name("memory_probe.py"))
+RELEASE = Path(__file__).with_name("zero3_release.json")
+WORLD = 4
+
+
+def test_zero3_saves_and_validates_at_four_ranks_without_a_whole_model(setup, tmp_path):
+    root, config = setup
+    run_dir = tmp_path / "run"
+    run(
+        torchrun(WORLD)
+        + [PROBE, str(tmp_path)]
+        + aiayn(config, run_dir)[2:]  # after "-m aiayn"
+        + [
+            # 88 MiB of weights in many tensors of at most 4 MiB, so that a whole model stands
+            # far above a layer, a share (1/4) and the activations of the small dev batches
+            "model.N=3",
+            "model.d_model=512",
+            "model.d_ff=2048",
+            "train.max_steps=2",
+            "train.eval_every=2",
+            "train.eval_bleu=24",  # the lockstep beam search too, not only the loss
+            "checkpoint.every_steps=2",
+            "distributed.backend=deepspeed",
+            "distributed.zero_stage=3",
+            # DeepSpeed keeps up to 1e9 parameters gathered unless told to release them
+            f"distributed.deepspeed_config={RELEASE}",
+        ],
+        timeout=900,
+    )
+    weights = run_dir / "checkpoints" / "step_00000002" / "model.safetensors"
+    with safe_open(weights, "pt") as f:
+        sizes = [f.get_slice(k).get_shape() for k in f.keys()]
+    numels = [math.prod(s) for s in sizes]
+    model, largest = 4 * sum(numels), 4 * max(numels)
+    assert model > 80 * 2**20 and largest <= 4 * 2**20
+
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(WORLD)]
+    report = [{k: round(v / model, 3) for k, v in r.items()} for r in ranks]  # in models
+    for r in ranks:
+        # the control: a gathered copy is a whole model (and the instrument sees it)
+        assert r["whole_model_copy"] > 0.95 * model, report
+        # a save: its 1/4 share of model.safetensors, kept until written, and the weights
+        # gathered one at a time beside it, DeepSpeed's buffers with each (0.40 measured)
+        assert r["save"] < model / WORLD + 5 * largest, report
+        # a validation: each layer's weights gathered for its forward, then released (0.21)
+        assert r["validation"] < 0.3 * model, report
+    print(report, file=sys.stderr)
