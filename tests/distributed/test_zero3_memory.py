@@ -21,7 +21,7 @@ pytestmark = [
     pytest.mark.distributed,
     pytest.mark.skipif(allocated() is None, reason="needs glibc's mallinfo2 (glibc 2.33+)"),
 ]
-PROBE = str(Path(__file__).with_name("memory_probe.py"))
+PROBE = str(Path(__file__).with_name("zero3_memory_probe.py"))
 RELEASE = Path(__file__).with_name("zero3_release.json")
 WORLD = 4
 
