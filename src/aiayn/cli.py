@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_train(args) -> int:
     import os
 
-    from aiayn.config import load_config
+    from aiayn.config import keys_set, load_config
     from aiayn.distributed.launcher import accelerate_overrides
     from aiayn.preemption import REQUEUE_EXIT_CODE, Preempted
     from aiayn.train import train
@@ -165,7 +165,8 @@ def cmd_train(args) -> int:
     if launcher and os.environ.get("RANK", "0") == "0":
         print(f"aiayn train: from accelerate launch: {' '.join(launcher)}", file=sys.stderr)
     try:
-        train(load_config(args.config, launcher + args.overrides))
+        overrides = launcher + args.overrides
+        train(load_config(args.config, overrides), keys_set(args.config, overrides))
     except Preempted as exc:
         print(f"aiayn train: {exc}; exit code {REQUEUE_EXIT_CODE}: requeue me", file=sys.stderr)
         return REQUEUE_EXIT_CODE

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import itertools
 import logging
 import math
@@ -13,23 +15,15 @@ from typing import Any
 
 import sacrebleu
 import torch
-from safetensors.torch import load_model
 from torch import nn
 
-from aiayn.checkpoint import (
-    CHECKPOINTS_DIR,
-    TOKENIZER_FILE,
-    load_checkpoint,
-    read_manifest,
-    resolve_checkpoint,
-)
-from aiayn.checkpoint.tools import read_export
+from aiayn.checkpoint import CHECKPOINTS_DIR, check_architecture
+from aiayn.checkpoint.init_source import load_weights, locate
 from aiayn.config import Config, DecodeConfig, apply_override, config_from_dict
 from aiayn.data import make_loader, open_split
 from aiayn.data.batch import Batch
 from aiayn.data.run_splits import copied_split
 from aiayn.decode import beam_search, greedy_search
-from aiayn.errors import CheckpointError
 from aiayn.files import write_atomic
 from aiayn.lm_eval import lm_scores, sample_text
 from aiayn.loss import batch_loss, grad_free
@@ -490,32 +484,19 @@ def load_for_inference(
     """
     from aiayn.distributed.env import pick_device
 
-    path = Path(checkpoint)
-    if path.suffix == ".safetensors" and path.is_file():
-        raw, tok_path, contract = read_export(path)
-        where, ckpt = str(path), path
-    else:
-        ckpt = resolve_checkpoint(path)  # verified here, so not again below
-        manifest = read_manifest(ckpt, verify=False)
-        raw, contract, where = manifest["config"], manifest["tokenizer"], f"{ckpt}/manifest.json"
-        tok_path = ckpt / TOKENIZER_FILE  # averaged checkpoints carry their tokenizer
+    found = locate(checkpoint)
+    raw, where, ckpt = copy.deepcopy(found.config), found.where, found.checkpoint
     for item in overrides:
         apply_override(raw, item)
     cfg = config_from_dict(raw, source=where)
-    if not tok_path.is_file() or any(o.startswith("tokenizer.path=") for o in overrides):
+    tok_path = found.tokenizer
+    if tok_path is None or any(o.startswith("tokenizer.path=") for o in overrides):
         tok_path = cfg.tokenizer_path
     tok = Tokenizer(tok_path)
-    check_contract(contract, tok, where=where)
+    check_contract(found.contract, tok, where=where)
+    check_architecture(found.config["model"], dataclasses.asdict(cfg.model), where)
     model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
-    if ckpt.is_file():
-        missing, unexpected = load_model(model, str(ckpt), strict=False)
-        if missing or unexpected:
-            raise CheckpointError(
-                f"{ckpt} does not fit the model of its config: missing {sorted(missing)[:5]}, "
-                f"unexpected {sorted(unexpected)[:5]}"
-            )
-    else:
-        load_checkpoint(ckpt, model, expect_model=cfg.model, verify=False, with_trainer_state=False)
+    load_weights(model, found)
     model.to(pick_device(device)).eval()
     return cfg, model, tok, ckpt
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from aiayn import memory_probe
-from aiayn.checkpoint import CheckpointManager, Progress
+from aiayn.checkpoint import CheckpointManager, Progress, init_source, read_manifest
 from aiayn.config import Config
 from aiayn.data import (
     BatchLoader,
@@ -156,18 +156,21 @@ class Run:
     peak_measured: bool  # a matmul measured at the first start, not a data sheet's or configured
     stop: StopFlag
     startup: StartupTimes
+    init: dict | None = None  # init.source's provenance (checkpoint/init_source.py)
     vote: StopVote = field(init=False)
 
     def __post_init__(self) -> None:
         self.vote = StopVote(self.env, self.stop)
 
 
-def train(cfg: Config) -> dict[str, float]:
-    """Train until train.max_steps (or train.max_epochs); return the last validation metrics."""
+def train(cfg: Config, explicit: frozenset[str] | None = None) -> dict[str, float]:
+    """Train until train.max_steps (or train.max_epochs); return the last validation metrics.
+    `explicit`: the keys the config file and overrides set (config.keys_set), which
+    init.source's model does not override; None: the values other than the defaults."""
     startup = StartupTimes.of_this_process()
     try:
         with StopFlag() as stop:
-            run = _assemble(cfg, stop, startup)
+            run = _assemble(cfg, stop, startup, explicit)
             try:
                 return _loop(run)
             finally:
@@ -190,7 +193,9 @@ def _resolved(cfg: Config, device: torch.device) -> Config:
     )
 
 
-def _assemble(cfg: Config, stop: StopFlag, startup: StartupTimes) -> Run:
+def _assemble(
+    cfg: Config, stop: StopFlag, startup: StartupTimes, explicit: frozenset[str] | None = None
+) -> Run:
     with startup.phase("process group"):
         env = setup(cfg.train.device, cfg.distributed.setup_timeout_minutes)
     run_dir = Path(cfg.run_dir)
@@ -205,11 +210,16 @@ def _assemble(cfg: Config, stop: StopFlag, startup: StartupTimes) -> Run:
     ckpts = CheckpointManager.from_config(run_dir, cfg.checkpoint, env.is_main)
     with startup.phase("checkpoint verify"):
         resume_from = ckpts.resume_point(cfg.checkpoint.resume, env)  # before any work: may refuse
+    start = None
+    if cfg.init.source is not None:
+        cfg, start = _starting_point(cfg, explicit, resume_from, env)
     with startup.phase("tokenizer/data"):
         tok, cache = prepare_data(cfg, env)
     with startup.phase("model build"):
         seed_everything(cfg.train.seed)  # the same initial parameters on every rank
         model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
+        if start is not None and resume_from is None:
+            init_source.load_weights(model, start.found)  # before the engine wraps it
         n_params = count_parameters(model)  # before ZeRO-3 partitions them
         engine = build_engine(
             model, cfg, env, rebuild=lambda: build_model(cfg.model, tok.vocab_size, tok.pad_id)
@@ -226,7 +236,7 @@ def _assemble(cfg: Config, stop: StopFlag, startup: StartupTimes) -> Run:
             cache=cache,
             pin_memory=env.device.type == "cuda",
         )
-    ckpts.track(cfg, tok, engine, loader, env)
+    ckpts.track(cfg, tok, engine, loader, env, start and start.provenance)
     progress = ckpts.restore(resume_from, startup) if resume_from is not None else Progress()
     _log_checksums(env)
     if memory_probe.wanted(cfg.train.memory_probe, env.device, cfg.distributed.zero_stage):
@@ -282,9 +292,48 @@ def _assemble(cfg: Config, stop: StopFlag, startup: StartupTimes) -> Run:
     measured = not cfg.logging.peak_tflops and (
         datasheet_peak(env.device, cfg.train.precision, cfg.train.tf32) is None
     )
+    init = start and start.provenance
     return Run(
-        cfg, env, tok, engine, loader, ckpts, metrics, progress, peak, measured, stop, startup
+        cfg, env, tok, engine, loader, ckpts, metrics, progress, peak, measured, stop, startup, init
     )
+
+
+@dataclass
+class _Start:
+    """Where a run with init.source starts: the source's files (None when the run resumes its
+    own checkpoint) and what every checkpoint records of it."""
+
+    found: init_source.Located | None
+    provenance: dict
+
+
+def _starting_point(
+    cfg: Config, explicit: frozenset[str] | None, resume_from: Path | None, env: DistEnv
+) -> tuple[Config, _Start]:
+    """init.source's part of a start, in the order checkpoint/init_source.py gives: the
+    config with the source's model and tokenizer, and what to load."""
+    given, run_dir = cfg.init.source, Path(cfg.run_dir)
+    if resume_from is not None:  # the run's own checkpoint wins; the source is not read
+        manifest = read_manifest(resume_from, verify=False)  # verified by resume_point
+        init_source.check_resumed(given, manifest, resume_from)
+        saved = {"given": given, **manifest["config"]}
+        cfg, _ = init_source.with_source(cfg, saved, explicit)
+        log.info(
+            "init.source=%s not loaded: the run resumes its own checkpoint %s", given, resume_from
+        )
+        return cfg, _Start(None, manifest["init"])
+
+    def resolve():
+        found, record = init_source.resolve(given, run_dir)
+        merged, notes = init_source.with_source(cfg, record, explicit)
+        init_source.bring_tokenizer(merged, found, record)
+        return found, record, notes
+
+    found, record, notes = env.decide(resolve)  # rank 0 resolves, records, copies the tokenizer
+    cfg, _ = init_source.with_source(cfg, record, explicit)
+    if env.is_main:
+        init_source.log_start(record, notes)
+    return cfg, _Start(found, init_source.summary(record))
 
 
 def _log_launcher() -> None:
@@ -398,9 +447,10 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
     run.ckpts.wait(run.env)  # a background write of the last checkpoint
     bar.close()
     _log_data(loader, f"training done at step {progress.step}, epoch {loader.epoch}")
-    run.metrics.hparams(
-        cfg.to_dict(), {f"valid_{k}": v for k, v in last_eval.items()}, progress.step
-    )
+    hparams = cfg.to_dict()
+    if run.init:  # the source as given, and where it resolved
+        hparams["init"] = {**hparams["init"], **run.init}
+    run.metrics.hparams(hparams, {f"valid_{k}": v for k, v in last_eval.items()}, progress.step)
     if cfg.train.finish and run.env.is_main:  # the averaged model: one process's work
         finish(cfg.run_dir, cfg.train.finish, cfg.train.finish_select)
     return last_eval

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from aiayn.config import MODEL_PRESETS, Config, config_from_dict, load_config
+from aiayn.config import MODEL_PRESETS, Config, config_from_dict, keys_set, load_config
 from aiayn.errors import ConfigError
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
@@ -218,3 +218,18 @@ def test_the_first_fp16_loss_scale_must_be_a_power_of_two():
     ):
         load_config(None, ["data.train=x", "train.loss_scale_init=1000"])
     assert load_config(None, ["data.train=x", "train.loss_scale_init=1"]).train.loss_scale_init == 1
+
+
+def test_init_source_must_name_something():
+    with pytest.raises(ConfigError, match=r"init.source is empty: name a run directory"):
+        load_config(SHAKESPEARE, ["init.source=' '"])
+    with pytest.raises(ConfigError, match=r"init.source must be a string or null, got \[1\]"):
+        load_config(SHAKESPEARE, ["init.source=[1]"])
+
+
+def test_keys_set_are_the_files_the_overrides_and_the_presets(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {preset: tiny}\ntrain: {max_steps: 5}\n")
+    keys = keys_set(path, ["model.dropout=0.2", "init.source=runs/x"])
+    assert {"model.preset", "model.N", "model.d_model", "model.dropout", "train.max_steps"} <= keys
+    assert "init.source" in keys and "model.positions" not in keys and "train.seed" not in keys

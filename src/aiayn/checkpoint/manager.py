@@ -79,6 +79,7 @@ class Tracked:
     engine: Any  # distributed.engine.Engine
     loader: Any  # BatchLoader | CachedLoader
     env: Any  # DistEnv
+    init: dict[str, Any] | None = None  # where the run started from (init.source), recorded
 
 
 class CheckpointManager:
@@ -139,9 +140,10 @@ class CheckpointManager:
 
     # ---- a training run's checkpoints ----------------------------------------------------
 
-    def track(self, cfg, tok, engine, loader, env) -> None:
-        """The run whose state `save_step` saves and `restore` restores."""
-        self._run = Tracked(cfg, tok, engine, loader, env)
+    def track(self, cfg, tok, engine, loader, env, init=None) -> None:
+        """The run whose state `save_step` saves and `restore` restores; `init`, its source's
+        provenance, goes into every manifest."""
+        self._run = Tracked(cfg, tok, engine, loader, env, init)
 
     def resume_point(self, resume: str, env: DistEnv | None = None) -> Path | None:
         """The checkpoint a run starts from: None for a new run (checkpoint.resume).
@@ -286,6 +288,8 @@ class CheckpointManager:
             "tokenizer": run.tok.contract(),
             "world_size": run.env.world_size,
         }
+        if run.init is not None:
+            meta["init"] = run.init
         if valid:
             meta["metrics"] = {metric_names.tag(k): v for k, v in valid.items()}
         return self.save(step, run.engine, state, meta, run.env, marks)

@@ -4,7 +4,7 @@ schema.py declares every section and key (the module to read to learn them), che
 range and cross-key checking they use, loading.py reading a file and overrides into a Config.
 """
 
-from aiayn.config.loading import apply_override, config_from_dict, load_config
+from aiayn.config.loading import apply_override, config_from_dict, keys_set, load_config
 from aiayn.config.schema import (
     MODEL_PRESETS,
     CheckpointConfig,
@@ -12,6 +12,7 @@ from aiayn.config.schema import (
     DataConfig,
     DecodeConfig,
     DistributedConfig,
+    InitConfig,
     LoggingConfig,
     ModelConfig,
     OptimConfig,
@@ -27,6 +28,7 @@ __all__ = [
     "DataConfig",
     "DecodeConfig",
     "DistributedConfig",
+    "InitConfig",
     "LoggingConfig",
     "ModelConfig",
     "OptimConfig",
@@ -35,5 +37,6 @@ __all__ = [
     "TrainConfig",
     "apply_override",
     "config_from_dict",
+    "keys_set",
     "load_config",
 ]

@@ -30,6 +30,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return config_from_dict(raw, source=str(path) if path else "<overrides>")
 
 
+def keys_set(path: str | Path | None = None, overrides: list[str] = ()) -> frozenset[str]:
+    """The keys (section.key) the YAML file and the overrides set, with a model preset's: what
+    a load_config of the same arguments took from neither defaults nor elsewhere (init.source
+    brings the model's shape from its source where the user set none)."""
+    raw: dict[str, Any] = _read_yaml(Path(path)) if path is not None else {}
+    for item in overrides:
+        apply_override(raw, item)
+    model = raw.get("model")
+    if isinstance(model, dict) and model.get("preset") in MODEL_PRESETS:
+        raw = {**raw, "model": {**MODEL_PRESETS[model["preset"]], **model}}
+    return frozenset(
+        f"{section}.{key}"
+        for section, keys in raw.items()
+        if isinstance(keys, dict)
+        for key in keys
+    )
+
+
 def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
     errs: list[str] = []
     model_raw = raw.get("model")

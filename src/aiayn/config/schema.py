@@ -392,6 +392,27 @@ class DistributedConfig(Section):
         return errs
 
 
+@dataclass
+class InitConfig(Section):
+    source: str | None = None
+    """Start this run from a trained model's weights (fine-tuning, or continuing with new
+    settings): a run directory (its latest valid checkpoint; RUN/best, RUN/latest and
+    RUN/averaged name those), a checkpoint step directory, an averaged model (aiayn average,
+    aiayn finish), or a FILE.safetensors written by aiayn export. The weights only: the step,
+    schedule, data position, random state, best ranking and loss scale start fresh, and
+    train.max_steps counts this run's steps. The model's shape-defining fields and the
+    tokenizer come from the source (a model field set here to another value is an error);
+    dropout and everything outside model come from this config. Recorded in run_dir at the
+    first start (init_source.json): a restart before the first save starts again from that same
+    checkpoint, checked by its sha256; after it, the run resumes its own checkpoints
+    (docs/fine_tuning.md)."""
+
+    def validate(self) -> list[str]:
+        if self.source is not None and not self.source.strip():
+            return ["init.source is empty: name a run directory, a checkpoint or an export"]
+        return []
+
+
 # Validation metrics a checkpoint records (TensorBoard tags), and whether higher is better.
 VALID_METRICS = metric_names.VALID_TAGS
 
@@ -500,6 +521,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    init: InitConfig = field(default_factory=InitConfig)
 
     def validate(self) -> list[str]:
         errs: list[str] = []

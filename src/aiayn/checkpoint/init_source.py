@@ -1,0 +1,316 @@
+"""Starting a run from a trained model (`init.source`): finding the source, recording it in the
+run directory, the architecture and tokenizer it brings, and its weights.
+
+What a source can be, read as `aiayn translate` reads a checkpoint (`locate`): a run directory
+(its latest valid checkpoint, or RUN/best, RUN/latest, RUN/averaged), a step directory, an
+averaged model, or a FILE.safetensors from `aiayn export`.
+
+Restarts never re-initialise, by this order (train.py applies it):
+1. The run has a valid checkpoint of its own: it resumes that, bitwise; the source is not read
+   (a run directory whose checkpoints were started from another source, or from none, is
+   refused, naming both).
+2. The run has none yet, but recorded a source at an earlier start (RUN/init_source.json: the
+   resolved checkpoint, its sha256, the architecture): it starts again from exactly that, even
+   if the source run has saved newer checkpoints since; a changed or missing source is an error.
+3. A first start: the source is resolved now (rank 0, for all), recorded, and loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+from safetensors.torch import load_model
+from torch import nn
+
+from aiayn.checkpoint.format import (
+    ARCHITECTURE_FIELDS,
+    MANIFEST_FILE,
+    MODEL_FILE,
+    TOKENIZER_FILE,
+    TRAINER_FILE,
+    read_manifest,
+    resolve_checkpoint,
+)
+from aiayn.errors import CheckpointError, ConfigError
+from aiayn.files import sha256_of, write_atomic
+from aiayn.tokenizer import Tokenizer, check_contract
+
+log = logging.getLogger(__name__)
+
+RECORD = "init_source.json"  # in run_dir, written at the first start
+
+
+@dataclass(frozen=True)
+class Located:
+    """A trained model's files: what load_for_inference and init.source both read."""
+
+    weights: Path  # model.safetensors of a checkpoint directory, or the exported file
+    checkpoint: Path  # the checkpoint directory, or the exported file
+    config: dict[str, Any]  # the run config it was trained with, as a dict
+    contract: dict[str, Any]  # its tokenizer's (Tokenizer.contract)
+    tokenizer: Path | None  # a copy of its SentencePiece model, where one is found
+    kind: str  # checkpoint | averaged | export
+    step: int
+    where: str  # for messages: the file the config and contract came from
+
+
+def locate(path: str | Path) -> Located:
+    """The model at `path`: a run_dir (its latest valid checkpoint), a pointer (RUN/best,
+    RUN/latest), a step or averaged directory, or FILE.safetensors from `aiayn export`;
+    checkpoint directories verified against their manifest's checksums."""
+    from aiayn.checkpoint.tools import export_paths, read_export
+
+    path = Path(path)
+    if path.suffix == ".safetensors" and path.is_file():
+        raw, tokenizer, contract = read_export(path)
+        with safe_open(path, framework="pt") as fh:
+            step = int((fh.metadata() or {}).get("aiayn_step", 0))
+        _, config_file, _ = export_paths(path)
+        return Located(path, path, raw, contract, tokenizer, "export", step, str(config_file))
+    ckpt = resolve_checkpoint(path)  # verified
+    manifest = read_manifest(ckpt, verify=False)
+    kind = "checkpoint" if TRAINER_FILE in manifest["files"] else "averaged"
+    tokenizer = _tokenizer_file(ckpt, manifest)
+    return Located(
+        ckpt / MODEL_FILE,
+        ckpt,
+        manifest["config"],
+        manifest["tokenizer"],
+        tokenizer,
+        kind,
+        int(manifest["step"]),
+        f"{ckpt}/{MANIFEST_FILE}",
+    )
+
+
+def _tokenizer_file(ckpt: Path, manifest: dict[str, Any]) -> Path | None:
+    """The SentencePiece model a checkpoint was trained with: the copy an averaged checkpoint
+    carries, or the file its config names, where its sha256 is the one recorded."""
+    from aiayn.config import config_from_dict
+
+    candidates = [ckpt / TOKENIZER_FILE]
+    try:
+        candidates.append(config_from_dict(manifest["config"]).tokenizer_path)
+    except Exception:  # noqa: BLE001 (a config this version cannot read names no file)
+        pass
+    want = manifest["tokenizer"].get("sha256")
+    return next((p for p in candidates if p.is_file() and sha256_of(p) == want), None)
+
+
+# ---- the record ---------------------------------------------------------------------------
+
+
+def fingerprint(found: Located) -> str:
+    """sha256 of what pins the source's weights: a checkpoint's manifest (which holds every
+    file's checksum), or the exported file itself."""
+    return sha256_of(
+        found.checkpoint / MANIFEST_FILE if found.checkpoint.is_dir() else found.weights
+    )
+
+
+def describe(given: str, found: Located) -> dict[str, Any]:
+    """What a run records of its source (RUN/init_source.json, each checkpoint's manifest)."""
+    return {
+        "given": given,
+        "path": str(found.checkpoint.resolve()),
+        "kind": found.kind,
+        "step": found.step,
+        "sha256": fingerprint(found),
+        "model": found.config["model"],
+        "tokenizer": found.config.get("tokenizer", {}),
+        "tokenizer_contract": found.contract,
+        "reset": ["step", "schedule", "optimizer", "data position", "rng", "best", "loss scale"],
+    }
+
+
+def recorded(run_dir: Path) -> dict[str, Any] | None:
+    path = Path(run_dir) / RECORD
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise CheckpointError(
+            f"{path} is not readable JSON ({exc}): it records where this run started from. "
+            "Restore it, or start a new run_dir"
+        ) from None
+
+
+def resolve(given: str, run_dir: Path) -> tuple[Located, dict[str, Any]]:
+    """The source a start without a checkpoint of its own loads, and its record: the recorded
+    one where an earlier start wrote it (checked unchanged), else `given`, resolved now and
+    recorded. Rank 0's work (train.py broadcasts its answer)."""
+    before = recorded(run_dir)
+    if before is None:
+        found = locate(given)
+        record = describe(given, found)
+        write_atomic(Path(run_dir) / RECORD, json.dumps(record, indent=1) + "\n")
+        return found, record
+    if before["given"] != given:
+        raise CheckpointError(
+            f"{run_dir} was started from init.source={before['given']} ({before['path']}), "
+            f"not {given}: a run_dir belongs to one source. Use a new run_dir, or "
+            f"init.source={before['given']}"
+        )
+    path = Path(before["path"])
+    try:  # the recorded checkpoint itself: RUN/latest is not looked up again
+        found = locate(path) if path.exists() else None
+    except CheckpointError as exc:
+        raise CheckpointError(
+            f"the source this run started from cannot be read: {exc} (init.source={given}, "
+            f"recorded in {run_dir / RECORD}). The run has no checkpoint of its own yet, so it "
+            "needs that source: restore it, or start a new run_dir"
+        ) from None
+    if found is None:
+        raise CheckpointError(
+            f"the source this run started from is gone: {path} (init.source={given}, recorded "
+            f"in {run_dir / RECORD}). The run has no checkpoint of its own yet, so it needs "
+            "that source: restore it, or start a new run_dir"
+        )
+    if fingerprint(found) != before["sha256"]:
+        raise CheckpointError(
+            f"the source this run started from has changed: {path} no longer has the sha256 "
+            f"recorded in {run_dir / RECORD}. The run has no checkpoint of its own yet: "
+            "restore the source, or start a new run_dir"
+        )
+    return found, before
+
+
+def check_resumed(given: str | None, manifest: dict[str, Any], ckpt: Path) -> None:
+    """A run resuming its own checkpoint `ckpt` with init.source=`given`: refused where the
+    checkpoint was started from another source, or from none."""
+    if given is None:
+        return
+    init = manifest.get("init")
+    if init is None:
+        raise CheckpointError(
+            f"{ckpt.parent.parent} holds checkpoints of a run trained from scratch, not from "
+            f"init.source={given}: use a new run_dir for the fine-tune (or drop init.source to "
+            "resume that run)"
+        )
+    if init["given"] != given:
+        raise CheckpointError(
+            f"{ckpt.parent.parent} holds checkpoints started from init.source={init['given']} "
+            f"({init['path']}), not {given}: use a new run_dir, or init.source={init['given']}"
+        )
+
+
+# ---- what the source decides ---------------------------------------------------------------
+
+
+def shaped_by_source(model: dict[str, Any]) -> tuple[str, ...]:
+    """The model fields the source decides: its architecture, and the position table's length
+    where positions are learned (a sinusoid table extends to any length)."""
+    return ARCHITECTURE_FIELDS + (("max_len",) if model.get("positions") == "learned" else ())
+
+
+def with_source(cfg, record: dict[str, Any], explicit: frozenset[str] | None):
+    """`cfg` with the model's shape and the tokenizer section taken from the source, unless
+    set (`explicit`: the keys the config file and overrides set; None: the fields whose value
+    differs from the default count as set). A field set to another value than the source's is
+    an error naming it and both values. Returns (config, lines saying what differs)."""
+    from aiayn.config import ModelConfig, config_from_dict
+
+    source_model = record["model"]
+    default = dataclasses.asdict(ModelConfig())
+    ours = dataclasses.asdict(cfg.model)
+
+    def is_set(key: str) -> bool:
+        if explicit is not None:
+            return f"model.{key}" in explicit
+        return ours[key] != default[key]
+
+    conflicts, model = [], dict(ours)
+    for key in shaped_by_source(source_model):
+        if key not in source_model:
+            continue
+        if is_set(key) and ours[key] != source_model[key]:
+            conflicts.append(
+                f"model.{key}: init.source has {source_model[key]!r}, this config {ours[key]!r}"
+            )
+        model[key] = source_model[key]
+    if conflicts:
+        raise ConfigError(
+            f"init.source={record['given']} was trained with another model shape:\n  "
+            + "\n  ".join(conflicts)
+            + "\nRemove these keys from the config (the source's are used), or start from "
+            "scratch without init.source"
+        )
+    notes = [
+        f"model.{key}: {source_model[key]!r} in the source, {ours[key]!r} here"
+        for key in ("dropout", "attention_dropout")
+        if key in source_model and source_model[key] != ours[key]
+    ]
+    raw = cfg.to_dict()
+    raw["model"] = {k: v for k, v in model.items() if k != "preset"}
+    # The source's tokenizer, copied into this run: its settings are what trained it.
+    raw["tokenizer"] = {**record["tokenizer"], "path": cfg.tokenizer.path}
+    return config_from_dict(raw, source="the config with init.source's model"), notes
+
+
+def bring_tokenizer(cfg, found: Located, record: dict[str, Any]) -> None:
+    """The source's tokenizer at the run's tokenizer path: copied there where tokenizer.path is
+    not set and no copy is there yet; otherwise the file there must be the source's (its
+    contract's fields named where not). Rank 0's work, before the tokenizer is opened."""
+    path = cfg.tokenizer_path
+    where = f"init.source={record['given']} ({record['path']})"
+    if not path.is_file():
+        if cfg.tokenizer.path is not None:
+            raise ConfigError(
+                f"tokenizer.path {path} does not exist: leave tokenizer.path unset to use "
+                f"{where}'s tokenizer (copied into the run), or name its file"
+            )
+        if found.tokenizer is None:
+            raise CheckpointError(
+                f"the tokenizer {where} was trained with is not found (its sha256 matches no "
+                "file beside the checkpoint or at its config's tokenizer.path): set "
+                "tokenizer.path to it"
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        shutil.copyfile(found.tokenizer, tmp)
+        tmp.replace(path)
+        log.info("tokenizer: %s's, copied to %s", where, path)
+    check_contract(record["tokenizer_contract"], Tokenizer(path), where=where)
+
+
+def load_weights(model: nn.Module, found: Located) -> None:
+    """The source's weights into `model` (built from the merged config, not yet wrapped by an
+    engine, so that DDP ranks start identical and ZeRO-3 partitions them)."""
+    try:
+        missing, unexpected = load_model(model, str(found.weights), strict=False)
+    except RuntimeError as exc:  # shapes
+        raise CheckpointError(f"{found.weights} does not fit this model: {exc}") from None
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{found.weights} does not fit this model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
+
+
+def log_start(record: dict[str, Any], notes: list[str]) -> None:
+    log.info(
+        "init.source=%s: the weights of %s (%s, step %d, sha256 %s); step, schedule, "
+        "optimizer, data position, random state and best ranking start fresh",
+        record["given"],
+        record["path"],
+        record["kind"],
+        record["step"],
+        record["sha256"][:12],
+    )
+    for note in notes:
+        log.info("init.source: %s (this config's is used)", note)
+
+
+def summary(record: dict[str, Any]) -> dict[str, Any]:
+    """The record without the model and tokenizer sections the config already holds: what a
+    checkpoint's manifest and TensorBoard's hparams keep."""
+    drop = ("model", "tokenizer", "tokenizer_contract")
+    return {k: v for k, v in record.items() if k not in drop}

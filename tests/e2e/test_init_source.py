@@ -1,0 +1,221 @@
+"""init.source: a run that starts from a trained model's weights (fine-tuning, or continuing
+with new settings). The weights only: the step, schedule and max_steps start fresh. The model's
+shape and the tokenizer come from the source; a conflicting field or tokenizer is refused by
+name. Restarts never re-initialise: a fine-tune killed before its first save starts again from
+the checkpoint recorded at its first start, even after the source run has saved a newer one;
+one killed after it resumes its own checkpoint bitwise; a run_dir is refused another source.
+An export used as the source gives the export's logits bitwise."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from aiayn.checkpoint import init_source
+from aiayn.checkpoint.tools import export
+from aiayn.config import keys_set, load_config
+from aiayn.errors import CheckpointError, ConfigError, TokenizerError
+from aiayn.evaluate import load_for_inference
+from aiayn.model import build_model
+from aiayn.tokenizer import Tokenizer, train_tokenizer
+from aiayn.train import train
+
+import tiny  # tests/e2e/tiny.py, beside this file
+from processes import kill_tree, logged, wait_until  # tests/processes.py
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+COMMON = ("train.threads=1", "logging.every_steps=1", "logging.peak_tflops=0.1")
+
+
+def source_overrides(run_dir: Path, corpus: Path, *extra: str) -> list[str]:
+    return tiny.overrides(run_dir, corpus, *COMMON, "checkpoint.every_steps=10", *extra)
+
+
+def tune_overrides(run_dir: Path, corpus: Path, source, *extra: str) -> list[str]:
+    """A fine-tune's: no model shape and no tokenizer settings (the source's are used)."""
+    return [
+        f"run_dir={run_dir}",
+        f"init.source={source}",
+        f"data.train={corpus}/train",
+        "data.src_lang=en",
+        "data.tgt_lang=de",
+        "data.max_len=40",
+        "train.max_tokens=800",
+        "schedule.warmup=10",
+        *COMMON,
+        *extra,
+    ]
+
+
+def start(overrides: list[str]) -> dict:
+    return train(load_config(None, overrides), keys_set(None, overrides))
+
+
+def command(overrides: list[str], tmp_path: Path) -> list[str]:
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    return [sys.executable, "-m", "aiayn", "train", "--config", str(empty), *overrides]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars("train/loss")}
+
+
+def learning_rates(run_dir: Path) -> dict[int, float]:
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars("train/lr")}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, numbers) -> Path:
+    """A trained tiny model: 60 steps, a checkpoint every 10."""
+    run_dir = tmp_path_factory.mktemp("init") / "source"
+    start(source_overrides(run_dir, numbers, "train.max_steps=60"))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory, numbers, source) -> Path:
+    """A fine-tune of 10 steps from the source run's latest checkpoint (step 60)."""
+    run_dir = tmp_path_factory.mktemp("init") / "tuned"
+    start(
+        tune_overrides(run_dir, numbers, source, "train.max_steps=10", "checkpoint.every_steps=5")
+    )
+    return run_dir
+
+
+def test_a_fine_tune_starts_from_the_weights_with_its_own_step_and_schedule(
+    tuned, source, numbers, tmp_path
+):
+    scratch = tmp_path / "scratch"
+    start(source_overrides(scratch, numbers, "train.max_steps=1"))
+    first, trained = losses(tuned)[1], losses(source)[60]
+    # The source's loss, not a new model's: far below the loss of step 1 from scratch.
+    assert first < 0.8 * losses(scratch)[1], (first, losses(scratch)[1])
+    assert abs(first - trained) < 0.3 * trained, (first, trained)
+    # Its own steps: max_steps counts them, and the schedule's warmup starts again.
+    assert sorted(p.name for p in (tuned / "checkpoints").glob("step_*")) == [
+        "step_00000005",
+        "step_00000010",
+    ]
+    assert learning_rates(tuned)[1] == learning_rates(scratch)[1]  # same d_model, warmup
+    cfg = load_config(tuned / "config.yaml")
+    # The shape and the tokenizer are the source's; the tokenizer is copied into the run.
+    assert cfg.model.d_model == 32 and cfg.model.N == 1
+    assert (
+        Tokenizer(tuned / "tokenizer" / "spm.model").sha256
+        == Tokenizer(load_config(source / "config.yaml").tokenizer_path).sha256
+    )
+
+
+def test_every_checkpoint_records_where_the_run_started(tuned, source):
+    manifest = json.loads((tuned / "checkpoints" / "step_00000010" / "manifest.json").read_text())
+    init = manifest["init"]
+    assert init["given"] == str(source)
+    assert init["path"] == str((source / "checkpoints" / "step_00000060").resolve())
+    assert init["kind"] == "checkpoint" and init["step"] == 60
+    assert "optimizer" in init["reset"] and len(init["sha256"]) == 64
+    recorded = json.loads((tuned / "init_source.json").read_text())
+    assert recorded["sha256"] == init["sha256"]
+
+
+def test_a_conflicting_shape_or_tokenizer_is_refused_by_name(source, numbers, tmp_path):
+    with pytest.raises(ConfigError, match=r"model.d_model: init.source has 32, this config 48"):
+        start(tune_overrides(tmp_path / "wide", numbers, source, "model.d_model=48"))
+    # The same values as the source's are no conflict.
+    other = tmp_path / "other.model"
+    cfg = load_config(None, source_overrides(tmp_path / "x", numbers, "tokenizer.vocab_size=90"))
+    train_tokenizer(cfg.tokenizer, (numbers / "train.en").read_text().splitlines(), other)
+    with pytest.raises(TokenizerError, match=r"vocab_size: recorded 100, found"):
+        start(tune_overrides(tmp_path / "tok", numbers, source, f"tokenizer.path={other}"))
+
+
+def test_an_export_as_the_source_gives_its_logits_bitwise(source, tmp_path):
+    weights = export(source, tmp_path / "model.safetensors", dtype="fp32")
+    cfg = load_config(None, tune_overrides(tmp_path / "run", tmp_path, weights))
+    (tmp_path / "run").mkdir()
+    found, record = init_source.resolve(str(weights), tmp_path / "run")
+    assert record["kind"] == "export" and record["step"] == 60
+    merged, _ = init_source.with_source(cfg, record, frozenset())
+    tok = Tokenizer(found.tokenizer)
+    model = build_model(merged.model, tok.vocab_size, tok.pad_id)
+    init_source.load_weights(model, found)
+    _, exported, _, _ = load_for_inference(weights, (), "cpu")
+    src = torch.tensor([tok.encode(["three hundred four"])[0] + [tok.eos_id]])
+    tgt = torch.tensor([[tok.bos_id] + tok.encode(["drei"])[0]])
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(src, tgt), exported(src, tgt))
+
+
+def test_a_run_dir_belongs_to_one_source(tuned, source, tmp_path):
+    weights = export(source, tmp_path / "model.safetensors", dtype="fp32")
+    with pytest.raises(CheckpointError, match=r"started from init.source=.*, not .*model"):
+        start(tune_overrides(tuned, tmp_path, weights, "train.max_steps=12"))
+    with pytest.raises(CheckpointError, match=r"trained from scratch, not from init.source"):
+        start(tune_overrides(source, tmp_path, weights, "train.max_steps=70"))
+
+
+def test_a_restart_before_the_first_save_uses_the_recorded_checkpoint(tmp_path, numbers):
+    src = tmp_path / "source"
+    start(source_overrides(src, numbers, "train.max_steps=20"))
+    run_dir = tmp_path / "tune"
+    overrides = tune_overrides(
+        run_dir, numbers, src, "train.max_steps=30", "checkpoint.every_steps=1000"
+    )
+    proc = subprocess.Popen(
+        command(overrides, tmp_path), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_until(proc, logged(run_dir / "train.log", "train step 2 "), 120, "step 2")
+    finally:
+        kill_tree(proc)
+    assert not list((run_dir / "checkpoints").glob("step_*"))
+    start(source_overrides(src, numbers, "train.max_steps=30"))  # the source moves on to 30
+    start(overrides)  # starts again: from step 20, as recorded, not the source's latest
+    log = (run_dir / "train.log").read_text().split("init.source=")[-1]
+    assert "step_00000020" in log and "step 20" in log
+    assert (
+        json.loads((run_dir / "checkpoints" / "step_00000030" / "manifest.json").read_text())[
+            "init"
+        ]["step"]
+        == 20
+    )
+
+    # A recorded source that is gone, for a run without a checkpoint of its own, is an error.
+    again = tmp_path / "tune2"
+    overrides = tune_overrides(again, numbers, src, "train.max_steps=30")
+    (again).mkdir()
+    init_source.resolve(str(src), again)  # what the first start records
+    (src / "checkpoints" / "step_00000030" / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=r"source this run started from"):
+        start(overrides)
+
+
+def test_a_fine_tune_killed_after_its_first_save_resumes_bitwise(source, numbers, tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    extra = ("train.max_steps=16", "checkpoint.every_steps=8", "train.deterministic=true")
+    start(tune_overrides(straight, numbers, source, *extra))
+    overrides = tune_overrides(killed, numbers, source, *extra)
+    proc = subprocess.Popen(
+        command(overrides, tmp_path), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_until(proc, logged(killed / "train.log", "train step 10 "), 120, "step 10")
+    finally:
+        kill_tree(proc)
+    start(overrides)
+    log = (killed / "train.log").read_text()
+    assert "not loaded: the run resumes its own checkpoint" in log
+    a = load_file(straight / "checkpoints" / "step_00000016" / "model.safetensors")
+    b = load_file(killed / "checkpoints" / "step_00000016" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
