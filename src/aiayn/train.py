@@ -45,7 +45,7 @@ from aiayn.loss import batch_loss
 from aiayn.malloc import keep_freed_memory
 from aiayn.metric_names import PREFIX
 from aiayn.metrics import Metrics, ProgressBar, cuda_memory, memory_bytes, setup_logging
-from aiayn.model import build_model, count_parameters
+from aiayn.model import build_model, count_parameters, selection
 from aiayn.precision import resolve_precision
 from aiayn.preemption import REQUEUE_EXIT_CODE, Preempted, StopFlag, StopVote
 from aiayn.seeding import seed_everything
@@ -218,8 +218,13 @@ def _assemble(
     with startup.phase("model build"):
         seed_everything(cfg.train.seed)  # the same initial parameters on every rank
         model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
-        if start is not None and resume_from is None:
-            init_source.load_weights(model, start.found)  # before the engine wraps it
+        if start is not None and resume_from is None:  # before the engine wraps it
+            fresh = init_source.load_weights(model, start.found, cfg.init.exclude)
+            if cfg.init.exclude and env.is_main:
+                log.info("init.exclude: %s values left freshly initialised", f"{fresh:,}")
+        frozen = selection.freeze(model, cfg.train.freeze)  # before the optimizer is made
+        if frozen and env.is_main:
+            log.info("train.freeze: %s values not trained", f"{frozen:,}")
         n_params = count_parameters(model)  # before ZeRO-3 partitions them
         engine = build_engine(
             model, cfg, env, rebuild=lambda: build_model(cfg.model, tok.vocab_size, tok.pad_id)

@@ -219,3 +219,42 @@ def test_a_fine_tune_killed_after_its_first_save_resumes_bitwise(source, numbers
     a = load_file(straight / "checkpoints" / "step_00000016" / "model.safetensors")
     b = load_file(killed / "checkpoints" / "step_00000016" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_excluded_parameters_start_fresh_and_frozen_ones_stay_the_sources(
+    source, numbers, tmp_path
+):
+    # init.exclude: the decoder as a new model of the same seed has it, the rest the source's.
+    cfg = load_config(None, tune_overrides(tmp_path / "x", numbers, source))
+    (tmp_path / "x").mkdir()
+    found, record = init_source.resolve(str(source), tmp_path / "x")
+    merged, _ = init_source.with_source(cfg, record, frozenset())
+    tok = Tokenizer(found.tokenizer)
+    torch.manual_seed(3)
+    fresh = build_model(merged.model, tok.vocab_size, tok.pad_id).state_dict()
+    torch.manual_seed(3)
+    model = build_model(merged.model, tok.vocab_size, tok.pad_id)
+    left = init_source.load_weights(model, found, ["decoder.*"])
+    trained = load_file(found.weights)
+    got = model.state_dict()
+    decoder = [k for k in got if k.startswith("decoder.")]
+    assert decoder and left == sum(
+        got[k].numel() for k in decoder if k.endswith(("weight", "bias"))
+    )
+    assert all(torch.equal(got[k], fresh[k]) for k in decoder)
+    assert all(torch.equal(got[k], trained[k]) for k in trained if not k.startswith("decoder."))
+    with pytest.raises(ConfigError, match=r"init.exclude: 'decodr.\*' names no parameter"):
+        init_source.load_weights(model, found, ["decodr.*"])
+
+    # train.freeze: the encoder ends where the source left it; the decoder trains.
+    run_dir = tmp_path / "frozen"
+    start(
+        tune_overrides(run_dir, numbers, source, "train.max_steps=5", 'train.freeze=["encoder.*"]')
+    )
+    after = load_file(run_dir / "checkpoints" / "step_00000005" / "model.safetensors")
+    encoder = [k for k in after if k.startswith("encoder.")]
+    assert encoder and all(torch.equal(after[k], trained[k]) for k in encoder)
+    assert not all(torch.equal(after[k], trained[k]) for k in after if k.startswith("decoder."))
+    assert "train.freeze: " in (run_dir / "train.log").read_text()
+    with pytest.raises(ConfigError, match=r"train.freeze: 'encodr.\*' names no parameter"):
+        start(tune_overrides(tmp_path / "typo", numbers, source, 'train.freeze=["encodr.*"]'))

@@ -233,3 +233,8 @@ def test_keys_set_are_the_files_the_overrides_and_the_presets(tmp_path):
     keys = keys_set(path, ["model.dropout=0.2", "init.source=runs/x"])
     assert {"model.preset", "model.N", "model.d_model", "model.dropout", "train.max_steps"} <= keys
     assert "init.source" in keys and "model.positions" not in keys and "train.seed" not in keys
+
+
+def test_init_exclude_needs_a_source():
+    with pytest.raises(ConfigError, match=r"init.exclude names parameters not taken from"):
+        load_config(SHAKESPEARE, ['init.exclude=["decoder.*"]'])

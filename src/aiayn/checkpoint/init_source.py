@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import load_model
 from torch import nn
@@ -40,6 +41,7 @@ from aiayn.checkpoint.format import (
 )
 from aiayn.errors import CheckpointError, ConfigError
 from aiayn.files import sha256_of, write_atomic
+from aiayn.model import selection
 from aiayn.tokenizer import Tokenizer, check_contract
 
 log = logging.getLogger(__name__)
@@ -281,9 +283,15 @@ def bring_tokenizer(cfg, found: Located, record: dict[str, Any]) -> None:
     check_contract(record["tokenizer_contract"], Tokenizer(path), where=where)
 
 
-def load_weights(model: nn.Module, found: Located) -> None:
+def load_weights(model: nn.Module, found: Located, exclude: list[str] = ()) -> int:
     """The source's weights into `model` (built from the merged config, not yet wrapped by an
-    engine, so that DDP ranks start identical and ZeRO-3 partitions them)."""
+    engine, so that DDP ranks start identical and ZeRO-3 partitions them), except the
+    parameters init.exclude names, which keep the values the model was initialised with.
+    Returns how many values were left fresh."""
+    fresh = {}
+    if exclude:
+        chosen = selection.matching(model, list(exclude), "init.exclude")
+        fresh = {p: p.detach().clone() for p in model.parameters() if id(p) in chosen}
     try:
         missing, unexpected = load_model(model, str(found.weights), strict=False)
     except RuntimeError as exc:  # shapes
@@ -293,6 +301,10 @@ def load_weights(model: nn.Module, found: Located) -> None:
             f"{found.weights} does not fit this model: missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}"
         )
+    with torch.no_grad():
+        for param, value in fresh.items():
+            param.copy_(value)
+    return sum(v.numel() for v in fresh.values())
 
 
 def log_start(record: dict[str, Any], notes: list[str]) -> None:

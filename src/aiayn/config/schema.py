@@ -315,6 +315,11 @@ class TrainConfig(Section):
     tensors instead of going back to the OS and being page-faulted in again (glibc only; faster,
     see "Measurements behind defaults" in benchmarks/README.md); system: the C library's own
     policy, which returns memory between steps."""
+    freeze: list[str] = field(default_factory=list)
+    """Parameters not trained, by name glob (fnmatch: * matches dots too), e.g.
+    ["*embed*"] or ["encoder.*"]: they keep their values and get no optimizer state. Each glob
+    must match a parameter of the model (`aiayn.model.selection`); for fine-tuning from
+    init.source above all."""
     compile: bool = False
     """torch.compile each encoder and decoder layer (TorchInductor), fusing its norms,
     residuals, dropout and activations. For GPUs: on a 2-core CPU it was slower
@@ -407,10 +412,18 @@ class InitConfig(Section):
     checkpoint, checked by its sha256; after it, the run resumes its own checkpoints
     (docs/fine_tuning.md)."""
 
+    exclude: list[str] = field(default_factory=list)
+    """Parameters left as this run initialises them instead of taken from init.source, by name
+    glob (fnmatch), e.g. ["decoder.*"]. Each glob must match a parameter of the model; a tied
+    matrix is left fresh if any of its names matches."""
+
     def validate(self) -> list[str]:
+        errs = []
         if self.source is not None and not self.source.strip():
-            return ["init.source is empty: name a run directory, a checkpoint or an export"]
-        return []
+            errs.append("init.source is empty: name a run directory, a checkpoint or an export")
+        if self.exclude and self.source is None:
+            errs.append("init.exclude names parameters not taken from init.source: set init.source")
+        return errs
 
 
 # Validation metrics a checkpoint records (TensorBoard tags), and whether higher is better.
