@@ -36,7 +36,7 @@ from aiayn.data.run_splits import with_run_copy
 from aiayn.distributed import faults
 from aiayn.distributed.engine import Engine, build_engine
 from aiayn.distributed.env import DistEnv, setup, teardown, use_timeout
-from aiayn.errors import DataError, PeerError, TrainingError
+from aiayn.errors import CheckpointError, DataError, PeerError, TrainingError
 from aiayn.evaluate import Validation
 from aiayn.files import bytes_hashed
 from aiayn.finish import finish
@@ -219,9 +219,7 @@ def _assemble(
         seed_everything(cfg.train.seed)  # the same initial parameters on every rank
         model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
         if start is not None and resume_from is None:  # before the engine wraps it
-            fresh = init_source.load_weights(model, start.found, cfg.init.exclude)
-            if cfg.init.exclude and env.is_main:
-                log.info("init.exclude: %s values left freshly initialised", f"{fresh:,}")
+            _load_source(model, start, cfg, tok, env)
         frozen = selection.freeze(model, cfg.train.freeze)  # before the optimizer is made
         if frozen and env.is_main:
             log.info("train.freeze: %s values not trained", f"{frozen:,}")
@@ -331,7 +329,13 @@ def _starting_point(
     def resolve():
         found, record = init_source.resolve(given, run_dir)
         merged, notes = init_source.with_source(cfg, record, explicit)
-        init_source.bring_tokenizer(merged, found, record)
+        if cfg.init.vocab == "same":
+            init_source.bring_tokenizer(merged, found, record)
+        elif found.tokenizer is None:
+            raise CheckpointError(
+                f"init.vocab=remap maps pieces by string, but the tokenizer {given} was "
+                "trained with is not found beside it or at its config's tokenizer.path"
+            )
         return found, record, notes
 
     found, record, notes = env.decide(resolve)  # rank 0 resolves, records, copies the tokenizer
@@ -339,6 +343,26 @@ def _starting_point(
     if env.is_main:
         init_source.log_start(record, notes)
     return cfg, _Start(found, init_source.summary(record))
+
+
+def _load_source(model, start: _Start, cfg: Config, tok: Tokenizer, env: DistEnv) -> None:
+    """init.source's weights into the plain model, and what that did in the log and record."""
+    remap = (Tokenizer(start.found.tokenizer), tok) if cfg.init.vocab == "remap" else None
+    counts = init_source.load_weights(model, start.found, cfg.init.exclude, remap)
+    start.provenance |= {"exclude": list(cfg.init.exclude), "vocab": cfg.init.vocab, **counts}
+    if not env.is_main:
+        return
+    if cfg.init.exclude:
+        log.info("init.exclude: %s values left freshly initialised", f"{counts['fresh']:,}")
+    if remap is not None:
+        log.info(
+            "init.vocab=remap: %d of this tokenizer's %d pieces taken from the source's %d by "
+            "string (the 4 specials by role), %d new",
+            counts["pieces_kept"],
+            tok.vocab_size,
+            remap[0].vocab_size,
+            counts["pieces_new"],
+        )
 
 
 def _log_launcher() -> None:

@@ -6,6 +6,7 @@ the checkpoint recorded at its first start, even after the source run has saved 
 one killed after it resumes its own checkpoint bitwise; a run_dir is refused another source.
 An export used as the source gives the export's logits bitwise."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,11 +19,11 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from aiayn.checkpoint import init_source
-from aiayn.checkpoint.tools import export
+from aiayn.checkpoint.tools import export, export_module
 from aiayn.config import keys_set, load_config
 from aiayn.errors import CheckpointError, ConfigError, TokenizerError
 from aiayn.evaluate import load_for_inference
-from aiayn.model import build_model
+from aiayn.model import build_model, vocab_parameters
 from aiayn.tokenizer import Tokenizer, train_tokenizer
 from aiayn.train import train
 
@@ -234,7 +235,7 @@ def test_excluded_parameters_start_fresh_and_frozen_ones_stay_the_sources(
     fresh = build_model(merged.model, tok.vocab_size, tok.pad_id).state_dict()
     torch.manual_seed(3)
     model = build_model(merged.model, tok.vocab_size, tok.pad_id)
-    left = init_source.load_weights(model, found, ["decoder.*"])
+    left = init_source.load_weights(model, found, ["decoder.*"])["fresh"]
     trained = load_file(found.weights)
     got = model.state_dict()
     decoder = [k for k in got if k.startswith("decoder.")]
@@ -258,3 +259,72 @@ def test_excluded_parameters_start_fresh_and_frozen_ones_stay_the_sources(
     assert "train.freeze: " in (run_dir / "train.log").read_text()
     with pytest.raises(ConfigError, match=r"train.freeze: 'encodr.\*' names no parameter"):
         start(tune_overrides(tmp_path / "typo", numbers, source, 'train.freeze=["encodr.*"]'))
+
+
+@pytest.mark.parametrize("sharing", ["all", "decoder", "none"])
+def test_remap_copies_the_rows_of_shared_pieces_by_string(numbers, tmp_path, sharing):
+    lines = [
+        *(numbers / "train.en").read_text().splitlines(),
+        *(numbers / "train.de").read_text().splitlines(),
+    ]
+    extra = ["zebra quantum walrus", "quantum zebra"] * 200  # pieces the source never saw
+    base = load_config(None, tune_overrides(tmp_path / "r", numbers, "x"))
+    s_path, t_path = tmp_path / "s.model", tmp_path / "t.model"
+    train_tokenizer(dataclasses.replace(base.tokenizer, vocab_size=100), lines, s_path)
+    train_tokenizer(dataclasses.replace(base.tokenizer, vocab_size=90), lines[::2] + extra, t_path)
+    s_tok, t_tok = Tokenizer(s_path), Tokenizer(t_path)
+    shape = ["model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2", "model.max_len=64"]
+    src_cfg = load_config(
+        None, source_overrides(tmp_path / "s", numbers, *shape, f"model.share_embeddings={sharing}")
+    )
+    torch.manual_seed(1)
+    source_model = build_model(src_cfg.model, s_tok.vocab_size, s_tok.pad_id)
+    weights = export_module(source_model, src_cfg.to_dict(), s_tok, tmp_path / "source.safetensors")
+
+    (tmp_path / "run").mkdir()
+    overrides = tune_overrides(
+        tmp_path / "run", numbers, weights, "init.vocab=remap", f"tokenizer.path={t_path}"
+    )
+    cfg = load_config(None, overrides)
+    found, record = init_source.resolve(str(weights), tmp_path / "run")
+    merged, _ = init_source.with_source(cfg, record, keys_set(None, overrides))
+    assert merged.model.share_embeddings == sharing and merged.tokenizer.path == str(t_path)
+    torch.manual_seed(2)
+    fresh = build_model(merged.model, t_tok.vocab_size, t_tok.pad_id)
+    torch.manual_seed(2)
+    model = build_model(merged.model, t_tok.vocab_size, t_tok.pad_id)
+    counts = init_source.load_weights(model, found, remap=(s_tok, t_tok))
+
+    by_piece = {s_tok.sp.id_to_piece(i): i for i in range(s_tok.vocab_size)}
+    kept = new = 0
+    pairs = list(
+        zip(
+            vocab_parameters(model),
+            vocab_parameters(source_model),
+            vocab_parameters(fresh),
+            strict=True,
+        )
+    )
+    assert len(pairs) == {"all": 1, "decoder": 2, "none": 3}[sharing]
+    for ours, theirs, untouched in pairs:
+        for j in range(t_tok.vocab_size):
+            piece = t_tok.sp.id_to_piece(j)
+            i = j if j < 4 else by_piece.get(piece)  # the specials by role
+            if i is None:
+                new += 1
+                assert torch.equal(ours[j], untouched[j]), piece
+            else:
+                kept += 1
+                assert torch.equal(ours[j], theirs[i]), piece
+    assert counts["pieces_kept"] * len(pairs) == kept and counts["pieces_new"] * len(pairs) == new
+    assert counts["pieces_new"] >= 3 and counts["pieces_kept"] >= 30, counts
+    # every other tensor is the source's
+    other = {k: v for k, v in source_model.state_dict().items() if v.shape[0] != s_tok.vocab_size}
+    got = model.state_dict()
+    assert other and all(torch.equal(got[k], v) for k, v in other.items())
+    if sharing == "all":  # and through a run: its log and every checkpoint say what was kept
+        start([*overrides, "train.max_steps=2"])
+        log = (tmp_path / "run" / "train.log").read_text()
+        assert f"init.vocab=remap: {counts['pieces_kept']} of this tokenizer's 90 pieces" in log
+        manifest = tmp_path / "run" / "checkpoints" / "step_00000002" / "manifest.json"
+        assert json.loads(manifest.read_text())["init"]["pieces_new"] == counts["pieces_new"]

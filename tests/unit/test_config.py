@@ -236,5 +236,11 @@ def test_keys_set_are_the_files_the_overrides_and_the_presets(tmp_path):
 
 
 def test_init_exclude_needs_a_source():
-    with pytest.raises(ConfigError, match=r"init.exclude names parameters not taken from"):
+    with pytest.raises(
+        ConfigError, match=r"init.exclude says how to start from init.source: set init.source"
+    ):
         load_config(SHAKESPEARE, ['init.exclude=["decoder.*"]'])
+    with pytest.raises(ConfigError, match=r"init.vocab says how to start from init.source"):
+        load_config(SHAKESPEARE, ["init.vocab=remap"])
+    with pytest.raises(ConfigError, match=r"init.vocab must be one of same, remap, got 'new'"):
+        load_config(SHAKESPEARE, ["init.source=runs/x", "init.vocab=new"])

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_model
+from safetensors.torch import load_file, load_model
 from torch import nn
 
 from aiayn.checkpoint.format import (
@@ -41,7 +41,7 @@ from aiayn.checkpoint.format import (
 )
 from aiayn.errors import CheckpointError, ConfigError
 from aiayn.files import sha256_of, write_atomic
-from aiayn.model import selection
+from aiayn.model import selection, vocab_parameters
 from aiayn.tokenizer import Tokenizer, check_contract
 
 log = logging.getLogger(__name__)
@@ -252,8 +252,8 @@ def with_source(cfg, record: dict[str, Any], explicit: frozenset[str] | None):
     ]
     raw = cfg.to_dict()
     raw["model"] = {k: v for k, v in model.items() if k != "preset"}
-    # The source's tokenizer, copied into this run: its settings are what trained it.
-    raw["tokenizer"] = {**record["tokenizer"], "path": cfg.tokenizer.path}
+    if cfg.init.vocab == "same":  # the source's tokenizer, copied: its settings trained it
+        raw["tokenizer"] = {**record["tokenizer"], "path": cfg.tokenizer.path}
     return config_from_dict(raw, source="the config with init.source's model"), notes
 
 
@@ -283,28 +283,89 @@ def bring_tokenizer(cfg, found: Located, record: dict[str, Any]) -> None:
     check_contract(record["tokenizer_contract"], Tokenizer(path), where=where)
 
 
-def load_weights(model: nn.Module, found: Located, exclude: list[str] = ()) -> int:
+def load_weights(
+    model: nn.Module,
+    found: Located,
+    exclude: list[str] = (),
+    remap: tuple[Tokenizer, Tokenizer] | None = None,
+) -> dict[str, int]:
     """The source's weights into `model` (built from the merged config, not yet wrapped by an
     engine, so that DDP ranks start identical and ZeRO-3 partitions them), except the
     parameters init.exclude names, which keep the values the model was initialised with.
-    Returns how many values were left fresh."""
+    `remap` (the source's tokenizer, this run's): init.vocab=remap, below. Returns counts for
+    the log and the record: values left fresh, and with remap the pieces kept and new."""
     fresh = {}
     if exclude:
         chosen = selection.matching(model, list(exclude), "init.exclude")
         fresh = {p: p.detach().clone() for p in model.parameters() if id(p) in chosen}
-    try:
-        missing, unexpected = load_model(model, str(found.weights), strict=False)
-    except RuntimeError as exc:  # shapes
-        raise CheckpointError(f"{found.weights} does not fit this model: {exc}") from None
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{found.weights} does not fit this model: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}"
-        )
+    counts = {"fresh": sum(v.numel() for v in fresh.values())}
+    if remap is None:
+        try:
+            missing, unexpected = load_model(model, str(found.weights), strict=False)
+        except RuntimeError as exc:  # shapes
+            raise CheckpointError(f"{found.weights} does not fit this model: {exc}") from None
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{found.weights} does not fit this model: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+    else:
+        counts |= _load_remapped(model, found, *remap)
     with torch.no_grad():
         for param, value in fresh.items():
             param.copy_(value)
-    return sum(v.numel() for v in fresh.values())
+    return counts
+
+
+def piece_map(source: Tokenizer, tok: Tokenizer) -> list[int | None]:
+    """For each id of `tok`, the source's id of the same piece string (the four specials by
+    role: aiayn fixes their ids), or None where the source has no such piece."""
+    ids = {source.sp.id_to_piece(i): i for i in range(source.vocab_size)}
+    specials = {tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id}
+    return [j if j in specials else ids.get(tok.sp.id_to_piece(j)) for j in range(tok.vocab_size)]
+
+
+def _load_remapped(model: nn.Module, found: Located, source: Tokenizer, tok: Tokenizer) -> dict:
+    """init.vocab=remap: every tensor as stored, except the vocabulary matrices, whose rows are
+    taken by piece (piece_map); rows of pieces the source lacks keep the model's own init."""
+    stored = load_file(found.weights)
+    rows = {id(p) for p in vocab_parameters(model)}
+    mapping = piece_map(source, tok)
+    ours = torch.tensor([j for j, i in enumerate(mapping) if i is not None])
+    theirs = torch.tensor([i for i in mapping if i is not None])
+    names: dict[int, list[str]] = {}
+    params = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+        params[id(param)] = param
+    used = set()
+    with torch.no_grad():
+        for pid, group in names.items():
+            key = next((n for n in group if n in stored), None)
+            if key is None:
+                raise CheckpointError(f"{found.weights} does not fit this model: no {group[0]}")
+            used.add(key)
+            param, value = params[pid], stored[key]
+            if pid in rows and value.shape[1:] == param.shape[1:]:
+                param[ours] = value[theirs].to(param.dtype)
+            elif value.shape == param.shape:
+                param.copy_(value)
+            else:
+                raise CheckpointError(
+                    f"{found.weights} does not fit this model: {key} is {tuple(value.shape)} "
+                    f"there, {tuple(param.shape)} here"
+                )
+        for name, buffer in model.named_buffers():
+            if name in stored:
+                used.add(name)
+                buffer.copy_(stored[name])
+    unexpected = sorted(set(stored) - used)
+    if unexpected:
+        raise CheckpointError(
+            f"{found.weights} does not fit this model: unexpected {unexpected[:5]}"
+        )
+    kept = len(theirs)
+    return {"pieces_kept": kept, "pieces_new": tok.vocab_size - kept}
 
 
 def log_start(record: dict[str, Any], notes: list[str]) -> None:

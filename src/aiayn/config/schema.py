@@ -412,6 +412,13 @@ class InitConfig(Section):
     checkpoint, checked by its sha256; after it, the run resumes its own checkpoints
     (docs/fine_tuning.md)."""
 
+    vocab: Literal["same", "remap"] = "same"
+    """same: the source's tokenizer, copied into the run (a tokenizer.path naming another is an
+    error listing the fields that differ). remap: this run's own tokenizer (tokenizer.path, or
+    trained from data.train as a new run's is), with the rows of every vocabulary matrix (the
+    embeddings, an untied output projection; a tied matrix once) copied from the source by
+    piece string, the specials by role, and pieces the source lacks initialised as a new
+    model's; the counts are logged and recorded."""
     exclude: list[str] = field(default_factory=list)
     """Parameters left as this run initialises them instead of taken from init.source, by name
     glob (fnmatch), e.g. ["decoder.*"]. Each glob must match a parameter of the model; a tied
@@ -421,8 +428,9 @@ class InitConfig(Section):
         errs = []
         if self.source is not None and not self.source.strip():
             errs.append("init.source is empty: name a run directory, a checkpoint or an export")
-        if self.exclude and self.source is None:
-            errs.append("init.exclude names parameters not taken from init.source: set init.source")
+        for key, value in (("exclude", self.exclude), ("vocab", self.vocab != "same")):
+            if value and self.source is None:
+                errs.append(f"init.{key} says how to start from init.source: set init.source")
         return errs
 
 

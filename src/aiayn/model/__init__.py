@@ -7,6 +7,7 @@ from aiayn.model.transformer import (
     Seq2SeqTransformer,
     build_model,
     count_parameters,
+    vocab_parameters,
 )
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "Seq2SeqTransformer",
     "build_model",
     "count_parameters",
+    "vocab_parameters",
 ]

@@ -240,6 +240,16 @@ class EncoderClassifier(nn.Module):
         return self.head(pooled)  # (B, C)
 
 
+def vocab_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters with one row per vocabulary entry: each token embedding and the output
+    projection, a tied matrix once."""
+    params = [m.token.weight for m in model.modules() if isinstance(m, Embeddings)]
+    out = getattr(model, "out", None)
+    if isinstance(out, nn.Linear):
+        params.append(out.weight)
+    return list({id(p): p for p in params}.values())
+
+
 def init_parameters(model: nn.Module, d_model: int) -> None:
     """Xavier-uniform Linear weights, zero biases, embeddings N(0, d_model^-0.5).
 
