@@ -227,6 +227,10 @@ def _assemble(
         engine = build_engine(
             model, cfg, env, rebuild=lambda: build_model(cfg.model, tok.vocab_size, tok.pad_id)
         )
+    if start is not None and resume_from is None and cfg.init.optimizer == "keep":
+        with startup.phase("checkpoint load"):
+            init_source.load_moments(engine, start.found, cfg)
+        start.provenance["reset"] = [r for r in start.provenance["reset"] if r != "optimizer"]
     seed_everything(cfg.train.seed + 1_000_003 * env.rank)  # different dropout on each rank
     with startup.phase("tokenizer/data"):
         loader = make_loader(

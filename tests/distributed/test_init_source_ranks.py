@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from procs import aiayn, run, scalars, torchrun
+from procs import aiayn, assert_close, final_weights, run, scalars, torchrun
 
 pytestmark = pytest.mark.distributed
 TUNE = ("train.max_steps=1", "train.eval_every=0")
@@ -32,3 +32,20 @@ def test_ddp_and_zero3_ranks_start_from_the_source_as_one_process_does(setup, dd
             (run_dir / "checkpoints" / "step_00000001" / "manifest.json").read_text()
         )
         assert manifest["init"]["step"] == 20 and manifest["step"] == 1
+
+
+def test_zero3_ranks_keep_the_sources_moments_as_one_process_does(setup, ddp_run):
+    """init.optimizer=keep under ZeRO-3: each rank reads its partition of the source's Adam
+    state by parameter name (as a resume on another topology does), so its first update is
+    one process's; with fresh moments the update is another."""
+    root, config = setup
+    keep = (f"init.source={ddp_run}", *TUNE, "init.optimizer=keep")
+    one, zero3, reset = root / "keep_one", root / "keep_zero3", root / "reset_one"
+    run([sys.executable] + aiayn(config, one, *keep, "train.grad_accum=2"))
+    zero = ("distributed.backend=deepspeed", "distributed.zero_stage=3")
+    run(torchrun(2) + aiayn(config, zero3, *keep, *zero), timeout=900)
+    run([sys.executable] + aiayn(config, reset, *keep[:-1], "train.grad_accum=2"))
+    kept = final_weights(one, step=1)
+    assert_close(final_weights(zero3, step=1), kept, atol=1e-5)
+    with pytest.raises(AssertionError):
+        assert_close(final_weights(reset, step=1), kept, atol=1e-5)

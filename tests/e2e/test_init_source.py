@@ -328,3 +328,53 @@ def test_remap_copies_the_rows_of_shared_pieces_by_string(numbers, tmp_path, sha
         assert f"init.vocab=remap: {counts['pieces_kept']} of this tokenizer's 90 pieces" in log
         manifest = tmp_path / "run" / "checkpoints" / "step_00000002" / "manifest.json"
         assert json.loads(manifest.read_text())["init"]["pieces_new"] == counts["pieces_new"]
+
+
+def test_kept_moments_make_the_first_step_the_sources_next(source, tmp_path):
+    # Every batch alike (one sentence pair, repeated) and a constant rate: the source's step 4
+    # and a continuation of its step 3 see the same batch at the same rate, so with Adam's
+    # moments and step count kept they make the same update, bit for bit.
+    corpus = tmp_path / "same"
+    corpus.mkdir()
+    (corpus / "train.en").write_text("three hundred four\n" * 4000)
+    (corpus / "train.de").write_text("dreihundertvier\n" * 4000)
+    tokenizer = load_config(source / "config.yaml").tokenizer_path
+    alike = (
+        f"tokenizer.path={tokenizer}",
+        "schedule.kind=constant",
+        "schedule.lr=0.001",
+        "model.dropout=0",
+        "checkpoint.every_steps=1",
+        "data.shuffle_buffer=0",  # no windows: every batch full, so no sum runs in other order
+    )
+    trained = tmp_path / "trained"
+    start(source_overrides(trained, corpus, *alike, "train.max_steps=4"))
+    step3 = trained / "checkpoints" / "step_00000003"
+
+    def continued(name: str, optimizer: str) -> dict:
+        run_dir = tmp_path / name
+        extra = (*alike, "train.max_steps=1", f"init.optimizer={optimizer}")
+        start(tune_overrides(run_dir, corpus, step3, *extra))
+        return load_file(run_dir / "checkpoints" / "step_00000001" / "model.safetensors")
+
+    expected = load_file(trained / "checkpoints" / "step_00000004" / "model.safetensors")
+    kept = continued("kept", "keep")
+    assert all(torch.equal(kept[k], expected[k]) for k in expected)
+    fresh = continued("reset", "reset")  # Adam from zero moments takes another step
+    assert not all(torch.equal(fresh[k], expected[k]) for k in expected)
+
+    # Refused, saying why: a source without optimizer state, another set of trained parameters
+    averaged = export(trained, tmp_path / "m.safetensors")
+    with pytest.raises(CheckpointError, match=r"takes Adam's moments from a training checkpoint"):
+        start(tune_overrides(tmp_path / "e", corpus, averaged, *alike, "init.optimizer=keep"))
+    with pytest.raises(CheckpointError, match=r"the source trained with train.freeze=\[\]"):
+        start(
+            tune_overrides(
+                tmp_path / "f",
+                corpus,
+                step3,
+                *alike,
+                "init.optimizer=keep",
+                'train.freeze=["encoder.*"]',
+            )
+        )

@@ -37,6 +37,7 @@ from aiayn.checkpoint.format import (
     TOKENIZER_FILE,
     TRAINER_FILE,
     read_manifest,
+    read_trainer_state,
     resolve_checkpoint,
 )
 from aiayn.errors import CheckpointError, ConfigError
@@ -315,6 +316,39 @@ def load_weights(
         for param, value in fresh.items():
             param.copy_(value)
     return counts
+
+
+def load_moments(engine, found: Located, cfg) -> None:
+    """init.optimizer=keep: Adam's moments and step count from the source's training checkpoint
+    into the built engine, read by parameter name as a resume on another topology reads them
+    (distributed/reshard.py: each ZeRO rank its partition); the schedule, the skipped-step
+    count and everything else stay this run's. Refused, saying why, where the source has no
+    optimizer state or trained another set of parameters."""
+    from aiayn.distributed import reshard
+
+    if found.kind != "checkpoint":
+        raise CheckpointError(
+            f"init.optimizer=keep takes Adam's moments from a training checkpoint, and "
+            f"{found.checkpoint} is an {'export' if found.kind == 'export' else 'averaged model'}"
+            ", which holds weights only: name one of the run's checkpoints, or set "
+            "init.optimizer=reset"
+        )
+    source_cfg = found.config.get("train", {})
+    theirs, ours = list(source_cfg.get("freeze", [])), list(cfg.train.freeze)
+    if theirs != ours:
+        raise CheckpointError(
+            f"init.optimizer=keep continues the source's Adam state parameter by parameter, but "
+            f"the source trained with train.freeze={theirs} and this run has {ours}: the sets "
+            "of trained parameters differ. Use the same train.freeze, or init.optimizer=reset"
+        )
+    trainer_state = read_trainer_state(found.checkpoint, lambda key: key.startswith("/engine/"))
+    manifest = read_manifest(found.checkpoint, verify=False)
+    saved = reshard.Topology.of_checkpoint(manifest, trainer_state)
+    shapes = {name: p.shape for name, p in reshard.trainable(engine.module)}
+    with reshard.read(found.checkpoint, trainer_state, saved, shapes) as state:
+        # this run's fresh schedule, not the source's position in its own
+        state.scheduler, state.skipped_steps = engine.scheduler.state_dict(), 0
+        engine.load_portable(state)
 
 
 def piece_map(source: Tokenizer, tok: Tokenizer) -> list[int | None]:

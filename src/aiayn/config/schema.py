@@ -412,6 +412,12 @@ class InitConfig(Section):
     checkpoint, checked by its sha256; after it, the run resumes its own checkpoints
     (docs/fine_tuning.md)."""
 
+    optimizer: Literal["reset", "keep"] = "reset"
+    """reset: Adam starts afresh, as in any new run. keep: Adam's moments and step count come
+    from the source, which must then be a training checkpoint (not an averaged model or an
+    export) of a run that trained the same parameters (train.freeze), with the same
+    vocabulary and nothing excluded: the run continues the source's optimization with its own
+    schedule, data and steps."""
     vocab: Literal["same", "remap"] = "same"
     """same: the source's tokenizer, copied into the run (a tokenizer.path naming another is an
     error listing the fields that differ). remap: this run's own tokenizer (tokenizer.path, or
@@ -428,9 +434,19 @@ class InitConfig(Section):
         errs = []
         if self.source is not None and not self.source.strip():
             errs.append("init.source is empty: name a run directory, a checkpoint or an export")
-        for key, value in (("exclude", self.exclude), ("vocab", self.vocab != "same")):
+        for key, value in (
+            ("exclude", self.exclude),
+            ("vocab", self.vocab != "same"),
+            ("optimizer", self.optimizer != "reset"),
+        ):
             if value and self.source is None:
                 errs.append(f"init.{key} says how to start from init.source: set init.source")
+        if self.optimizer == "keep" and (self.exclude or self.vocab == "remap"):
+            errs.append(
+                "init.optimizer=keep continues the source's Adam state for every parameter as it "
+                "was: not with init.exclude or init.vocab=remap, which change parameters; set "
+                "init.optimizer=reset"
+            )
         return errs
 
 
