@@ -88,9 +88,8 @@ def source(tmp_path_factory, numbers) -> Path:
 def tuned(tmp_path_factory, numbers, source) -> Path:
     """A fine-tune of 10 steps from the source run's latest checkpoint (step 60)."""
     run_dir = tmp_path_factory.mktemp("init") / "tuned"
-    start(
-        tune_overrides(run_dir, numbers, source, "train.max_steps=10", "checkpoint.every_steps=5")
-    )
+    extra = ("train.max_steps=10", "checkpoint.every_steps=5", "train.label_smoothing=0.0")
+    start(tune_overrides(run_dir, numbers, source, *extra))
     return run_dir
 
 
@@ -116,6 +115,14 @@ def test_a_fine_tune_starts_from_the_weights_with_its_own_step_and_schedule(
         Tokenizer(tuned / "tokenizer" / "spm.model").sha256
         == Tokenizer(load_config(source / "config.yaml").tokenizer_path).sha256
     )
+    # What differs from the source's settings is said once, at the start.
+    log = (tuned / "train.log").read_text()
+    assert "init.source: train.label_smoothing: 0.1 in the source, 0.0 here" in log
+
+
+def test_a_source_that_is_not_there_is_named(numbers, tmp_path):
+    with pytest.raises(CheckpointError, match=r"no valid checkpoint at .*nowhere: pass a run_dir"):
+        start(tune_overrides(tmp_path / "run", numbers, tmp_path / "nowhere"))
 
 
 def test_every_checkpoint_records_where_the_run_started(tuned, source):

@@ -48,6 +48,13 @@ from aiayn.tokenizer import Tokenizer, check_contract
 log = logging.getLogger(__name__)
 
 RECORD = "init_source.json"  # in run_dir, written at the first start
+# Settings outside the model whose change a fine-tune's log reports (None: the whole section).
+SETTINGS = {
+    "data": ["train"],
+    "train": ["max_tokens", "grad_accum", "label_smoothing", "clip_norm", "precision"],
+    "schedule": None,
+    "optim": None,
+}
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,7 @@ def describe(given: str, found: Located) -> dict[str, Any]:
         "sha256": fingerprint(found),
         "model": found.config["model"],
         "tokenizer": found.config.get("tokenizer", {}),
+        "config": found.config,  # the rest of the source's settings, to log what differs
         "tokenizer_contract": found.contract,
         "reset": ["step", "schedule", "optimizer", "data position", "rng", "best", "loss scale"],
     }
@@ -251,6 +259,14 @@ def with_source(cfg, record: dict[str, Any], explicit: frozenset[str] | None):
         for key in ("dropout", "attention_dropout")
         if key in source_model and source_model[key] != ours[key]
     ]
+    here = cfg.to_dict()
+    for section, keys in SETTINGS.items():
+        theirs = record.get("config", {}).get(section, {})
+        for key in keys or here[section]:
+            if key in theirs and theirs[key] != here[section].get(key):
+                notes.append(
+                    f"{section}.{key}: {theirs[key]!r} in the source, {here[section][key]!r} here"
+                )
     raw = cfg.to_dict()
     raw["model"] = {k: v for k, v in model.items() if k != "preset"}
     if cfg.init.vocab == "same":  # the source's tokenizer, copied: its settings trained it
@@ -419,5 +435,5 @@ def log_start(record: dict[str, Any], notes: list[str]) -> None:
 def summary(record: dict[str, Any]) -> dict[str, Any]:
     """The record without the model and tokenizer sections the config already holds: what a
     checkpoint's manifest and TensorBoard's hparams keep."""
-    drop = ("model", "tokenizer", "tokenizer_contract")
+    drop = ("model", "tokenizer", "tokenizer_contract", "config")
     return {k: v for k, v in record.items() if k not in drop}
