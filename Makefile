@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 BENCH_VENV ?= .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: install demo demo-lm demo-classify multi30k tinyshakespeare wikitext2 test test-fast lint format clean-demo bench
+.PHONY: install demo demo-lm demo-classify adapt multi30k tinyshakespeare wikitext2 test test-fast lint format clean-demo bench
 
 install: $(STAMP)
 
@@ -43,6 +43,11 @@ demo-classify: install
 	$(BIN)/aiayn demo-data classify --out data/demo/classify
 	$(BIN)/aiayn train --config configs/demo_classify.yaml
 	$(BIN)/aiayn evaluate --checkpoint runs/demo_classify --split test
+
+# Fine-tuning with init.source, measured on the numbers demo (docs/recipes.md#fine-tuning):
+# a model of 4-5 digit numbers adapted to 6-digit ones, against training from scratch.
+adapt: install
+	$(BIN)/python launch/adapt.py
 
 # The Multi30k de->en recipe (data in ../shared/data/multi30k): tokenizer, training, checkpoint
 # averaging and test BLEU, then a table. 20-25 minutes on 2 CPU cores.

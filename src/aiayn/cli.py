@@ -140,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("kind", choices=["numbers", "lm", "classify"])
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--digits",
+        type=int,
+        nargs="+",
+        choices=[4, 5, 6],
+        help="numbers: the lengths of the numbers above 999 (default 4 5 6)",
+    )
     return parser
 
 
@@ -389,7 +396,10 @@ def cmd_demo_data(args) -> int:
         "lm": demo_data.write_lm,
         "classify": demo_data.write_classify,
     }[args.kind]
-    writer(Path(args.out), seed=args.seed)
+    extra = {"digits": tuple(args.digits)} if args.digits else {}
+    if extra and args.kind != "numbers":
+        raise SystemExit("aiayn demo-data: --digits is for the numbers corpus")
+    writer(Path(args.out), seed=args.seed, **extra)
     print(f"{args.kind} corpus in {args.out}")
     return 0
 

@@ -115,19 +115,27 @@ def write_numbers(
     n_valid: int = 1_000,
     n_test: int = 1_000,
     seed: int = 1,
+    digits: tuple[int, ...] = (4, 5, 6),
 ) -> Path:
     """English -> German number pairs in train/valid/test.{en,de}; the splits share no number.
 
     Every number below 1000 is in train (up to n_train of them): they hold every word the task
-    uses. The rest, and all of valid/test, are drawn evenly over 4, 5 and 6 digits, so valid
-    and test measure whether the model composes words it saw into numbers it never saw.
+    uses. The rest, and all of valid/test, are drawn evenly over numbers of `digits` digits
+    (4, 5 and 6), so valid and test measure whether the model composes words it saw into
+    numbers it never saw. Fewer digits make a domain of its own: a model trained on (4, 5)
+    has never put "hunderttausend" together (the fine-tuning recipe, launch/adapt.py).
     """
+    if not digits or any(d not in (4, 5, 6) for d in digits):
+        raise ValueError(f"digits must be among 4, 5 and 6, got {digits}")
     meta = dict(kind="numbers", n_train=n_train, n_valid=n_valid, n_test=n_test, seed=seed)
+    if tuple(digits) != (4, 5, 6):  # the default's meta stays as it was: its corpus is kept
+        meta["digits"] = list(digits)
+    bands = [_LARGE[d - 4] for d in sorted(set(digits))]
 
     def write(out: Path) -> None:
         rng = random.Random(seed)
         small = rng.sample(range(1000), min(n_train, 1000))
-        large = _draw(rng, n_train - len(small) + n_valid + n_test, _LARGE)
+        large = _draw(rng, n_train - len(small) + n_valid + n_test, bands)
         splits = _split(large, n_train - len(small), n_valid)
         splits["train"] += small
         rng.shuffle(splits["train"])

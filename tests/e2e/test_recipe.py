@@ -50,3 +50,44 @@ def test_the_recipe_trains_averages_scores_and_prints_its_table(project_root, tm
     again = subprocess.run(cmd, cwd=project_root, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("exists: kept") == 1  # the tokenizer; finish averages again
+
+
+def test_the_fine_tuning_recipe_trains_three_runs_and_prints_its_table(project_root, tmp_path):
+    """launch/adapt.py with a tiny model and a few steps: the plumbing (two corpora, a source,
+    a fine-tune from it, a run from scratch, six scores, the curve), not the figures."""
+    shape = ["model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2"]
+    quick = [
+        "train.max_steps=8",
+        "train.eval_every=4",
+        "checkpoint.every_steps=4",
+        "train.max_tokens=800",
+        "train.threads=1",
+        "tokenizer.vocab_size=100",
+        "train.eval_bleu=50",
+    ]
+    runs, data = tmp_path / "runs", tmp_path / "data"
+    cmd = [
+        sys.executable,
+        "launch/adapt.py",
+        "--steps",
+        "8",
+        "--runs",
+        str(runs),
+        "--data",
+        str(data),
+        *shape,
+        *quick,
+    ]
+    out = subprocess.run(cmd, cwd=project_root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    rows = re.findall(
+        r"^\| (source: A only|fine-tuned on B, 8 steps|scratch on B) \|", out.stdout, re.M
+    )
+    assert rows == ["source: A only", "fine-tuned on B, 8 steps", "scratch on B"]
+    assert "B dev-set BLEU (char), best of the fine-tune" in out.stdout
+    manifest = read_manifest(runs / "tuned" / "checkpoints" / "step_00000008")
+    assert manifest["init"]["path"] == str(
+        (runs / "source" / "checkpoints" / "step_00000008").resolve()
+    )
+    six = (data / "numbers_6" / "valid.en").read_text().splitlines()
+    assert all("hundred thousand" in line or "thousand" in line for line in six[:20])
