@@ -16,7 +16,8 @@ Then every model is scored on both test sets (`aiayn evaluate`: exact match and 
 BLEU, greedy), so the table shows what fine-tuning gains on B and forgets of A, and the
 dev-set curves of the two B runs say how many steps from scratch reach the fine-tune's score.
 
-key=value overrides go to every training stage (e.g. train.threads=2).
+key=value overrides go to every training stage (e.g. train.threads=2), and decode.* ones to
+the scoring too.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ def data(data_dir: str, domain: str) -> list[str]:
     return [f"data.train={path}/train", f"data.valid={path}/valid", f"data.test={path}/test"]
 
 
-def score(run_dir: str, path: str) -> dict:
+def score(run_dir: str, path: str, decode: list[str]) -> dict:
     """Test-set scores of a run's last checkpoint on a domain's test set (greedy: quick, and
-    the same decoding for every row)."""
+    the same decoding for every row; `decode`: the decode.* overrides given)."""
     out = run(
         [
             "evaluate",
@@ -54,6 +55,7 @@ def score(run_dir: str, path: str) -> dict:
             "--json",
             f"data.test={path}/test",
             "decode.beam=1",
+            *decode,
         ],
         True,
     )
@@ -123,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     stage.done()
 
+    decode = [o for o in args.overrides if o.startswith("decode.")]
     rows = {
-        name: {d: score(r, corpus(args.data, d)) for d in DIGITS}
+        name: {d: score(r, corpus(args.data, d), decode) for d in DIGITS}
         for name, r in (
             ("source: A only", source),
             (f"fine-tuned on B, {args.steps} steps", tuned),

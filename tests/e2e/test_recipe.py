@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from aiayn.checkpoint import read_manifest
 
 import tiny  # tests/e2e/tiny.py, beside this file
@@ -52,6 +54,7 @@ def test_the_recipe_trains_averages_scores_and_prints_its_table(project_root, tm
     assert again.stdout.count("exists: kept") == 1  # the tokenizer; finish averages again
 
 
+@pytest.mark.slow  # nine `aiayn` processes: a minute of start-ups
 def test_the_fine_tuning_recipe_trains_three_runs_and_prints_its_table(project_root, tmp_path):
     """launch/adapt.py with a tiny model and a few steps: the plumbing (two corpora, a source,
     a fine-tune from it, a run from scratch, six scores, the curve), not the figures."""
@@ -64,6 +67,7 @@ def test_the_fine_tuning_recipe_trains_three_runs_and_prints_its_table(project_r
         "train.threads=1",
         "tokenizer.vocab_size=100",
         "train.eval_bleu=50",
+        "decode.max_len_b=4",  # an untrained model's hypotheses end soon
     ]
     runs, data = tmp_path / "runs", tmp_path / "data"
     cmd = [
