@@ -88,7 +88,15 @@ def source(tmp_path_factory, numbers) -> Path:
 def tuned(tmp_path_factory, numbers, source) -> Path:
     """A fine-tune of 10 steps from the source run's latest checkpoint (step 60)."""
     run_dir = tmp_path_factory.mktemp("init") / "tuned"
-    extra = ("train.max_steps=10", "checkpoint.every_steps=5", "train.label_smoothing=0.0")
+    extra = (
+        "train.max_steps=10",
+        "checkpoint.every_steps=5",
+        "train.label_smoothing=0.0",
+        f"data.valid={numbers}/valid",
+        "train.eval_every=5",
+        "train.eval_bleu=0",
+        "checkpoint.keep_best=1",
+    )
     start(tune_overrides(run_dir, numbers, source, *extra))
     return run_dir
 
@@ -115,6 +123,9 @@ def test_a_fine_tune_starts_from_the_weights_with_its_own_step_and_schedule(
         Tokenizer(tuned / "tokenizer" / "spm.model").sha256
         == Tokenizer(load_config(source / "config.yaml").tokenizer_path).sha256
     )
+    # The best checkpoint is ranked among this run's own: the source's best is not carried.
+    best = (tuned / "checkpoints" / "best").read_text().strip()
+    assert best in ("step_00000005", "step_00000010"), best
     # What differs from the source's settings is said once, at the start.
     log = (tuned / "train.log").read_text()
     assert "init.source: train.label_smoothing: 0.1 in the source, 0.0 here" in log
