@@ -25,10 +25,14 @@ from aiayn.lm_eval import sample_text
 
 ct2 = pytest.importorskip("ctranslate2")
 
+MARIAN = ("model.activation=swish", "model.attention_bias=true", "model.output_bias=true")
 CASES = [*VARIANTS] + [
     ("seq2seq", "post", "sinusoidal", "model.share_embeddings=none"),
     ("seq2seq", "pre", "learned", "model.share_embeddings=decoder"),
     ("lm", "pre", "sinusoidal", "model.share_embeddings=none"),
+    # Marian's options: swish, biases in attention and on the output, sines then cosines
+    ("seq2seq", "post", "sinusoidal_concat", *MARIAN),
+    ("lm", "pre", "sinusoidal", *MARIAN),
 ]
 TOLERANCE = 1e-4
 ONE = dict(intra_threads=1)  # the CPU is shared: more threads only wait on each other
@@ -43,7 +47,7 @@ def one_thread():
 
 
 def case_id(case) -> str:
-    return variant_id(case).replace("model.share_embeddings=", "share_")
+    return variant_id(case).replace("model.share_embeddings=", "share_").replace("model.", "")
 
 
 @pytest.fixture(scope="module")

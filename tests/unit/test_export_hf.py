@@ -30,6 +30,7 @@ BENCH_PYTHON = Path(os.environ.get("AIAYN_HF_PYTHON", ROOT / ".venv-bench" / "bi
 CHECKER = Path(__file__).with_name("hf_check.py")
 TOL = 1e-4
 
+MARIAN = ("model.activation=swish", "model.attention_bias=true", "model.output_bias=true")
 # (kind, norm, positions, *overrides) of every model the export must write exactly.
 EXACT = [
     ("seq2seq", "post", "sinusoidal"),
@@ -40,11 +41,16 @@ EXACT = [
     ("lm", "post", "learned"),
     ("lm", "pre", "sinusoidal"),
     ("lm", "pre", "learned", "model.share_embeddings=none"),
+    # Marian's options (an imported OPUS-MT model's): swish, biases in attention and on the
+    # output (final_logits_bias), the sines-then-cosines table (no permutation needed)
+    ("seq2seq", "post", "sinusoidal_concat", *MARIAN),
+    ("seq2seq", "post", "sinusoidal", *MARIAN, "model.share_embeddings=none"),
+    ("lm", "post", "sinusoidal_concat", "model.activation=swish", "model.attention_bias=true"),
 ]
 
 
 def case_id(case) -> str:
-    return "-".join([*case[:3], *(o.split("=")[-1] for o in case[3:])])
+    return "-".join([*case[:3], *(o.split(".")[-1] for o in case[3:])])
 
 
 # Text off the tokenizer's corpus: capitals, punctuation, runs of spaces, a character NFKC

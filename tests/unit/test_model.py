@@ -305,3 +305,29 @@ def test_a_model_with_half_parameters_and_fp32_buffers_runs_in_half(kind):
     tokens = ids(2, 6)
     out = model(tokens, ids(2, 5)) if kind == "seq2seq" else model(tokens)
     assert out.dtype == torch.float16 and torch.isfinite(out).all()
+
+
+def test_the_concat_sinusoid_is_the_interleaved_one_with_its_dimensions_regrouped():
+    ours, concat = SinusoidalPositions(32, 50).pe, SinusoidalPositions(32, 50, concat=True).pe
+    assert torch.equal(concat[:, :16], ours[:, 0::2]) and torch.equal(concat[:, 16:], ours[:, 1::2])
+
+
+@pytest.mark.parametrize("kind", ["seq2seq", "lm"])
+def test_marians_options_add_biases_and_swish_and_leave_the_defaults_as_they_were(kind):
+    plain, marian = (
+        tiny(kind),
+        tiny(kind, activation="swish", attention_bias=True, output_bias=True),
+    )
+    names = {n for n, _ in plain.named_parameters()}
+    extra = {n for n, _ in marian.named_parameters()} - names
+    assert extra and all(n.endswith(".bias") for n in extra)
+    assert "out.bias" in extra and any("qkv.bias" in n for n in extra)
+    assert all(p.abs().max() == 0 for n, p in marian.named_parameters() if n in extra)  # zeros
+    # Same weights, the biases still zero: only the activation differs, so do the logits.
+    marian.load_state_dict(plain.state_dict(), strict=False)
+    x = ids(2, 7)
+    same = tiny(kind, attention_bias=True, output_bias=True)
+    same.load_state_dict(plain.state_dict(), strict=False)
+    args = (x, x) if kind == "seq2seq" else (x,)
+    assert torch.allclose(same(*args), plain(*args), atol=1e-6)
+    assert not torch.allclose(marian(*args), plain(*args), atol=1e-3)

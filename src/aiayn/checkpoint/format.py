@@ -63,6 +63,9 @@ ARCHITECTURE_FIELDS = (
     "share_embeddings",
     "num_classes",
     "pooling",
+    "activation",
+    "attention_bias",
+    "output_bias",
 )
 
 
@@ -162,7 +165,11 @@ def read_manifest(ckpt: Path, verify: bool = True) -> dict[str, Any]:
 
 
 def check_architecture(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
-    """Raise if the checkpoint was written by a model of another shape."""
+    """Raise if the checkpoint was written by a model of another shape. A field a checkpoint
+    does not record is older than it: the model then had its default."""
+    from aiayn.config import ModelConfig
+
+    saved = {**dataclasses.asdict(ModelConfig()), **saved}
     diffs = [
         f"model.{k}: checkpoint {saved.get(k)!r}, config {current.get(k)!r}"
         for k in ARCHITECTURE_FIELDS

@@ -45,12 +45,22 @@ class ModelConfig(Section):
     """Residual and embedding dropout, P_drop (§5.4)."""
     attention_dropout: float = bounded(0.0, low=0, high=1, high_open=True)
     """Dropout on attention weights (not in the paper; tensor2tensor uses it)."""
-    positions: Literal["sinusoidal", "learned"] = "sinusoidal"
-    """Sinusoidal encodings (§3.5) or learned position embeddings."""
+    positions: Literal["sinusoidal", "sinusoidal_concat", "learned"] = "sinusoidal"
+    """Sinusoidal encodings (§3.5: sin and cos interleaved), sinusoidal_concat (the same
+    sines in the first half of the dimensions, the cosines in the second: tensor2tensor's,
+    fairseq's and Marian's layout), or learned position embeddings."""
     norm: Literal["post", "pre"] = "post"
     """post: LayerNorm(x + Sublayer(x)) as in the paper; pre: x + Sublayer(LayerNorm(x))."""
     max_len: int = bounded(1024, low=1)
     """Longest sequence (in tokens) the position table covers."""
+    activation: Literal["relu", "swish"] = "relu"
+    """The feed-forward network's activation: relu (§3.3), or swish, x * sigmoid(x) (SiLU;
+    Marian's OPUS-MT models)."""
+    attention_bias: bool = False
+    """Biases on the attention projections W^Q, W^K, W^V and W^O (§3.2.2 has none; Marian's
+    models do)."""
+    output_bias: bool = False
+    """A bias on the pre-softmax output projection (Marian's final_logits_bias)."""
     share_embeddings: Literal["all", "decoder", "none"] = "all"
     """all: source, target and output share one matrix (needs the joint vocabulary, §3.4);
     decoder: target embedding and output projection; none: three separate matrices.

@@ -127,15 +127,18 @@ def _converter(source: ExportSource):
 def build_spec(source: ExportSource):
     """The CTranslate2 model spec of `source`, every weight set; ExportError if a weight the
     model needs is missing or one is left over (a model this exporter does not know)."""
-    from ctranslate2.specs import TransformerDecoderModelSpec, TransformerSpec
+    from ctranslate2.specs import Activation, TransformerDecoderModelSpec, TransformerSpec
 
     cfg, tok = source.cfg.model, source.tokenizer
     weights = _Weights(source)
     pre_norm = cfg.norm == "pre"
     decoder_layers = cfg.decoder_layers or cfg.N
     rows = max_positions(source)
+    activation = {"relu": Activation.RELU, "swish": Activation.SWISH}[cfg.activation]
     if cfg.kind == "seq2seq":
-        spec = TransformerSpec.from_config((cfg.N, decoder_layers), cfg.h, pre_norm=pre_norm)
+        spec = TransformerSpec.from_config(
+            (cfg.N, decoder_layers), cfg.h, pre_norm=pre_norm, activation=activation
+        )
         _fill_stack(spec.encoder, weights, "encoder", "src_embed", cfg, rows, cross=None)
         _fill_stack(spec.decoder, weights, "decoder", "tgt_embed", cfg, rows, cross=True)
         spec.config.add_source_eos = True  # the data path's source is its tokens + eos
@@ -143,7 +146,7 @@ def build_spec(source: ExportSource):
     else:
         # num_heads_kv spelled out: left None, CTranslate2 4.x flags the model multi-query.
         spec = TransformerDecoderModelSpec.from_config(
-            decoder_layers, cfg.h, pre_norm=pre_norm, num_heads_kv=cfg.h
+            decoder_layers, cfg.h, pre_norm=pre_norm, num_heads_kv=cfg.h, activation=activation
         )
         _fill_stack(spec.decoder, weights, "decoder", "embed", cfg, rows, cross=False)
     weights.check_all_used()
@@ -197,7 +200,7 @@ def _fill_stack(spec, weights: _Weights, stack: str, embed: str, cfg, rows: int,
     table = (
         weights.take(f"{embed}.positions.weight")
         if cfg.positions == "learned"
-        else sinusoid_table(cfg.d_model, rows)
+        else sinusoid_table(cfg.d_model, rows, cfg.positions)
     )
     spec.position_encodings.encodings = table
     token = weights.take(f"{embed}.token.weight")
@@ -207,27 +210,29 @@ def _fill_stack(spec, weights: _Weights, stack: str, embed: str, cfg, rows: int,
         spec.embeddings.weight = token
     for i, layer in enumerate(spec.layer):
         prefix = f"{stack}.layers.{i}"
+        bias = cfg.attention_bias
         if cross is None:
-            _attention(layer.self_attention, weights, prefix, "self_attn", "res_attn")
+            _attention(layer.self_attention, weights, prefix, "self_attn", "res_attn", bias)
         else:
-            _attention(layer.self_attention, weights, prefix, "self_attn", "res_self")
+            _attention(layer.self_attention, weights, prefix, "self_attn", "res_self", bias)
             if cross:
-                _attention(layer.attention, weights, prefix, "cross_attn", "res_cross")
+                _attention(layer.attention, weights, prefix, "cross_attn", "res_cross", bias)
         _linear(layer.ffn.linear_0, weights, f"{prefix}.ffn.w_1", bias=True)
         _linear(layer.ffn.linear_1, weights, f"{prefix}.ffn.w_2", bias=True)
         _norm(layer.ffn.layer_norm, weights, f"{prefix}.res_ffn.norm")
     if cfg.norm == "pre":
         _norm(spec.layer_norm, weights, f"{stack}.norm")
     if cross is not None:
-        _linear(spec.projection, weights, "out")
+        _linear(spec.projection, weights, "out", bias=cfg.output_bias)
 
 
-def _attention(spec, weights: _Weights, prefix: str, name: str, residual: str) -> None:
+def _attention(spec, weights: _Weights, prefix: str, name: str, residual: str, bias: bool) -> None:
     """Self-attention: linear [qkv, out]; cross-attention: linear [q, kv, out] (CTranslate2 has
-    the same fusions, in the same order). No biases (§3.2.2)."""
+    the same fusions, in the same order). Biases only with model.attention_bias (§3.2.2 has
+    none)."""
     fused = ["qkv"] if name == "self_attn" else ["q", "kv"]
     for linear, part in zip(spec.linear, [*fused, "out"], strict=True):
-        _linear(linear, weights, f"{prefix}.{name}.{part}")
+        _linear(linear, weights, f"{prefix}.{name}.{part}", bias=bias)
     _norm(spec.layer_norm, weights, f"{prefix}.{residual}.norm")
 
 

@@ -115,20 +115,26 @@ def _position_table(src: ExportSource, embeddings: str) -> torch.Tensor:
     m = src.cfg.model
     if m.positions == "learned":
         return src.weights[f"{embeddings}.positions.weight"]
-    return sinusoid_table(m.d_model, m.max_len)
+    return sinusoid_table(m.d_model, m.max_len, m.positions)
 
 
 def _layers(
     w: dict[str, torch.Tensor], ours: str, theirs: str, n: int, cross: bool
 ) -> dict[str, torch.Tensor]:
     """The project's layers `ours`.layers.i under the names Marian and OPT share (BART's),
-    `theirs`.layers.i, in the project's layout. Their attention has biases: zeros."""
+    `theirs`.layers.i, in the project's layout. Their attention has biases: the model's
+    (model.attention_bias), or zeros."""
     out: dict[str, torch.Tensor] = {}
 
-    def attention(prefix: str, q, k, v, o) -> None:
-        for name, weight in (("q_proj", q), ("k_proj", k), ("v_proj", v), ("out_proj", o)):
+    def biases(source: str, weight: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+        bias = w.get(f"{source}.bias")
+        return (torch.zeros(weight.size(0)),) * n if bias is None else bias.chunk(n)
+
+    def attention(prefix: str, q, k, v, o, bq, bk, bv, bo) -> None:
+        parts = (("q_proj", q, bq), ("k_proj", k, bk), ("v_proj", v, bv), ("out_proj", o, bo))
+        for name, weight, bias in parts:
             out[f"{prefix}.{name}.weight"] = weight
-            out[f"{prefix}.{name}.bias"] = torch.zeros(weight.size(0))
+            out[f"{prefix}.{name}.bias"] = bias
 
     def pair(prefix: str, source: str) -> None:  # a LayerNorm's or a Linear's weight and bias
         out[f"{prefix}.weight"] = w[f"{source}.weight"]
@@ -136,18 +142,26 @@ def _layers(
 
     for i in range(n):
         s, t = f"{ours}.layers.{i}", f"{theirs}.layers.{i}"
+        qkv, o = w[f"{s}.self_attn.qkv.weight"].chunk(3), w[f"{s}.self_attn.out.weight"]
         attention(
             f"{t}.self_attn",
-            *w[f"{s}.self_attn.qkv.weight"].chunk(3),
-            w[f"{s}.self_attn.out.weight"],
+            *qkv,
+            o,
+            *biases(f"{s}.self_attn.qkv", qkv[0], 3),
+            *biases(f"{s}.self_attn.out", o, 1),
         )
         pair(f"{t}.self_attn_layer_norm", f"{s}.res_{'self' if ours == 'decoder' else 'attn'}.norm")
         if cross:
+            q, kv = w[f"{s}.cross_attn.q.weight"], w[f"{s}.cross_attn.kv.weight"].chunk(2)
+            o = w[f"{s}.cross_attn.out.weight"]
             attention(
                 f"{t}.encoder_attn",
-                w[f"{s}.cross_attn.q.weight"],
-                *w[f"{s}.cross_attn.kv.weight"].chunk(2),
-                w[f"{s}.cross_attn.out.weight"],
+                q,
+                *kv,
+                o,
+                *biases(f"{s}.cross_attn.q", q, 1),
+                *biases(f"{s}.cross_attn.kv", kv[0], 2),
+                *biases(f"{s}.cross_attn.out", o, 1),
             )
             pair(f"{t}.encoder_attn_layer_norm", f"{s}.res_cross.norm")
         for hf, ffn in (("fc1", "w_1"), ("fc2", "w_2")):
@@ -206,8 +220,17 @@ def _marian_weights(src: ExportSource) -> dict[str, torch.Tensor]:
         # Written even when tied to the decoder's embedding: transformers 5.0 unties it there
         # (tie_word_embeddings reads False) and would leave lm_head at its random init.
         out["lm_head.weight"] = w["out.weight"]
-    out["final_logits_bias"] = torch.zeros(1, src.tokenizer.vocab_size)
-    perm = _marian_permutation(m.d_model)
+    bias = w.get("out.bias")  # model.output_bias: Marian's final_logits_bias
+    out["final_logits_bias"] = (
+        torch.zeros(1, src.tokenizer.vocab_size) if bias is None else bias[None, :]
+    )
+    # Marian's sinusoids are the sines then the cosines: a model whose are interleaved has its
+    # residual stream's dimensions permuted into that order, which changes no output.
+    perm = (
+        torch.arange(m.d_model)
+        if m.positions == "sinusoidal_concat"
+        else _marian_permutation(m.d_model)
+    )
     return {name: _to_marian_layout(name, t, perm) for name, t in out.items()}
 
 
@@ -226,7 +249,7 @@ def _marian_config(src: ExportSource) -> dict:
         "decoder_attention_heads": m.h,
         "encoder_ffn_dim": m.d_ff,
         "decoder_ffn_dim": m.d_ff,
-        "activation_function": "relu",
+        "activation_function": m.activation,
         "dropout": m.dropout,
         "attention_dropout": m.attention_dropout,
         "activation_dropout": 0.0,
@@ -271,6 +294,12 @@ def _marian_tokenizer(src: ExportSource) -> dict:
 
 def _opt(src: ExportSource) -> tuple[dict, dict[str, torch.Tensor], dict]:
     m, w, tok = src.cfg.model, src.weights, src.tokenizer
+    if m.output_bias:
+        raise ExportError(
+            f"{src.checkpoint} has an output bias (model.output_bias): OPTForCausalLM, the "
+            "transformers class for language models, has none. Export it with --format "
+            "ctranslate2 instead"
+        )
     D = m.d_model
     out = _layers(w, "decoder", "model.decoder", m.decoder_layers or m.N, cross=False)
     if m.norm == "pre":
@@ -295,7 +324,7 @@ def _opt(src: ExportSource) -> tuple[dict, dict[str, torch.Tensor], dict]:
         "_remove_final_layer_norm": False,
         "enable_bias": True,
         "layer_norm_elementwise_affine": True,
-        "activation_function": "relu",
+        "activation_function": m.activation,
         "dropout": m.dropout,
         "attention_dropout": m.attention_dropout,
         "layerdrop": 0.0,

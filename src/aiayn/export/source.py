@@ -39,7 +39,8 @@ def load_source(checkpoint: str | Path) -> ExportSource:
     return ExportSource(cfg=cfg, weights=weights, tokenizer=tok, checkpoint=ckpt)
 
 
-def sinusoid_table(d_model: int, rows: int) -> torch.Tensor:
-    """(rows, d_model) encodings of positions 0 .. rows - 1, in the project's layout (§3.5:
-    sin at even, cos at odd dimensions), for engines whose own table differs."""
-    return SinusoidalPositions(d_model, rows).pe.clone()
+def sinusoid_table(d_model: int, rows: int, positions: str = "sinusoidal") -> torch.Tensor:
+    """(rows, d_model) encodings of positions 0 .. rows - 1, in the model's layout
+    (model.positions: sinusoidal, sin and cos interleaved as in §3.5; sinusoidal_concat, the
+    sines then the cosines), for engines whose own table differs."""
+    return SinusoidalPositions(d_model, rows, concat=positions == "sinusoidal_concat").pe.clone()

@@ -38,14 +38,15 @@ class KVCache:
 class _Attention(nn.Module):
     """What self- and cross-attention share: heads, SDPA, and the output projection W^O."""
 
-    def __init__(self, d_model: int, h: int, attention_dropout: float):
+    def __init__(self, d_model: int, h: int, attention_dropout: float, bias: bool = False):
         super().__init__()
         self.h = h
         self.attention_dropout = attention_dropout
-        # No biases on W^Q, W^K, W^V, W^O, as in §3.2.2. A key bias would be worse than
-        # useless: softmax ignores it, so its gradient is rounding noise that Adam (eps 1e-9)
-        # rescales into full-size steps.
-        self.out = nn.Linear(d_model, d_model, bias=False)  # W^O
+        # No biases on W^Q, W^K, W^V, W^O, as in §3.2.2, unless model.attention_bias (Marian's
+        # models have them). A key bias is worse than useless: softmax ignores it, so its
+        # gradient is rounding noise that Adam (eps 1e-9) rescales into full-size steps.
+        self.bias = bias
+        self.out = nn.Linear(d_model, d_model, bias=bias)  # W^O
 
     def attend(self, q, k, v, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
         # softmax(QK^T / sqrt(d_k)) V (§3.2.1); SDPA picks a fused kernel where it can.
@@ -70,9 +71,9 @@ class _Attention(nn.Module):
 class SelfAttention(_Attention):
     """Queries, keys and values all from x, through one fused Linear(D, 3D)."""
 
-    def __init__(self, d_model: int, h: int, attention_dropout: float = 0.0):
-        super().__init__(d_model, h, attention_dropout)
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)  # W^Q, W^K, W^V, stacked
+    def __init__(self, d_model: int, h: int, attention_dropout: float = 0.0, bias: bool = False):
+        super().__init__(d_model, h, attention_dropout, bias)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)  # W^Q, W^K, W^V, stacked
 
     def reset_fused(self) -> None:
         self._xavier_per_matrix(self.qkv, 3)
@@ -97,10 +98,10 @@ class SelfAttention(_Attention):
 class CrossAttention(_Attention):
     """Queries from the decoder, keys and values from the encoder output (memory, §3.2.3)."""
 
-    def __init__(self, d_model: int, h: int, attention_dropout: float = 0.0):
-        super().__init__(d_model, h, attention_dropout)
-        self.q = nn.Linear(d_model, d_model, bias=False)  # W^Q
-        self.kv = nn.Linear(d_model, 2 * d_model, bias=False)  # W^K, W^V of the memory
+    def __init__(self, d_model: int, h: int, attention_dropout: float = 0.0, bias: bool = False):
+        super().__init__(d_model, h, attention_dropout, bias)
+        self.q = nn.Linear(d_model, d_model, bias=bias)  # W^Q
+        self.kv = nn.Linear(d_model, 2 * d_model, bias=bias)  # W^K, W^V of the memory
 
     def reset_fused(self) -> None:
         self._xavier_per_matrix(self.kv, 2)

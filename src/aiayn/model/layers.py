@@ -5,22 +5,27 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from aiayn.model.attention import CrossAttention, KVCache, SelfAttention
 from aiayn.model.dropout import Dropout
 
+ACTIVATIONS = {"relu": torch.relu, "swish": F.silu}  # swish: x * sigmoid(x) (Marian's)
+
 
 class FeedForward(nn.Module):
-    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied to each position alike (§3.3)."""
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied to each position alike (§3.3); with
+    activation swish, x W_1 + b_1 goes through x * sigmoid(x) instead."""
 
-    def __init__(self, d_model: int, d_ff: int):
+    def __init__(self, d_model: int, d_ff: int, activation: str = "relu"):
         super().__init__()
         self.w_1 = nn.Linear(d_model, d_ff)
         self.w_2 = nn.Linear(d_ff, d_model)
+        self.activation = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_2(torch.relu(self.w_1(x)))  # (B, T, d_ff) -> (B, T, D)
+        return self.w_2(self.activation(self.w_1(x)))  # (B, T, d_ff) -> (B, T, D)
 
 
 class Residual(nn.Module):
@@ -45,10 +50,20 @@ class Residual(nn.Module):
 class EncoderLayer(nn.Module):
     """Self-attention over the whole source, then the FFN (§3.1)."""
 
-    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, att_drop: float, norm: str):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        h: int,
+        dropout: float,
+        att_drop: float,
+        norm: str,
+        activation: str = "relu",
+        bias: bool = False,
+    ):
         super().__init__()
-        self.self_attn = SelfAttention(d_model, h, att_drop)
-        self.ffn = FeedForward(d_model, d_ff)
+        self.self_attn = SelfAttention(d_model, h, att_drop, bias)
+        self.ffn = FeedForward(d_model, d_ff, activation)
         self.res_attn = Residual(d_model, dropout, norm)
         self.res_ffn = Residual(d_model, dropout, norm)
 
@@ -71,14 +86,16 @@ class DecoderLayer(nn.Module):
         dropout: float,
         att_drop: float,
         norm: str,
+        activation: str = "relu",
+        bias: bool = False,
         cross: bool = True,
     ):
         super().__init__()
-        self.self_attn = SelfAttention(d_model, h, att_drop)
+        self.self_attn = SelfAttention(d_model, h, att_drop, bias)
         self.res_self = Residual(d_model, dropout, norm)
-        self.cross_attn = CrossAttention(d_model, h, att_drop) if cross else None
+        self.cross_attn = CrossAttention(d_model, h, att_drop, bias) if cross else None
         self.res_cross = Residual(d_model, dropout, norm) if cross else None
-        self.ffn = FeedForward(d_model, d_ff)
+        self.ffn = FeedForward(d_model, d_ff, activation)
         self.res_ffn = Residual(d_model, dropout, norm)
 
     def forward(

@@ -27,17 +27,22 @@ class _Positions(nn.Module):
 
 
 class SinusoidalPositions(_Positions):
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)) (§3.5)."""
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)) (§3.5).
+    concat: the same sines in the first half of the dimensions and the cosines in the second
+    (tensor2tensor's, fairseq's and Marian's layout; an imported model's)."""
 
-    def __init__(self, d_model: int, max_len: int):
+    def __init__(self, d_model: int, max_len: int, concat: bool = False):
         super().__init__(d_model, max_len)
         pos = torch.arange(max_len, dtype=torch.float32)[:, None]  # (max_len, 1)
         inv_freq = torch.exp(
             torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model)
         )  # (ceil(D/2),) = 1 / 10000^(2i/d)
         pe = torch.zeros(max_len, d_model)
-        pe[:, 0::2] = torch.sin(pos * inv_freq)
-        pe[:, 1::2] = torch.cos(pos * inv_freq)[:, : d_model // 2]
+        sines, cosines = torch.sin(pos * inv_freq), torch.cos(pos * inv_freq)[:, : d_model // 2]
+        if concat:
+            pe[:, : sines.size(1)], pe[:, sines.size(1) :] = sines, cosines
+        else:
+            pe[:, 0::2], pe[:, 1::2] = sines, cosines
         # A pure function of the config: not saved in checkpoints, rebuilt on load.
         self.register_buffer("pe", pe, persistent=False)
 
@@ -60,8 +65,10 @@ class LearnedPositions(_Positions):
 
 
 def make_positions(kind: str, d_model: int, max_len: int) -> _Positions:
-    if kind == "sinusoidal":
-        return SinusoidalPositions(d_model, max_len)
+    if kind in ("sinusoidal", "sinusoidal_concat"):
+        return SinusoidalPositions(d_model, max_len, concat=kind == "sinusoidal_concat")
     if kind == "learned":
         return LearnedPositions(d_model, max_len)
-    raise ValueError(f"model.positions must be sinusoidal or learned, got {kind!r}")
+    raise ValueError(
+        f"model.positions must be sinusoidal, sinusoidal_concat or learned, got {kind!r}"
+    )

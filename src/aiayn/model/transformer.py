@@ -35,7 +35,16 @@ class Embeddings(nn.Module):
 
 
 def _layer_args(cfg: ModelConfig) -> tuple:
-    return cfg.d_model, cfg.d_ff, cfg.h, cfg.dropout, cfg.attention_dropout, cfg.norm
+    return (
+        cfg.d_model,
+        cfg.d_ff,
+        cfg.h,
+        cfg.dropout,
+        cfg.attention_dropout,
+        cfg.norm,
+        cfg.activation,
+        cfg.attention_bias,
+    )
 
 
 def _final_norm(cfg: ModelConfig) -> nn.Module:
@@ -136,7 +145,8 @@ class Seq2SeqTransformer(nn.Module):
         self.tgt_embed = Embeddings(vocab_size, cfg, token=shared)
         self.encoder = Encoder(cfg)
         self.decoder = Decoder(cfg, cross=True)
-        self.out = nn.Linear(cfg.d_model, vocab_size, bias=False)  # pre-softmax projection
+        # The pre-softmax projection; its bias (model.output_bias) is Marian's final_logits_bias.
+        self.out = nn.Linear(cfg.d_model, vocab_size, bias=cfg.output_bias)
         if cfg.share_embeddings in ("all", "decoder"):
             self.out.weight = self.tgt_embed.token.weight
         init_parameters(self, cfg.d_model)
@@ -189,7 +199,7 @@ class DecoderOnlyLM(nn.Module):
         self.cfg, self.pad_id = cfg, pad_id
         self.embed = Embeddings(vocab_size, cfg)
         self.decoder = Decoder(cfg, cross=False)
-        self.out = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        self.out = nn.Linear(cfg.d_model, vocab_size, bias=cfg.output_bias)
         if cfg.share_embeddings != "none":  # an LM has no source side: all means decoder
             self.out.weight = self.embed.token.weight
         init_parameters(self, cfg.d_model)
