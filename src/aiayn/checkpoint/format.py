@@ -36,7 +36,7 @@ from torch import nn
 
 from aiayn.checkpoint.tensor_files import DTYPES
 from aiayn.errors import CheckpointError
-from aiayn.files import checksums_match
+from aiayn.files import checksums_match, sha256_of
 from aiayn.tokenizer import check_contract
 
 log = logging.getLogger(__name__)
@@ -237,6 +237,20 @@ def _follow(path: Path) -> Path:
             "checkpoint.best_metric (a checkpoint saved at a validation step records it)"
         )
     raise CheckpointError(f"{path.parent} has no checkpoints/{LATEST}: it has saved none yet")
+
+
+def tokenizer_file(ckpt: Path, manifest: dict[str, Any]) -> Path | None:
+    """The SentencePiece model a checkpoint was trained with: the copy an averaged checkpoint
+    carries, or the file its config names, where its sha256 is the one recorded."""
+    from aiayn.config import config_from_dict
+
+    candidates = [ckpt / TOKENIZER_FILE]
+    try:
+        candidates.append(config_from_dict(manifest["config"]).tokenizer_path)
+    except Exception:  # noqa: BLE001 (a config this version cannot read names no file)
+        pass
+    want = manifest["tokenizer"].get("sha256")
+    return next((p for p in candidates if p.is_file() and sha256_of(p) == want), None)
 
 
 def load_checkpoint(

@@ -34,11 +34,11 @@ from aiayn.checkpoint.format import (
     ARCHITECTURE_FIELDS,
     MANIFEST_FILE,
     MODEL_FILE,
-    TOKENIZER_FILE,
     TRAINER_FILE,
     read_manifest,
     read_trainer_state,
     resolve_checkpoint,
+    tokenizer_file,
 )
 from aiayn.errors import CheckpointError, ConfigError
 from aiayn.files import sha256_of, write_atomic
@@ -87,7 +87,7 @@ def locate(path: str | Path) -> Located:
     ckpt = resolve_checkpoint(path)  # verified
     manifest = read_manifest(ckpt, verify=False)
     kind = "checkpoint" if TRAINER_FILE in manifest["files"] else "averaged"
-    tokenizer = _tokenizer_file(ckpt, manifest)
+    tokenizer = tokenizer_file(ckpt, manifest)
     return Located(
         ckpt / MODEL_FILE,
         ckpt,
@@ -98,20 +98,6 @@ def locate(path: str | Path) -> Located:
         int(manifest["step"]),
         f"{ckpt}/{MANIFEST_FILE}",
     )
-
-
-def _tokenizer_file(ckpt: Path, manifest: dict[str, Any]) -> Path | None:
-    """The SentencePiece model a checkpoint was trained with: the copy an averaged checkpoint
-    carries, or the file its config names, where its sha256 is the one recorded."""
-    from aiayn.config import config_from_dict
-
-    candidates = [ckpt / TOKENIZER_FILE]
-    try:
-        candidates.append(config_from_dict(manifest["config"]).tokenizer_path)
-    except Exception:  # noqa: BLE001 (a config this version cannot read names no file)
-        pass
-    want = manifest["tokenizer"].get("sha256")
-    return next((p for p in candidates if p.is_file() and sha256_of(p) == want), None)
 
 
 # ---- the record ---------------------------------------------------------------------------

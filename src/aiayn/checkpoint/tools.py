@@ -44,6 +44,7 @@ from aiayn.checkpoint.format import (
     read_manifest,
     resolve_checkpoint,
     step_of,
+    tokenizer_file,
     weights_snapshot,
 )
 from aiayn.errors import CheckpointError
@@ -331,19 +332,14 @@ def _refuse_existing(path: Path) -> None:
 
 def _copy_tokenizer(ckpt: Path, manifest: dict[str, Any], dest: Path) -> bool:
     """Copy the tokenizer `ckpt` was trained with to `dest` if found and matching its contract."""
-    from aiayn.config import config_from_dict
-
-    candidates = [ckpt / TOKENIZER_FILE]
-    with contextlib.suppress(Exception):  # a config this version cannot read names no file
-        candidates.append(config_from_dict(manifest["config"]).tokenizer_path)
-    for path in candidates:
-        if path.is_file() and sha256_of(path) == manifest["tokenizer"].get("sha256"):
-            shutil.copyfile(path, dest)
-            with open(dest, "rb+") as fh:
-                os.fsync(fh.fileno())
-            return True
-    log.warning("the tokenizer of %s was not found or does not match; not copied", ckpt)
-    return False
+    path = tokenizer_file(ckpt, manifest)
+    if path is None:
+        log.warning("the tokenizer of %s was not found or does not match; not copied", ckpt)
+        return False
+    shutil.copyfile(path, dest)
+    with open(dest, "rb+") as fh:
+        os.fsync(fh.fileno())
+    return True
 
 
 def _seal(tmp: Path, names: list[str]) -> dict[str, dict[str, Any]]:
