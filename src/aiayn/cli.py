@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -74,7 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("translate", help="translate lines from stdin or a file")
     _add_checkpoint(p)
     p.add_argument("--input", help="source file (default stdin)")
-    p.add_argument("--output", help="hypotheses file (default stdout)")
+    p.add_argument(
+        "--output",
+        help="hypotheses file (default stdout). With --input: translated in chunks, resumable, "
+        "shared among the ranks under torchrun (docs/recipes.md)",
+    )
+    p.add_argument(
+        "--chunk-kb", type=int, default=1024, help="with --input and --output: chunk size"
+    )
 
     p = sub.add_parser("evaluate", help="BLEU / perplexity / accuracy of a checkpoint")
     _add_checkpoint(p)
@@ -263,6 +271,13 @@ def cmd_translate(args) -> int:
     from aiayn.export.ct2_runtime import check_engine, translate_ct2
 
     check_engine(args.checkpoint, args.engine)
+    if args.input and args.output and args.engine == "torch":
+        return _translate_file(args)
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        raise SystemExit(
+            "aiayn translate on several ranks shares a file: give --input and --output "
+            "(and --engine torch)"
+        )
     text = Path(args.input).read_text(encoding="utf-8") if args.input else sys.stdin.read()
     lines = text.splitlines()
     if args.engine == "ctranslate2":
@@ -278,6 +293,35 @@ def cmd_translate(args) -> int:
         Path(args.output).write_text(out, encoding="utf-8")
     else:
         sys.stdout.write(out)
+    return 0
+
+
+def _translate_file(args) -> int:
+    """--input to --output in chunks, on every rank of the launcher's group (one process
+    without one), resumable (aiayn/translate_file.py)."""
+    from aiayn.distributed.env import setup, teardown
+    from aiayn.evaluate import load_for_inference, translate
+    from aiayn.metrics import setup_logging
+    from aiayn.translate_file import translate_file
+
+    env = setup(args.device)
+    setup_logging(None, env.rank)
+    try:
+        cfg, model, tok, ckpt = load_for_inference(args.checkpoint, args.overrides, env.device)
+        settings = {"checkpoint": str(ckpt.resolve()), "overrides": list(args.overrides)}
+        translate_file(
+            lambda lines: translate(model, tok, lines, cfg.decode, env.device),
+            Path(args.input),
+            Path(args.output),
+            settings,
+            env.rank,
+            env.world_size,
+            env.barrier,
+            chunk_bytes=args.chunk_kb * 1024,
+            gather=env.gather_to_main,  # O(W) on rank 0 only
+        )
+    finally:
+        teardown()
     return 0
 
 

@@ -475,7 +475,7 @@ def lm_samples(model: nn.Module, tok: Tokenizer, cfg: Config) -> str:
 
 
 def load_for_inference(
-    checkpoint: str | Path, overrides: list[str] = (), device: str = "auto"
+    checkpoint: str | Path, overrides: list[str] = (), device: str | torch.device = "auto"
 ) -> tuple[Config, nn.Module, Tokenizer, Path]:
     """Rebuild a model from a checkpoint's own config (plus overrides) and load its weights.
 
@@ -497,7 +497,7 @@ def load_for_inference(
     check_architecture(found.config["model"], dataclasses.asdict(cfg.model), where)
     model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
     load_weights(model, found)
-    model.to(pick_device(device)).eval()
+    model.to(device if isinstance(device, torch.device) else pick_device(device)).eval()
     return cfg, model, tok, ckpt
 
 

@@ -1,0 +1,27 @@
+"""`aiayn translate --input --output` under torchrun: two ranks share the file's chunks and
+write what one process writes, line for line (aiayn/translate_file.py)."""
+
+import re
+import sys
+
+import pytest
+
+from procs import run, torchrun
+
+pytestmark = pytest.mark.distributed
+
+
+def test_two_ranks_translate_a_file_as_one_process_does(setup, ddp_run, tmp_path):
+    root, _ = setup
+    source = tmp_path / "mono.en"
+    source.write_text((root / "numbers" / "valid.en").read_text() * 4)  # 400 lines
+    args = ["translate", "--checkpoint", str(ddp_run), "--input", str(source), "--chunk-kb", "1"]
+    one, two = tmp_path / "one.de", tmp_path / "two.de"
+    run([sys.executable, "-m", "aiayn", *args, "--output", str(one), "decode.beam=2"])
+    out = run(torchrun(2) + ["-m", "aiayn", *args, "--output", str(two), "decode.beam=2"])
+    assert two.read_text() == one.read_text()
+    assert one.read_text().count("\n") == 400
+    shares = {int(r): int(n) for r, n in re.findall(r"rank (\d): (\d+) lines in", out)}
+    assert sorted(shares) == [0, 1] and sum(shares.values()) == 400
+    assert all(120 < n < 280 for n in shares.values()), shares
+    assert not (tmp_path / "two.de.parts").exists()
