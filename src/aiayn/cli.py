@@ -271,6 +271,10 @@ def cmd_translate(args) -> int:
     from aiayn.export.ct2_runtime import check_engine, translate_ct2
 
     check_engine(args.checkpoint, args.engine)
+    if args.input and not Path(args.input).is_file():
+        from aiayn.errors import DataError
+
+        raise DataError(f"--input {args.input}: no such file")
     if args.input and args.output and args.engine == "torch":
         return _translate_file(args)
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:

@@ -69,3 +69,12 @@ def test_a_resumed_translation_skips_what_was_written_and_refuses_other_parts(tm
         translate_file(dies_after_two, source, out, {"m": 1}, chunk_bytes=1000)
     with pytest.raises(DataError, match=r"holds parts of another translation"):
         translate_file(upper([]), source, out, {"m": 2}, chunk_bytes=1000)
+
+
+def test_a_missing_input_is_named(tmp_path, capsys):
+    from aiayn.cli import main
+
+    missing = tmp_path / "nowhere.txt"
+    args = ["translate", "--checkpoint", str(tmp_path), "--input", str(missing), "--output", "x"]
+    assert main(args) != 0
+    assert f"--input {missing}: no such file" in capsys.readouterr().err
