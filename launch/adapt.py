@@ -3,18 +3,20 @@
     make adapt                                      # or, in the venv:
     python launch/adapt.py [--steps N] [key=value ...]
 
-Domain A is the demo's task on numbers of 4 and 5 digits (and every number below 1000);
-domain B, numbers of 6 digits, which need "hunderttausend" compositions A never shows. Stages,
-each the `aiayn` command a user would type (printed before it runs):
-  1. data       `aiayn demo-data numbers --digits 4 5` and `--digits 6`
+Domain A is the demo's task on numbers of 4 and 5 digits (and every number below 1000), 40,000
+pairs; domain B, numbers of 6 digits, which need "hunderttausend" compositions A never shows,
+with little in-domain data: 2,000 pairs (1,000 of them the numbers below 1000). Stages, each
+the `aiayn` command a user would type (printed before it runs):
+  1. data       `aiayn demo-data numbers --digits 4 5` and `--digits 6 --n-train 2000`
   2. source     `aiayn train` on A: configs/demo.yaml as it is (1,200 steps)
   3. fine-tune  `aiayn train init.source=<source>` on B for --steps steps: the source's
                 weights and tokenizer, a fresh schedule with a short warmup
   4. scratch    `aiayn train` on B from a new model, as long as the source trained, with
                 the same tokenizer and schedule as the source
 Then every model is scored on both test sets (`aiayn evaluate`: exact match and character
-BLEU, greedy), so the table shows what fine-tuning gains on B and forgets of A, and the
-dev-set curves of the two B runs say how many steps from scratch reach the fine-tune's score.
+BLEU, with the config's beam search as in validation), so the table shows what fine-tuning
+gains on B and forgets of A, and the dev-set curves of the two B runs say how many steps from
+scratch reach the fine-tune's score.
 
 key=value overrides go to every training stage (e.g. train.threads=2), and decode.* ones to
 the scoring too.
@@ -31,6 +33,7 @@ from stages import ROOT, Stages, main_guard, run  # launch/stages.py
 
 CONFIG = "configs/demo.yaml"
 DIGITS = {"A": ["4", "5"], "B": ["6"]}
+PAIRS = {"A": [], "B": ["--n-train", "2000"]}  # B: a small in-domain corpus
 
 
 def corpus(data_dir: str, domain: str) -> str:
@@ -43,8 +46,8 @@ def data(data_dir: str, domain: str) -> list[str]:
 
 
 def score(run_dir: str, path: str, decode: list[str]) -> dict:
-    """Test-set scores of a run's last checkpoint on a domain's test set (greedy: quick, and
-    the same decoding for every row; `decode`: the decode.* overrides given)."""
+    """Test-set scores of a run's last checkpoint on a domain's test set (the config's beam
+    search, as validation decodes; `decode`: the decode.* overrides given)."""
     out = run(
         [
             "evaluate",
@@ -54,7 +57,6 @@ def score(run_dir: str, path: str, decode: list[str]) -> dict:
             "test",
             "--json",
             f"data.test={path}/test",
-            "decode.beam=1",
             *decode,
         ],
         True,
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     stage = Stages()
     with stage("data"):
         for domain, digits in DIGITS.items():
-            run(["demo-data", "numbers", "--out", corpus(args.data, domain), "--digits", *digits])
+            out = corpus(args.data, domain)
+            run(["demo-data", "numbers", "--out", out, "--digits", *digits, *PAIRS[domain]])
     with stage("source (A)"):
         run(
             [

@@ -155,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[4, 5, 6],
         help="numbers: the lengths of the numbers above 999 (default 4 5 6)",
     )
+    p.add_argument("--n-train", type=int, help="numbers: training pairs (default 40,000)")
     return parser
 
 
@@ -445,8 +446,10 @@ def cmd_demo_data(args) -> int:
         "classify": demo_data.write_classify,
     }[args.kind]
     extra = {"digits": tuple(args.digits)} if args.digits else {}
+    if args.n_train:
+        extra["n_train"] = args.n_train
     if extra and args.kind != "numbers":
-        raise SystemExit("aiayn demo-data: --digits is for the numbers corpus")
+        raise SystemExit("aiayn demo-data: --digits and --n-train are for the numbers corpus")
     writer(Path(args.out), seed=args.seed, **extra)
     print(f"{args.kind} corpus in {args.out}")
     return 0
