@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--output",
         help="hypotheses file (default stdout). With --input: translated in chunks, resumable, "
-        "shared among the ranks under torchrun (docs/recipes.md)",
+        "shared among the ranks under torchrun (docs/cli.md)",
     )
     p.add_argument(
         "--chunk-kb", type=int, default=1024, help="with --input and --output: chunk size"

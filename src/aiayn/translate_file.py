@@ -14,7 +14,7 @@ modification time, the checkpoint, the settings); parts from another input or ot
 are refused rather than mixed in.
 
 Back-translation (a large monolingual file through a reverse model) is what this is for
-(docs/recipes.md); a gzip input cannot be cut, so each rank reads it to its chunks.
+(docs/cli.md); a gzip input cannot be cut, so each rank reads it whole and keeps its chunks.
 """
 
 from __future__ import annotations
