@@ -83,6 +83,9 @@ def translate_file(
     overrides) go into the plan that resumed parts must match. `barrier` and `gather` (every
     rank's value, in rank order) are the group's; rank 0 logs each rank's lines and speed."""
     parts = output.with_name(output.name + ".parts")
+    # A file smaller than 16 chunks is cut into 16, so that a few ranks all get work; the cut
+    # depends on the file alone, so that a translation resumes on another world size.
+    chunk_bytes = min(chunk_bytes, max(source.stat().st_size // 16, 4096))
     if source.suffix == ".gz":
         chunks = _gzip_chunks(source)
     else:
