@@ -340,10 +340,10 @@ def _starting_point(
                 f"init.vocab=remap maps pieces by string, but the tokenizer {given} was "
                 "trained with is not found beside it or at its config's tokenizer.path"
             )
-        return found, record, notes
+        return found, record, merged, notes
 
-    found, record, notes = env.decide(resolve)  # rank 0 resolves, records, copies the tokenizer
-    cfg, _ = init_source.with_source(cfg, record, explicit)
+    # Rank 0 resolves, records and copies the tokenizer; every rank gets its answer.
+    found, record, cfg, notes = env.decide(resolve)
     if env.is_main:
         init_source.log_start(record, notes)
     return cfg, _Start(found, init_source.summary(record))

@@ -64,6 +64,17 @@ def command(overrides: list[str], tmp_path: Path) -> list[str]:
     return [sys.executable, "-m", "aiayn", "train", "--config", str(empty), *overrides]
 
 
+def kill_at_step(overrides: list[str], tmp_path: Path, run_dir: Path, step: int) -> None:
+    """`aiayn train` in a process of its own, SIGKILLed once it has logged `step`."""
+    proc = subprocess.Popen(
+        command(overrides, tmp_path), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_until(proc, logged(run_dir / "train.log", f"train step {step} "), 120, f"step {step}")
+    finally:
+        kill_tree(proc)
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
     acc.Reload()
@@ -191,13 +202,7 @@ def test_a_restart_before_the_first_save_uses_the_recorded_checkpoint(tmp_path, 
     overrides = tune_overrides(
         run_dir, numbers, src, "train.max_steps=30", "checkpoint.every_steps=1000"
     )
-    proc = subprocess.Popen(
-        command(overrides, tmp_path), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        wait_until(proc, logged(run_dir / "train.log", "train step 2 "), 120, "step 2")
-    finally:
-        kill_tree(proc)
+    kill_at_step(overrides, tmp_path, run_dir, 2)
     assert not list((run_dir / "checkpoints").glob("step_*"))
     start(source_overrides(src, numbers, "train.max_steps=30"))  # the source moves on to 30
     start(overrides)  # starts again: from step 20, as recorded, not the source's latest
@@ -225,13 +230,7 @@ def test_a_fine_tune_killed_after_its_first_save_resumes_bitwise(source, numbers
     extra = ("train.max_steps=16", "checkpoint.every_steps=8", "train.deterministic=true")
     start(tune_overrides(straight, numbers, source, *extra))
     overrides = tune_overrides(killed, numbers, source, *extra)
-    proc = subprocess.Popen(
-        command(overrides, tmp_path), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        wait_until(proc, logged(killed / "train.log", "train step 10 "), 120, "step 10")
-    finally:
-        kill_tree(proc)
+    kill_at_step(overrides, tmp_path, killed, 10)
     start(overrides)
     log = (killed / "train.log").read_text()
     assert "not loaded: the run resumes its own checkpoint" in log

@@ -217,7 +217,8 @@ def with_source(cfg, record: dict[str, Any], explicit: frozenset[str] | None):
 
     source_model = record["model"]
     default = dataclasses.asdict(ModelConfig())
-    ours = dataclasses.asdict(cfg.model)
+    raw = cfg.to_dict()
+    ours = raw["model"]
 
     def is_set(key: str) -> bool:
         if explicit is not None:
@@ -245,15 +246,13 @@ def with_source(cfg, record: dict[str, Any], explicit: frozenset[str] | None):
         for key in ("dropout", "attention_dropout")
         if key in source_model and source_model[key] != ours[key]
     ]
-    here = cfg.to_dict()
     for section, keys in SETTINGS.items():
         theirs = record.get("config", {}).get(section, {})
-        for key in keys or here[section]:
-            if key in theirs and theirs[key] != here[section].get(key):
+        for key in keys or raw[section]:
+            if key in theirs and theirs[key] != raw[section].get(key):
                 notes.append(
-                    f"{section}.{key}: {theirs[key]!r} in the source, {here[section][key]!r} here"
+                    f"{section}.{key}: {theirs[key]!r} in the source, {raw[section][key]!r} here"
                 )
-    raw = cfg.to_dict()
     raw["model"] = {k: v for k, v in model.items() if k != "preset"}
     if cfg.init.vocab == "same":  # the source's tokenizer, copied: its settings trained it
         raw["tokenizer"] = {**record["tokenizer"], "path": cfg.tokenizer.path}
@@ -369,11 +368,8 @@ def _load_remapped(model: nn.Module, found: Located, source: Tokenizer, tok: Tok
     mapping = piece_map(source, tok)
     ours = torch.tensor([j for j, i in enumerate(mapping) if i is not None])
     theirs = torch.tensor([i for i in mapping if i is not None])
-    names: dict[int, list[str]] = {}
-    params = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-        params[id(param)] = param
+    names = selection.names_by_parameter(model)
+    params = {id(p): p for p in model.parameters()}
     used = set()
     with torch.no_grad():
         for pid, group in names.items():

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aiayn.config import ModelConfig
 from aiayn.model.attention import CrossAttention, KVCache, SelfAttention
 from aiayn.model.dropout import Dropout
 
@@ -50,22 +51,13 @@ class Residual(nn.Module):
 class EncoderLayer(nn.Module):
     """Self-attention over the whole source, then the FFN (§3.1)."""
 
-    def __init__(
-        self,
-        d_model: int,
-        d_ff: int,
-        h: int,
-        dropout: float,
-        att_drop: float,
-        norm: str,
-        activation: str = "relu",
-        bias: bool = False,
-    ):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.self_attn = SelfAttention(d_model, h, att_drop, bias)
-        self.ffn = FeedForward(d_model, d_ff, activation)
-        self.res_attn = Residual(d_model, dropout, norm)
-        self.res_ffn = Residual(d_model, dropout, norm)
+        d, drop, norm = cfg.d_model, cfg.dropout, cfg.norm
+        self.self_attn = SelfAttention(d, cfg.h, cfg.attention_dropout, cfg.attention_bias)
+        self.ffn = FeedForward(d, cfg.d_ff, cfg.activation)
+        self.res_attn = Residual(d, drop, norm)
+        self.res_ffn = Residual(d, drop, norm)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = self.res_attn(x, lambda y: self.self_attn(y, mask=mask))  # (B, S, D)
@@ -78,25 +70,16 @@ class DecoderLayer(nn.Module):
     With cross=False (the decoder-only LM) the middle sublayer is left out.
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        d_ff: int,
-        h: int,
-        dropout: float,
-        att_drop: float,
-        norm: str,
-        activation: str = "relu",
-        bias: bool = False,
-        cross: bool = True,
-    ):
+    def __init__(self, cfg: ModelConfig, cross: bool = True):
         super().__init__()
-        self.self_attn = SelfAttention(d_model, h, att_drop, bias)
-        self.res_self = Residual(d_model, dropout, norm)
-        self.cross_attn = CrossAttention(d_model, h, att_drop, bias) if cross else None
-        self.res_cross = Residual(d_model, dropout, norm) if cross else None
-        self.ffn = FeedForward(d_model, d_ff, activation)
-        self.res_ffn = Residual(d_model, dropout, norm)
+        d, drop, norm = cfg.d_model, cfg.dropout, cfg.norm
+        att = (cfg.h, cfg.attention_dropout, cfg.attention_bias)
+        self.self_attn = SelfAttention(d, *att)
+        self.res_self = Residual(d, drop, norm)
+        self.cross_attn = CrossAttention(d, *att) if cross else None
+        self.res_cross = Residual(d, drop, norm) if cross else None
+        self.ffn = FeedForward(d, cfg.d_ff, cfg.activation)
+        self.res_ffn = Residual(d, drop, norm)
 
     def forward(
         self,

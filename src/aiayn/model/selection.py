@@ -10,12 +10,18 @@ from torch import nn
 from aiayn.errors import ConfigError
 
 
-def matching(model: nn.Module, globs: list[str], key: str) -> dict[int, list[str]]:
-    """The parameters (by id) that any glob of `key` names, with all their names (a tied matrix
-    has several). ConfigError for a glob that names none, showing how names look."""
+def names_by_parameter(model: nn.Module) -> dict[int, list[str]]:
+    """Every parameter (by id) with all its names: a tied matrix has several."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
+    return names
+
+
+def matching(model: nn.Module, globs: list[str], key: str) -> dict[int, list[str]]:
+    """The parameters (by id) that any glob of `key` names, with all their names (a tied matrix
+    has several). ConfigError for a glob that names none, showing how names look."""
+    names = names_by_parameter(model)
     every = [n for group in names.values() for n in group]
     unmatched = [g for g in globs if not fnmatch.filter(every, g)]
     if unmatched:

@@ -34,19 +34,6 @@ class Embeddings(nn.Module):
         return self.dropout(x)
 
 
-def _layer_args(cfg: ModelConfig) -> tuple:
-    return (
-        cfg.d_model,
-        cfg.d_ff,
-        cfg.h,
-        cfg.dropout,
-        cfg.attention_dropout,
-        cfg.norm,
-        cfg.activation,
-        cfg.attention_bias,
-    )
-
-
 def _final_norm(cfg: ModelConfig) -> nn.Module:
     # Pre-LN leaves the residual stream unnormalised, so the stack ends in a LayerNorm;
     # post-LN layers already end in one.
@@ -69,7 +56,7 @@ class Encoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.layers = nn.ModuleList(EncoderLayer(*_layer_args(cfg)) for _ in range(cfg.N))
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.N))
         self.norm = _final_norm(cfg)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -110,7 +97,7 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, cross: bool = True):
         super().__init__()
         n = cfg.decoder_layers or cfg.N
-        self.layers = nn.ModuleList(DecoderLayer(*_layer_args(cfg), cross=cross) for _ in range(n))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, cross) for _ in range(n))
         self.norm = _final_norm(cfg)
 
     def forward(
