@@ -355,9 +355,9 @@ def load_moments(engine, found: Located, cfg) -> None:
 def piece_map(source: Tokenizer, tok: Tokenizer) -> list[int | None]:
     """For each id of `tok`, the source's id of the same piece string (the four specials by
     role: aiayn fixes their ids), or None where the source has no such piece."""
-    ids = {source.sp.id_to_piece(i): i for i in range(source.vocab_size)}
+    ids = {source.id_to_piece(i): i for i in range(source.vocab_size)}
     specials = {tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id}
-    return [j if j in specials else ids.get(tok.sp.id_to_piece(j)) for j in range(tok.vocab_size)]
+    return [j if j in specials else ids.get(tok.id_to_piece(j)) for j in range(tok.vocab_size)]
 
 
 def _load_remapped(model: nn.Module, found: Located, source: Tokenizer, tok: Tokenizer) -> dict:

@@ -249,8 +249,8 @@ class BatchLoader:
             return self._build_lm_chunk(examples, anchor)
         rng = self._rng(anchor)
         if self.kind == "seq2seq":
-            enc = self.tok.encode([e["src"] for e in examples] + [e["tgt"] for e in examples])
-            src, tgt = _Tokens.of(enc[: len(examples)]), _Tokens.of(enc[len(examples) :])
+            src = _Tokens.of(self.tok.encode([e["src"] for e in examples]))
+            tgt = _Tokens.of(self.tok.encode([e["tgt"] for e in examples], side="target"))
             shortest = np.minimum(src.length, tgt.length)
             longest = np.maximum(src.length, tgt.length)
         else:
