@@ -146,7 +146,7 @@ def resolve(given: str, run_dir: Path) -> tuple[Located, dict[str, Any]]:
     recorded. Rank 0's work (train.py broadcasts its answer)."""
     before = recorded(run_dir)
     if before is None:
-        found = locate(given)
+        found = locate(_imported(given, Path(run_dir)) or given)
         record = describe(given, found)
         write_atomic(Path(run_dir) / RECORD, json.dumps(record, indent=1) + "\n")
         return found, record
@@ -178,6 +178,20 @@ def resolve(given: str, run_dir: Path) -> tuple[Located, dict[str, Any]]:
             "restore the source, or start a new run_dir"
         )
     return found, before
+
+
+def _imported(given: str, run_dir: Path) -> Path | None:
+    """A Hugging Face MarianMT directory (or hub name) imported once into the run (as `aiayn
+    import-hf` does), which is then the source the record pins; None for aiayn's own."""
+    from aiayn.export.hf_import import is_hf_model, import_hf
+
+    if not is_hf_model(given):
+        return None
+    out = run_dir / "init_source" / "imported.safetensors"
+    if not out.is_file():  # a start killed after the import finds it done
+        log.info("init.source=%s: a Hugging Face model, imported into %s", given, out)
+        import_hf(given, out)
+    return out
 
 
 def check_resumed(given: str | None, manifest: dict[str, Any], ckpt: Path) -> None:

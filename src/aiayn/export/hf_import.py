@@ -81,6 +81,16 @@ def import_hf(source: str | Path, output: str | Path, revision: str | None = Non
         return export_module(model, raw, tok, output, source=origin)
 
 
+def is_hf_model(source: str | Path) -> bool:
+    """Whether `source` names a transformers model: a directory with config.json and no aiayn
+    checkpoint in it, or, where no such path exists, a hub name (owner/name)."""
+    path = Path(source)
+    if path.is_dir():
+        return (path / "config.json").is_file() and not (path / "manifest.json").is_file()
+    text = str(source)
+    return not path.exists() and text.count("/") == 1 and not text.startswith((".", "/", "~"))
+
+
 def model_directory(source: str | Path, revision: str | None) -> tuple[Path, str]:
     """(a local directory holding the model's files, where it came from): `source` itself, or
     the hub's files of that name downloaded at `revision` (the commit recorded)."""
