@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_init_source import kill_at_step, losses, start  # tests/e2e, beside this file
 
 from aiayn.evaluate import evaluate, load_for_inference, translate
 from aiayn.export import export_model
-
-from test_init_source import kill_at_step, losses, start  # tests/e2e, beside this file
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_PYTHON = Path(os.environ.get("AIAYN_HF_PYTHON", ROOT / ".venv-bench" / "bin" / "python"))

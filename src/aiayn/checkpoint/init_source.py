@@ -183,7 +183,7 @@ def resolve(given: str, run_dir: Path) -> tuple[Located, dict[str, Any]]:
 def _imported(given: str, run_dir: Path) -> Path | None:
     """A Hugging Face MarianMT directory (or hub name) imported once into the run (as `aiayn
     import-hf` does), which is then the source the record pins; None for aiayn's own."""
-    from aiayn.export.hf_import import is_hf_model, import_hf
+    from aiayn.export.hf_import import import_hf, is_hf_model
 
     if not is_hf_model(given):
         return None
