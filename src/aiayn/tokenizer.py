@@ -98,14 +98,13 @@ class Tokenizer:
         sp = self.target_sp if side == "target" else self.sp
         if self._ids is None:
             return sp.encode(list(texts), out_type=int, num_threads=threads)
-        return [self._marian_ids(sp, text) for text in texts]
-
-    def _marian_ids(self, sp: spm.SentencePieceProcessor, text: str) -> list[int]:
-        # As MarianTokenizer: pieces as strings, looked up in the joint vocabulary, so a piece
-        # this side's model does not know (an unknown character) still finds the other side's.
-        code, text = marian_vocab.language_code(text)
+        # As MarianTokenizer: a leading >>xx<< language code split off, the rest segmented into
+        # piece strings, each looked up in the joint vocabulary, so a piece this side's model
+        # does not know (an unknown character) still finds the other side's id.
+        codes, rests = zip(*map(marian_vocab.language_code, texts)) if texts else ((), ())
+        pieces = sp.encode(list(rests), out_type=str, num_threads=threads)
         ids, unk = self._ids, self.unk_id
-        return [ids.get(p, unk) for p in code + sp.encode(text, out_type=str)]
+        return [[ids.get(p, unk) for p in c + row] for c, row in zip(codes, pieces, strict=True)]
 
     def decode(self, ids: list[list[int]]) -> list[str]:
         """Text of each id sequence: cut at the first eos, pad and bos dropped."""

@@ -44,8 +44,9 @@ def train_spm(lines: list[str], prefix: Path, vocab_size: int) -> Path:
 
 
 def opus_vocab(models: list[Path]) -> dict[str, int]:
-    """</s> 0, <unk> 1, the pieces of both models (source first), <pad> last: OPUS's layout."""
-    vocab = {"</s>": 0, "<unk>": 1}
+    """</s> 0, <unk> 1, the pieces of both models (source first), <pad> last: OPUS's layout
+    (with one language code, >>en<<, as multilingual OPUS models have them)."""
+    vocab = {"</s>": 0, "<unk>": 1, ">>en<<": 2}  # a target-language code, as multilingual
     for path in models:
         sp = spm.SentencePieceProcessor(model_file=str(path))
         for i in range(sp.vocab_size()):

@@ -7,6 +7,7 @@ last), random MarianMTModels (swish and tied, saved by save_pretrained as safete
 untied, a pytorch_model.bin) with every bias, LayerNorm and final_logits_bias randomised. The
 round trip from aiayn's own export and the refusals need no transformers."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -35,8 +36,9 @@ VARIANTS = [
     {"name": "relu-untied", "activation": "relu", "tie": False, "weights": "bin"},
 ]
 # Unknown characters (€ ½ on both sides; ß only in the source model: on the target side its
-# piece is found in the joint vocabulary, as MarianTokenizer finds it), numbers, punctuation.
-SRC_TEXTS = ["dreihundertvierzig", "Vierzig,  bitte!  ½ € ok?", "123 dreißig.", "zwei und ein"]
+# piece is found in the joint vocabulary, as MarianTokenizer finds it), numbers, punctuation,
+# a leading target-language code (split off before segmenting).
+SRC_TEXTS = ["dreihundertvierzig", "Vierzig,  bitte!  ½ € ok?", "123 dreißig.", ">>en<< zwei"]
 TGT_TEXTS = ["three hundred forty", "dreißig, please!", "x ½ 7?", "two and one"]
 MAX_LEN_B = 5
 
@@ -110,6 +112,7 @@ def test_token_ids_are_marian_tokenizers_under_the_map(marian):
     assert ours_tgt == ref["tgt_ids"]
     unk = tok.bundle.specials["unk"]
     assert any(unk in row for row in ref["src_ids"])  # the unknown characters were there
+    assert ref["src_ids"][3][0] == tok.bundle.vocab[">>en<<"]
     assert tok.encode(["ß"], side="target")[0] != [tok.unk_id] * len(tok.encode(["ß"])[0])
 
 
@@ -262,3 +265,28 @@ def test_import_hf_command_prints_what_it_imported(tok, tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "2+2 layers, d_model 32" in out.stdout and "init.source=" in out.stdout
+
+
+def test_the_contract_and_the_cache_key_cover_both_models_and_the_vocabulary(marian, tmp_path):
+    from aiayn.config import load_config
+    from aiayn.data.cache import fingerprint
+    from aiayn.errors import TokenizerError
+    from aiayn.marian_vocab import write_bundle
+    from aiayn.tokenizer import Tokenizer, check_contract
+
+    _, _, imported = marian["swish-tied"]
+    tok = Tokenizer(export_paths(imported)[2])
+    b = tok.bundle
+    cfg = load_config(None, [f"run_dir={tmp_path}", "data.train=x"])
+    key = fingerprint(cfg, "train", tok)["tokenizer_sha256"]
+    changed = {
+        "target.spm": dataclasses.replace(b, target_spm=b.source_spm),
+        "vocab.json": dataclasses.replace(b, vocab_json=b.vocab_json + b" "),
+    }
+    for what, other in changed.items():
+        path = tmp_path / f"{what}.model"
+        path.write_bytes(write_bundle(other))
+        with pytest.raises(TokenizerError, match="sha256"):
+            check_contract(tok.contract(), Tokenizer(path), where="the run")
+        assert fingerprint(cfg, "train", Tokenizer(path))["tokenizer_sha256"] != key, what
+    assert write_bundle(b) == export_paths(imported)[2].read_bytes()  # the same bytes again
