@@ -101,8 +101,9 @@ class Tokenizer:
         # As MarianTokenizer: a leading >>xx<< language code split off, the rest segmented into
         # piece strings, each looked up in the joint vocabulary, so a piece this side's model
         # does not know (an unknown character) still finds the other side's id.
-        codes, rests = zip(*map(marian_vocab.language_code, texts)) if texts else ((), ())
-        pieces = sp.encode(list(rests), out_type=str, num_threads=threads)
+        split = [marian_vocab.language_code(t) for t in texts]
+        codes = [code for code, _ in split]
+        pieces = sp.encode([rest for _, rest in split], out_type=str, num_threads=threads)
         ids, unk = self._ids, self.unk_id
         return [[ids.get(p, unk) for p in c + row] for c, row in zip(codes, pieces, strict=True)]
 
