@@ -7,8 +7,10 @@ from aiayn, so the directories are what a user downloads, not what aiayn's expor
     python marian_build.py build SPEC.json RESULTS.json   tokenizers and random models
     python marian_build.py check SPEC.json RESULTS.json   only what transformers computes
 
-SPEC.json: {"corpus": numbers demo dir, "root": output dir, "variants": [{"name",
-"activation", "tie", "weights" (safetensors or bin)}], "src_texts", "tgt_texts", "max_len_b"}
+SPEC.json: {"corpus": a dir with train.de and train.en, "root": output dir, "spm_vocab":
+[source, target] (default [60, 70]), "variants": [{"name", "activation", "tie", "weights"
+(safetensors or bin), "dims" ({"d_model", "layers", "heads", "ffn", "positions"}; default a
+2-layer d_model 32), "randomize" (default true)}], "src_texts", "tgt_texts", "max_len_b"}
 (check: {"dirs": [...], ...} with the same texts). RESULTS.json: {dir: {"src_ids",
 "tgt_ids" (MarianTokenizer's, eos included), "pad", "eos", "start", "logits" (each row's
 decoder logits for start + tgt_ids without eos, (len, V)), "greedy" (generate with pad banned,
@@ -60,8 +62,9 @@ def opus_vocab(models: list[Path]) -> dict[str, int]:
 def build(spec: dict) -> list[Path]:
     corpus, root = Path(spec["corpus"]), Path(spec["root"])
     root.mkdir(parents=True, exist_ok=True)
-    src = train_spm((corpus / "train.de").read_text().splitlines(), root / "source", 60)
-    tgt = train_spm((corpus / "train.en").read_text().splitlines(), root / "target", 70)
+    sizes = spec.get("spm_vocab", [60, 70])
+    src = train_spm((corpus / "train.de").read_text().splitlines(), root / "source", sizes[0])
+    tgt = train_spm((corpus / "train.en").read_text().splitlines(), root / "target", sizes[1])
     vocab = opus_vocab([src, tgt])
     (root / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
     tok = MarianTokenizer(
@@ -70,18 +73,20 @@ def build(spec: dict) -> list[Path]:
     dirs = []
     for i, v in enumerate(spec["variants"]):
         out = root / v["name"]
+        dims = {"d_model": 32, "layers": 2, "heads": 4, "ffn": 64, "positions": 64}
+        dims.update(v.get("dims", {}))
         config = MarianConfig(
             vocab_size=len(vocab),
             decoder_vocab_size=len(vocab),
-            d_model=32,
-            encoder_layers=2,
-            decoder_layers=2,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=64,
-            decoder_ffn_dim=64,
+            d_model=dims["d_model"],
+            encoder_layers=dims["layers"],
+            decoder_layers=dims["layers"],
+            encoder_attention_heads=dims["heads"],
+            decoder_attention_heads=dims["heads"],
+            encoder_ffn_dim=dims["ffn"],
+            decoder_ffn_dim=dims["ffn"],
             activation_function=v["activation"],
-            max_position_embeddings=64,
+            max_position_embeddings=dims["positions"],
             pad_token_id=vocab["<pad>"],
             eos_token_id=0,
             decoder_start_token_id=vocab["<pad>"],
@@ -94,12 +99,13 @@ def build(spec: dict) -> list[Path]:
         torch.manual_seed(i)
         model = MarianMTModel(config)
         with torch.no_grad():  # every bias and LayerNorm off its init: zeros hide mapping bugs
-            for name, p in model.named_parameters():
+            for name, p in model.named_parameters() if v.get("randomize", True) else ():
                 if name.endswith("bias") or "norm" in name:
                     p.add_(0.2 * torch.randn_like(p))
                 else:
                     p.mul_(8.0)  # past init_std 0.02, so the logits are not all alike
-            model.final_logits_bias.copy_(0.5 * torch.randn_like(model.final_logits_bias))
+            if v.get("randomize", True):
+                model.final_logits_bias.copy_(0.5 * torch.randn_like(model.final_logits_bias))
         model.generation_config.bad_words_ids = [[config.pad_token_id]]
         if v["weights"] == "bin":
             out.mkdir(parents=True, exist_ok=True)
