@@ -290,3 +290,29 @@ def test_the_contract_and_the_cache_key_cover_both_models_and_the_vocabulary(mar
             check_contract(tok.contract(), Tokenizer(path), where="the run")
         assert fingerprint(cfg, "train", Tokenizer(path))["tokenizer_sha256"] != key, what
     assert write_bundle(b) == export_paths(imported)[2].read_bytes()  # the same bytes again
+
+
+def test_a_hub_name_downloads_the_files_and_records_the_commit(tok, tmp_path, monkeypatch):
+    """The hub is replaced by a local snapshot (snapshots/<commit>, as huggingface_hub lays
+    them out); what import-hf asks for and records is real."""
+    import huggingface_hub
+    from safetensors import safe_open
+
+    weights = write_model(tmp_path / "model", tok, "seq2seq")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "hub" / "snapshots" / commit
+    export_model(weights, snapshot, "hf")
+    asked = {}
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None):
+        asked.update(repo_id=repo_id, revision=revision, patterns=allow_patterns)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    out = import_hf("Helsinki-NLP/opus-mt-de-en", tmp_path / "hub.safetensors", revision="v1")
+    assert asked["repo_id"] == "Helsinki-NLP/opus-mt-de-en" and asked["revision"] == "v1"
+    assert {"config.json", "model.safetensors", "source.spm"} <= set(asked["patterns"])
+    with safe_open(out, framework="pt") as fh:
+        assert fh.metadata()["aiayn_source"] == f"hf:Helsinki-NLP/opus-mt-de-en@{commit}"
+    with pytest.raises(ExportError, match="local directory, not a hub name"):
+        import_hf(snapshot, tmp_path / "x.safetensors", revision="v1")
