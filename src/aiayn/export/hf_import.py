@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from aiayn.checkpoint.tools import export_module
 from aiayn.config import load_config
-from aiayn.errors import ExportError
+from aiayn.errors import ExportError, TokenizerError
 from aiayn.export.bart_layout import (
     is_attention_bias,
     layer_pairs,
@@ -55,8 +55,7 @@ def import_hf(source: str | Path, output: str | Path, revision: str | None = Non
     tok_config = _json(directory / "tokenizer_config.json", required=False)
     refuse_inexact(config, tok_config, directory)
     theirs = _read_weights(directory)
-    specials = _specials(config, tok_config, directory)
-    tokenizer, order = _tokenizer(directory, specials, tok_config)
+    tokenizer, order = _tokenizer(directory, config, tok_config)
     model_keys, weights = _model(config, theirs, order)
     cfg = load_config(
         None,
@@ -186,14 +185,13 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     raise ExportError(f"{directory} has no {' or '.join(WEIGHTS)}")
 
 
-def _specials(config: dict, tok_config: dict, where: Path) -> dict[str, int]:
-    vocab = _json(where / "vocab.json")
+def _specials(config: dict, tok_config: dict, vocab: dict, where: Path) -> dict[str, int]:
+    """Marian's ids of pad, unk, eos and the decoder start."""
     unk = tok_config.get("unk_token", "<unk>")
     unk = unk.get("content") if isinstance(unk, dict) else unk
     if unk not in vocab:
         raise ExportError(f"{where}/vocab.json has no unknown-word piece {unk!r} (unk_token)")
-    pad = config.get("pad_token_id")
-    eos = config.get("eos_token_id")
+    pad, eos = config.get("pad_token_id"), config.get("eos_token_id")
     if pad is None or eos is None:
         raise ExportError(f"{where}/config.json lacks pad_token_id or eos_token_id")
     start = config.get("decoder_start_token_id")
@@ -205,42 +203,37 @@ def _specials(config: dict, tok_config: dict, where: Path) -> dict[str, int]:
     }
 
 
-def _tokenizer(directory: Path, specials: dict, tok_config: dict) -> tuple[bytes, list[int]]:
+def _tokenizer(directory: Path, config: dict, tok_config: dict) -> tuple[bytes, list[int]]:
     """(the tokenizer file's bytes, the Marian id of each aiayn id)."""
-    source = (
-        (directory / "source.spm").read_bytes() if (directory / "source.spm").is_file() else None
-    )
-    target = (
-        (directory / "target.spm").read_bytes() if (directory / "target.spm").is_file() else None
-    )
-    if source is None or target is None:
+    models = [directory / name for name in ("source.spm", "target.spm")]
+    if not all(m.is_file() for m in models):
         raise ExportError(f"{directory} lacks source.spm or target.spm (MarianTokenizer's models)")
+    source, target = (m.read_bytes() for m in models)
     vocab_json = (directory / "vocab.json").read_bytes()
     vocab = json.loads(vocab_json)
-    own = _own_model(source, target, vocab, specials)
-    if own is not None:
-        return own, list(range(len(vocab)))
+    specials = _specials(config, tok_config, vocab, directory)
+    if _is_own_model(source, target, vocab, specials):
+        return source, list(range(len(vocab)))
     bundle = Bundle(source, target, vocab, vocab_json, specials, tok_config)
     return write_bundle(bundle), bundle.order
 
 
-def _own_model(source: bytes, target: bytes, vocab: dict, specials: dict) -> bytes | None:
-    """An aiayn SentencePiece model, where the directory holds one (as `aiayn export --format
-    hf` writes it: one model on both sides, vocab.json its own ids, aiayn's specials)."""
+def _is_own_model(source: bytes, target: bytes, vocab: dict, specials: dict) -> bool:
+    """Whether the directory holds an aiayn SentencePiece model as `aiayn export --format hf`
+    writes it: one model on both sides, vocab.json its own ids, aiayn's specials."""
     aiayn = {"pad": PAD_ID, "unk": UNK_ID, "eos": EOS_ID, "decoder_start": BOS_ID}
     if source != target or specials != aiayn:
-        return None
+        return False
     with tempfile.NamedTemporaryFile(suffix=".model") as fh:
         fh.write(source)
         fh.flush()
         try:
             tok = Tokenizer(fh.name)
-        except Exception:  # not one aiayn can use as it is: the bundle maps it
-            return None
-        same = tok.vocab_size == len(vocab) and all(
+        except TokenizerError:  # other special ids: the bundle maps them
+            return False
+        return tok.vocab_size == len(vocab) and all(
             vocab.get(tok.id_to_piece(i)) == i for i in range(tok.vocab_size)
         )
-    return source if same else None
 
 
 def _model(config: dict, w: dict[str, torch.Tensor], order: list[int]) -> tuple[dict, dict]:
@@ -249,7 +242,7 @@ def _model(config: dict, w: dict[str, torch.Tensor], order: list[int]) -> tuple[
         k if k.startswith(("model.", "lm_head", "final_logits")) else f"model.{k}": v
         for k, v in w.items()
     }
-    d, N, dec = config["d_model"], config["encoder_layers"], config["decoder_layers"]
+    N, dec = config["encoder_layers"], config["decoder_layers"]
     pairs = layer_pairs("encoder", "model.encoder", N, cross=False)
     pairs += layer_pairs("decoder", "model.decoder", dec, cross=True)
     missing = [p.theirs for p in pairs if p.theirs not in w]
@@ -260,36 +253,24 @@ def _model(config: dict, w: dict[str, torch.Tensor], order: list[int]) -> tuple[
     layout = config.get("aiayn", {}).get("positions")  # written by aiayn's export
     positions = layout or _positions(config, w)
     if layout in ("sinusoidal", "learned"):  # the export permuted these into Marian's layout
-        inverse = torch.argsort(marian_permutation(d))
+        inverse = torch.argsort(marian_permutation(config["d_model"]))
         w = {name: permute_residual(name, t, inverse) for name, t in w.items()}
     attention_bias = any(bool(w[p.theirs].any()) for p in pairs if is_attention_bias(p))
     ours = to_ours(w, pairs, attention_bias)
-    share = _share(config)
-    rows = torch.tensor(order)
-    shared = w.get("model.shared.weight", w.get("model.encoder.embed_tokens.weight"))
-    # Every name of a tied matrix is in aiayn's state_dict; load_state_dict fills them alike.
-    src = shared if share == "all" else w.get("model.encoder.embed_tokens.weight", shared)
-    tgt = shared if share == "all" else w.get("model.decoder.embed_tokens.weight", shared)
-    out = w["lm_head.weight"] if share == "none" else tgt
-    ours.update({"src_embed.token.weight": src[rows], "tgt_embed.token.weight": tgt[rows]})
-    ours["out.weight"] = out[rows]
-    bias = w.get("final_logits_bias", torch.zeros(1, len(order)))[0]
-    output_bias = bool(bias.any())
-    if output_bias:
-        ours["out.bias"] = bias[rows]
+    ours.update(_vocabulary_rows(config, w, torch.tensor(order)))
     if positions == "learned":
         ours["src_embed.positions.weight"] = w["model.encoder.embed_positions.weight"]
         ours["tgt_embed.positions.weight"] = w["model.decoder.embed_positions.weight"]
-    dropout = config.get("activation_dropout") or 0.0
-    if dropout:
+    if config.get("activation_dropout"):
         log.warning(
-            "activation_dropout %g is not an aiayn setting: fine-tuning runs without it", dropout
+            "activation_dropout %g is not an aiayn setting: fine-tuning runs without it",
+            config["activation_dropout"],
         )
     keys = {
         "kind": "seq2seq",
         "N": N,
         "decoder_layers": None if dec == N else dec,  # as aiayn writes an even stack
-        "d_model": d,
+        "d_model": config["d_model"],
         "d_ff": config["encoder_ffn_dim"],
         "h": config["encoder_attention_heads"],
         "dropout": config.get("dropout", 0.1),
@@ -299,10 +280,27 @@ def _model(config: dict, w: dict[str, torch.Tensor], order: list[int]) -> tuple[
         "max_len": config["max_position_embeddings"],
         "activation": ACTIVATIONS[config.get("activation_function", "swish")],
         "attention_bias": attention_bias,
-        "output_bias": output_bias,
-        "share_embeddings": share,
+        "output_bias": "out.bias" in ours,
+        "share_embeddings": _share(config),
     }
     return keys, ours
+
+
+def _vocabulary_rows(config: dict, w: dict, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The embeddings, output projection and output bias in aiayn's ids (`rows`: the Marian
+    row of each). Every name of a tied matrix is in aiayn's state_dict; load_state_dict fills
+    them alike. A final_logits_bias of zeros (Marian always has one) is no output bias."""
+    share = _share(config)
+    shared = w.get("model.shared.weight", w.get("model.encoder.embed_tokens.weight"))
+    src = shared if share == "all" else w.get("model.encoder.embed_tokens.weight", shared)
+    tgt = shared if share == "all" else w.get("model.decoder.embed_tokens.weight", shared)
+    out = w["lm_head.weight"] if share == "none" else tgt
+    ours = {"src_embed.token.weight": src[rows], "tgt_embed.token.weight": tgt[rows]}
+    ours["out.weight"] = out[rows]
+    bias = w.get("final_logits_bias")
+    if bias is not None and bool(bias.any()):
+        ours["out.bias"] = bias[0][rows]
+    return ours
 
 
 def _share(config: dict) -> str:
