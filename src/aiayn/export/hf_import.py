@@ -35,9 +35,9 @@ from aiayn.export.bart_layout import (
     permute_residual,
     to_ours,
 )
-from aiayn.export.source import sinusoid_table
 from aiayn.marian_vocab import Bundle, write_bundle
 from aiayn.model import build_model
+from aiayn.model.positions import SinusoidalPositions
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -313,7 +313,7 @@ def _positions(config: dict, w: dict[str, torch.Tensor]) -> str:
     """Marian's fixed [sin | cos] table (sinusoidal_concat), unless the file holds another
     table, which MarianMTModel loads and uses (learned)."""
     d, rows = config["d_model"], config["max_position_embeddings"]
-    table = sinusoid_table(d, rows, "sinusoidal_concat")
+    table = SinusoidalPositions(d, rows, concat=True).pe
     for side in ("encoder", "decoder"):
         found = w.get(f"model.{side}.embed_positions.weight")
         if found is not None and not torch.allclose(found.float(), table, atol=1e-5):
