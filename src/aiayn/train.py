@@ -32,6 +32,7 @@ from aiayn.data import (
 )
 from aiayn.data.batch import resolve_pad_to_multiple
 from aiayn.data.hub_revision import pin_hub_revision
+from aiayn.data.mixture import as_train, cache_folder, tokenizer_sample
 from aiayn.data.run_splits import with_run_copy
 from aiayn.distributed import faults
 from aiayn.distributed.engine import Engine, build_engine
@@ -67,18 +68,21 @@ def prepare_tokenizer(cfg: Config, retrain: bool = False) -> Tokenizer:
         cfg.tokenizer.type,
         cfg.tokenizer.vocab_size,
         n,
-        cfg.data.train,
+        cfg.data.train or ", ".join(s.name for s in cfg.data.sources),
         path,
     )
-    sentences = sample_sentences(cfg.data, cfg.model.kind, n, cfg.tokenizer.seed)
-    return train_tokenizer(cfg.tokenizer, sentences, path)
+    if not cfg.data.sources:
+        sentences = sample_sentences(cfg.data, cfg.model.kind, n, cfg.tokenizer.seed)
+        return train_tokenizer(cfg.tokenizer, sentences, path)
+    return train_tokenizer(*tokenizer_sample(cfg, n), path)
 
 
 def prepare_data(
     cfg: Config, env: DistEnv, rebuild: bool = False
-) -> tuple[Tokenizer, TokenCache | None]:
+) -> tuple[Tokenizer, TokenCache | list[TokenCache] | None]:
     """The tokenizer (trained by rank 0 if missing) and, with data.cache, the training split's
-    token cache (built by all ranks together if missing). Every rank calls it."""
+    token cache (built by all ranks together if missing), or a list of each data.sources
+    entry's cache. Every rank calls it."""
     if env.is_main:  # one writer: the others wait, then load what it trained
         tok = prepare_tokenizer(cfg)
     env.barrier()
@@ -102,10 +106,28 @@ def prepare_data(
         if shared
         else (env.local_rank, env.local_world_size, env.node_gather)
     )
-    cache = ensure_cache(cfg, "train", tok, rank=rank, world_size=world, sync=sync, rebuild=rebuild)
+    if cfg.data.sources:  # a mixture: a cache per source, each keyed by its own corpus
+        caches = [
+            ensure_cache(
+                as_train(cfg, source),
+                "train",
+                tok,
+                rank=rank,
+                world_size=world,
+                sync=sync,
+                rebuild=rebuild,
+                folder=cache_folder(source),
+            )
+            for source in cfg.data.sources
+        ]
+    else:
+        caches = [
+            ensure_cache(cfg, "train", tok, rank=rank, world_size=world, sync=sync, rebuild=rebuild)
+        ]
     if not shared:
-        _same_tokens_on_every_node(env, cache)
-    return tok, cache
+        for cache in caches:
+            _same_tokens_on_every_node(env, cache)
+    return tok, caches if cfg.data.sources else caches[0]
 
 
 def _same_tokens_on_every_node(env: DistEnv, cache: TokenCache) -> None:

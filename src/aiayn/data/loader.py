@@ -32,6 +32,7 @@ from aiayn.config import Config, DataConfig
 from aiayn.data.batch import Batch, padded_rows, round_width, target_positions
 from aiayn.data.cache import TokenCache
 from aiayn.data.cached_loader import CachedLoader
+from aiayn.data.mixed_loader import MixedLoader
 from aiayn.data.plan import budget_bounds
 from aiayn.data.position import check_loader_args, saved_position, saved_state
 from aiayn.data.prefetch import AHEAD, BATCH_THREAD, prefetch
@@ -331,11 +332,12 @@ def make_loader(
     train: bool,
     rank: int = 0,
     world_size: int = 1,
-    cache: TokenCache | None = None,
+    cache: TokenCache | list[TokenCache] | None = None,
     pin_memory: bool = False,
 ) -> BatchLoader | CachedLoader:
     """The loader of one split as a run config describes it: from its token cache if one is
-    given (data/cache.py), else streamed and tokenised as it goes. pin_memory where the batches
+    given (data/cache.py), from the caches of data.sources if a list is (a mixture,
+    data/mixed_loader.py), else streamed and tokenised as it goes. pin_memory where the batches
     go to a GPU."""
     common = dict(
         pin_memory=pin_memory,
@@ -346,6 +348,8 @@ def make_loader(
         rank=rank,
         world_size=world_size,
     )
+    if isinstance(cache, list):
+        return MixedLoader(cache, cfg.data, tokenizer, **common)
     if cache is not None:
         return CachedLoader(cache, cfg.data, tokenizer, **common)
     return BatchLoader(cfg.data, split, tokenizer, **common)

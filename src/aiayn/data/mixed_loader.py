@@ -1,0 +1,309 @@
+"""Training batches from a mixture of sources (data.sources), each with its own token cache.
+
+The examples of the sources are numbered one after another (source s's example i is global row
+base_s + i), so that the mixture is one more step before the plan: each epoch, mixture.py says
+which examples of each source it takes, and those global rows go to the same planner as a
+single cache's (plan.pair_plan: permuted whole, bucketed by width, batched by token budget,
+batches shuffled). Everything else, the position, rounds, resume at another world size and the
+plan ahead, is CachedLoader's: the position (epoch, batches done) says where in the mixture a
+run is. A batch's rows are read from their own source's arrays.
+
+A source's tag is put before each source sentence as the batch is made: it counts in the
+width that data.max_len and the token budget see, and the cache stays the same with or without
+it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from aiayn.config import DataConfig
+from aiayn.data.batch import Batch, padded_rows, round_width, target_positions
+from aiayn.data.cache import TokenCache
+from aiayn.data.cached_loader import STATE_VERSION, CachedLoader
+from aiayn.data.mixture import Mixture
+from aiayn.data.plan import Plan, epoch_rng, pair_plan
+from aiayn.data.position import saved_position
+from aiayn.errors import DataError
+from aiayn.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def tag_ids(cfg: DataConfig, tok: Tokenizer) -> list[int | None]:
+    """Each source's tag as one token id (None: untagged); a tag that is not one piece of the
+    tokenizer is an error naming it and the fix."""
+    out = []
+    for source in cfg.sources:
+        if source.tag is None:
+            out.append(None)
+            continue
+        i = tok.sp.piece_to_id(source.tag)
+        if i == tok.unk_id or tok.sp.is_control(i) or tok.sp.is_unused(i):
+            raise DataError(
+                f"data.sources {source.name}: tag {source.tag!r} is not a piece of the tokenizer "
+                f"{tok.path}, so it would be split or unknown. Add it to tokenizer.user_symbols "
+                "and train a new tokenizer (a tokenizer the run trains adds every tag), or "
+                "remove the tag"
+            )
+        out.append(i)
+    return out
+
+
+class MixedLoader(CachedLoader):
+    """CachedLoader's interface over the token caches of data.sources, in training only. Its
+    extra: `mixture_scalars()`, what the group has taken of each source (TensorBoard)."""
+
+    def __init__(
+        self,
+        caches: list[TokenCache],
+        data_cfg: DataConfig,
+        tokenizer: Tokenizer,
+        *,
+        kind: str,
+        max_tokens: int,
+        seed: int,
+        train: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        pin_memory: bool = False,
+    ):
+        if not train or kind == "lm":
+            raise ValueError("a mixture of sources is for training seq2seq or classifier models")
+        for c in caches:
+            if c.kind != kind:
+                raise DataError(
+                    f"token cache {c.root} holds {c.kind} data, this model is {kind}; "
+                    "set data.cache_dir to another directory"
+                )
+        self._setup(data_cfg, tokenizer, kind, max_tokens, seed, train, rank, world_size)
+        self.caches, self.cache, self.pin_memory = caches, caches[0], pin_memory
+        self.names = [s.name for s in data_cfg.sources]
+        self.tags = tag_ids(data_cfg, tokenizer)
+        self._index()
+        self._tallies: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._fingerprint = self._mixture_fingerprint()
+        if rank == 0:
+            self._log_sources()
+
+    def _index(self) -> None:
+        """Global widths and target lengths, each source's kept examples, and the mixture."""
+        widths, tgt_lens, self._kept, mean_tokens = [], [], [], []
+        self._too_long = 0
+        for c, tag in zip(self.caches, self.tags, strict=True):
+            longest = np.diff(c.src_offsets).astype(np.int32) + (tag is not None)
+            tgt_len = np.diff(c.tgt_offsets).astype(np.int32) if c.tgt_offsets is not None else None
+            if tgt_len is not None:
+                np.maximum(longest, tgt_len, out=longest)
+            kept = np.flatnonzero(longest <= self.cfg.max_len)
+            self._kept.append(kept)
+            self._too_long += len(longest) - len(kept)
+            widths.append(round_width(longest + 1, self.multiple, self.cfg.max_len + 1))
+            tgt_lens.append(tgt_len if tgt_len is not None else np.zeros(len(c), np.int32))
+            # Target tokens per example as Batch.n_tokens counts them: eos included; 1 for a label.
+            mean_tokens.append(float(tgt_lens[-1][kept].mean()) + 1 if len(kept) else 1.0)
+        if self.kind == "classifier":
+            mean_tokens = [1.0] * len(self.caches)
+        self._width = np.concatenate(widths).astype(np.int32)
+        self._tgt_len = np.concatenate(tgt_lens)
+        self._base = np.cumsum([0] + [len(c) for c in self.caches]).astype(np.int64)
+        sizes = [len(k) for k in self._kept]
+        try:
+            self.mixture = Mixture.of(self.cfg, self.seed, sizes, mean_tokens)
+        except ValueError as exc:
+            raise DataError(
+                f"data.sources: {exc}; raise data.max_len or check the corpus"
+            ) from None
+
+    def _mixture_fingerprint(self) -> dict:
+        """What a saved position means: the loader's settings and the whole mixture."""
+        cfg = self.cfg
+        sources = [
+            {"name": s.name, "cache": c.digest, "weight": s.weight, "tag": s.tag}
+            for s, c in zip(cfg.sources, self.caches, strict=True)
+        ]
+        mixture = {"sources": sources, "temperature": cfg.temperature, "epoch": cfg.epoch}
+        mixture.update(epoch_source=cfg.epoch_source, epoch_size=cfg.epoch_size)
+        fp = {
+            "loader": "cache",
+            "mixture": mixture,
+            "kind": self.kind,
+            "train": self.train,
+            "max_tokens": self.max_tokens,
+            "seed": self.seed,
+            "shuffle_buffer": cfg.shuffle_buffer,
+            "max_len": cfg.max_len,
+            "tokenizer_sha256": self.tok.sha256,
+        }
+        if self.multiple != 1:
+            fp["pad_to_multiple"] = self.multiple
+        return fp
+
+    def _log_sources(self) -> None:
+        m, cfg = self.mixture, self.cfg
+        what = {
+            "largest": f"one pass of {m.names[int(np.argmax(m.sizes))]}",
+            "source": f"one pass of {cfg.epoch_source}",
+            "tokens": f"about {cfg.epoch_size or 0:,} target tokens",
+        }
+        log.info(
+            "mixture of %d sources, an epoch (data.epoch %s%s) is %s examples",
+            len(m.names),
+            cfg.epoch,
+            f": {what[cfg.epoch]}" if cfg.epoch in what else "",
+            f"{m.epoch_size:,}",
+        )
+        for s, source in enumerate(cfg.sources):
+            weight = f"weight {source.weight:g}, " if source.weight is not None else ""
+            log.info(
+                "  source %s: %sshare %.1f%%, %s examples, %s per epoch (%.3g passes), tag %s",
+                source.name,
+                weight,
+                100 * m.p[s],
+                f"{int(m.sizes[s]):,}",
+                f"{int(m.counts[s]):,}",
+                m.counts[s] / max(int(m.sizes[s]), 1),
+                source.tag or "none",
+            )
+
+    # ---- position and counts ------------------------------------------------------------------
+
+    def load_state_dict(self, state: dict) -> None:
+        what = "the sources' token caches"
+        self._pos = saved_position(state, STATE_VERSION, self._fingerprint, what)
+        self.epoch = self._pos["epoch"]
+        self._resume_pending = True
+
+    def stats(self) -> dict[str, int]:
+        counts = [c.counts() for c in self.caches]
+        return {
+            "examples_read": sum(c["records_read"] for c in counts),
+            "dropped_too_long": self._too_long,
+            "dropped_empty": sum(c["dropped_empty"] for c in counts),
+            "batches": self._batches,
+            "invalid_utf8_skipped": sum(c["invalid_utf8_skipped"] for c in counts),
+        }
+
+    def mixture_scalars(self) -> dict[str, float]:
+        """What the whole group has taken of each source up to the position (the same on every
+        rank, from the plans alone): examples since the run began, passes made over it, and
+        its share of the current epoch's target tokens so far (of the epoch's plan, before its
+        first batch)."""
+        epoch, done = self._pos["epoch"], self._pos["done"]
+        examples, tokens = self._tally(epoch)
+        while done >= len(examples) > 0:  # a position may count past its epoch's end
+            epoch, done = epoch + 1, done - len(examples)
+            examples, tokens = self._tally(epoch)
+        taken = examples[:done].sum(axis=0)
+        share = tokens[:done].sum(axis=0) if done else tokens.sum(axis=0)
+        share = share / max(share.sum(), 1)
+        passes = self.mixture.passes(epoch, taken)
+        out = {}
+        for s, name in enumerate(self.names):
+            out[f"{name}/examples"] = float(epoch * self.mixture.counts[s] + taken[s])
+            out[f"{name}/passes"] = float(passes[s])
+            out[f"{name}/token_share"] = float(share[s])
+        return out
+
+    def _tally(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        if epoch not in self._tallies:
+            self._compute_plan(epoch)  # pure: the batch thread's plans stay as they are
+        return self._tallies[epoch]
+
+    def _nothing_left(self) -> DataError:
+        return DataError(
+            f"the sources give no batches: {self._too_long} examples are longer than "
+            f"data.max_len={self.cfg.max_len}; raise data.max_len or check the corpora"
+        )
+
+    # ---- plans --------------------------------------------------------------------------------
+
+    def _source_of(self, rows: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self._base, rows, side="right") - 1
+
+    def _target_lengths(self, rows: np.ndarray) -> np.ndarray:
+        return self._tgt_len[rows].astype(np.int64)
+
+    def _compute_plan(self, epoch: int) -> Plan:
+        picks = self.mixture.epoch_rows(epoch)
+        rows = np.concatenate(
+            [self._base[s] + self._kept[s][p] for s, p in enumerate(picks)]
+        ).astype(np.int64)
+        rng = epoch_rng(self.seed, epoch)
+        if not self.cfg.shuffle_buffer:  # no bucketing, but the sources still interleave
+            rows, rng = rows[rng.permutation(len(rows))], None
+        plan = pair_plan(self._width, rows, self.max_tokens, self.cfg.shuffle_buffer, rng)
+        self._tallies[epoch] = self._plan_tally(plan)
+        for old in [e for e in list(self._tallies) if e < epoch - 1]:
+            self._tallies.pop(old, None)
+        return plan
+
+    def _plan_tally(self, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+        """(batches, sources) arrays of examples and target tokens, in the epoch's order."""
+        n, S = len(plan), len(self.caches)
+        batch = np.repeat(np.arange(n), np.diff(plan.bounds))
+        cell = batch * S + self._source_of(plan.rows)
+        examples = np.bincount(cell, minlength=n * S).reshape(n, S)
+        if self.kind == "classifier":
+            tokens = examples
+        else:
+            weights = self._tgt_len[plan.rows].astype(np.float64) + 1
+            tokens = np.bincount(cell, weights=weights, minlength=n * S).reshape(n, S)
+        if plan.order is not None:
+            examples, tokens = examples[plan.order], tokens[plan.order]
+        return examples, tokens
+
+    # ---- one batch ----------------------------------------------------------------------------
+
+    def _make_batch(self, plan: Plan, k: int) -> Batch:
+        rows = plan.batch(k)
+        which = self._source_of(rows)
+        local = rows - self._base[which]
+        groups = []
+        for s in np.unique(which):
+            sel = np.flatnonzero(which == s)
+            groups.append((int(s), sel, local[sel]))
+        ids = np.empty(len(rows), dtype=np.int64)
+        for s, sel, loc in groups:
+            ids[sel] = self.caches[s].ids[loc]
+        common = dict(ids=torch.from_numpy(ids), sources=torch.from_numpy(which.astype(np.int64)))
+        eos, bos = self.tok.eos_id, self.tok.bos_id
+        src = self._side(groups, len(rows), "src", self.tags, eos)
+        if self.kind == "classifier":
+            labels = np.empty(len(rows), dtype=np.int64)
+            for s, sel, loc in groups:
+                labels[sel] = self.caches[s].labels[loc]
+            return Batch(**common, n_tokens=len(rows), src=src, labels=torch.from_numpy(labels))
+        tgt_in = self._side(groups, len(rows), "tgt", [bos] * len(self.caches), None)
+        tgt_out = self._side(groups, len(rows), "tgt", [None] * len(self.caches), eos)
+        n = int(self._tgt_len[rows].sum()) + len(rows)
+        keep = target_positions(tgt_out, self.tok.pad_id)
+        return Batch(**common, n_tokens=n, src=src, tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)
+
+    def _side(self, groups: list, n: int, side: str, prefix: list, eos: int | None) -> torch.Tensor:
+        """(n, L) rows of one side (src or tgt), each read from its own source's arrays, with
+        that source's prefix token (a tag, bos, or none) and eos; L as padded_rows makes it
+        for the whole batch."""
+        parts, widest = [], 0
+        for s, sel, loc in groups:
+            offsets = getattr(self.caches[s], f"{side}_offsets")
+            start = offsets[loc]
+            length = offsets[loc + 1] - start
+            parts.append((s, sel, start, length))
+            widest = max(widest, int(length.max()) + (prefix[s] is not None))
+        limit = self.cfg.max_len + 1
+        width = int(round_width(widest + (eos is not None), self.multiple, limit))
+        pad = self.tok.pad_id
+        if len(parts) == 1:  # one source: its rows in batch order already
+            s, _, start, length = parts[0]
+            flat = getattr(self.caches[s], f"{side}_tokens")
+            return padded_rows(flat, start, length, pad, bos=prefix[s], eos=eos, width=width)
+        out = np.empty((n, width), dtype=np.int64)
+        for s, sel, start, length in parts:
+            flat = getattr(self.caches[s], f"{side}_tokens")
+            rows = padded_rows(flat, start, length, pad, bos=prefix[s], eos=eos, width=width)
+            out[sel] = rows.numpy()
+        return torch.from_numpy(out)
