@@ -629,6 +629,8 @@ def _record_ids(run: Run, fetched: list) -> None:
     with open(path, "a") as fh:
         for batch, epoch in fetched:
             row = {"step": run.progress.step + 1, "epoch": epoch, "ids": batch.ids.tolist()}
+            if batch.sources is not None:  # a mixture: ids count within each source
+                row["sources"] = batch.sources.tolist()
             fh.write(json.dumps(row) + "\n")
 
 

@@ -122,10 +122,10 @@ class MixedLoader(CachedLoader):
         """What a saved position means: the loader's settings and the whole mixture."""
         cfg = self.cfg
         sources = [
-            {"name": s.name, "cache": c.digest, "weight": s.weight, "tag": s.tag}
+            {"name": s.name, "cache": c.digest, "weight": _number(s.weight), "tag": s.tag}
             for s, c in zip(cfg.sources, self.caches, strict=True)
         ]
-        mixture = {"sources": sources, "temperature": cfg.temperature, "epoch": cfg.epoch}
+        mixture = {"sources": sources, "temperature": _number(cfg.temperature), "epoch": cfg.epoch}
         mixture.update(epoch_source=cfg.epoch_source, epoch_size=cfg.epoch_size)
         fp = {
             "loader": "cache",
@@ -307,3 +307,8 @@ class MixedLoader(CachedLoader):
             rows = padded_rows(flat, start, length, pad, bos=prefix[s], eos=eos, width=width)
             out[sel] = rows.numpy()
         return torch.from_numpy(out)
+
+
+def _number(value: float | None) -> float | None:
+    """A float as a checkpoint records it: 2 and 2.0 are the same weight."""
+    return None if value is None else float(value)
