@@ -32,6 +32,7 @@ from aiayn.data import (
 )
 from aiayn.data.batch import resolve_pad_to_multiple
 from aiayn.data.hub_revision import pin_hub_revision
+from aiayn.data.mixed_loader import MixedLoader
 from aiayn.data.mixture import as_train, cache_folder, tokenizer_sample
 from aiayn.data.run_splits import with_run_copy
 from aiayn.distributed import faults
@@ -452,6 +453,7 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
     if cfg.data.valid:  # on the run's copy of the split: a restart reads no source
         local = with_run_copy(cfg, "valid", run.env.decide)
         validation = Validation(local, run.tok, run.env)
+    per_source = _source_validations(cfg, run.tok, run.env)
     if cfg.data.test:  # for `aiayn evaluate`; training does not need it, so it cannot stop it
         try:
             with_run_copy(cfg, "test", run.env.decide)
@@ -486,9 +488,12 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
         if stop_now:
             _stop(run, window, step)
         stop_early = False
-        if validation and ((cfg.train.eval_every and step % cfg.train.eval_every == 0) or last):
+        due = (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last
+        if validation and due:
             last_eval = valid = validation.run(engine, run.metrics, step, run.env)
             stop_early = _no_longer_improving(cfg, progress, valid) and not last
+        for each in per_source if due else ():  # scored and shown; data.valid ranks
+            each.run(engine, run.metrics, step, run.env)
         if run.ckpts.due(step) or last or stop_early:
             _save(run, window, step, valid)
             saved_step = step
@@ -509,6 +514,17 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
     if cfg.train.finish and run.env.is_main:  # the averaged model: one process's work
         finish(cfg.run_dir, cfg.train.finish, cfg.train.finish_select)
     return last_eval
+
+
+def _source_validations(cfg: Config, tok: Tokenizer, env: DistEnv) -> list[Validation]:
+    """A Validation of each data.sources entry's own dev set (on the run's copy of it), logged
+    as valid_<name>/...: untagged, like data.valid and inference."""
+    out = []
+    for source in (s for s in cfg.data.sources if s.valid):
+        name = f"{PREFIX}_{source.name}"
+        local = with_run_copy(as_train(cfg, source), "valid", env.decide, name=name)
+        out.append(Validation(local, tok, env, prefix=name))
+    return out
 
 
 def _no_longer_improving(cfg: Config, progress: Progress, valid: dict[str, float]) -> bool:
@@ -678,6 +694,8 @@ def _log_window(run: Run, window: Window, grad_norm, console: bool) -> dict[str,
         "tokens": progress.tokens,
     }
     run.metrics.log("train", step, scalars, console=console)
+    if isinstance(run.loader, MixedLoader):  # what the group took of each source
+        run.metrics.log("data", step, run.loader.mixture_scalars(), console=False)
     return {k: scalars[k] for k in ("loss", "lr", "tokens_per_s")}
 
 
