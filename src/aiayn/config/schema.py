@@ -117,10 +117,10 @@ class SourceConfig(Section):
     languages, fields, max_len) applies to every source."""
 
     name: str = ""
-    """What logs, TensorBoard (data/<name>/..., valid_<name>/...) and the token cache
+    """Required. What logs, TensorBoard (data/<name>/..., valid_<name>/...) and the token cache
     (<cache_dir>/train-<name>) call it: letters, digits, _ and -."""
     path: str = ""
-    """What data.train takes: a file prefix (parallel), a path or glob, or a hub split name
+    """Required. What data.train takes: a file prefix (parallel), a path or glob, or a hub split name
     (of data.hub_name)."""
     weight: float | None = bounded(None, low=0, low_open=True)
     """Its share of the epoch's examples is weight / sum of the weights (rounded by largest
