@@ -32,7 +32,7 @@ from aiayn.data.mixture import (
 from aiayn.data.plan import epoch_rng, pair_plan
 from aiayn.demo_data import write_numbers
 from aiayn.errors import DataError
-from aiayn.tokenizer import EOS_ID, train_tokenizer
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
 
 SIZES = (300, 120, 40)  # the three corpora's training pairs
 TAG = "<bt>"
@@ -215,6 +215,26 @@ def test_the_tag_is_the_first_source_token_and_counts_in_max_len_and_the_budget(
     dropped = int(((src_len == longest) & (tgt_len <= longest)).sum())
     assert dropped >= 1
     assert at.mixture.sizes[1] == untagged.mixture.sizes[1] - dropped
+
+
+def test_every_row_is_its_sources_pair_tokenised_with_the_tag_eos_and_bos(tmp_path, corpora, mtok):
+    texts = [
+        [Path(f"{prefix}.{side}").read_text().splitlines() for side in ("en", "de")]
+        for prefix in corpora
+    ]
+    tag = mtok.sp.piece_to_id(TAG)
+    ld = mixed(mixed_cfg(tmp_path / "run", corpora), mtok)
+    for b in take(iter(ld), 12):
+        for row, (s, i) in enumerate(pairs(b)):
+            src, tgt = mtok.encode([texts[s][0][i], texts[s][1][i]])
+            src = ([tag] if s == 1 else []) + src + [EOS_ID]
+            assert b.src[row, : len(src)].tolist() == src
+            assert (b.src[row, len(src) :] == PAD_ID).all()
+            assert b.tgt_in[row, : len(tgt) + 1].tolist() == [BOS_ID] + tgt
+            assert b.tgt_out[row, : len(tgt) + 1].tolist() == tgt + [EOS_ID]
+            assert (b.tgt_out[row, len(tgt) + 1 :] == PAD_ID).all()
+            assert (b.tgt_in[row, len(tgt) + 1 :] == PAD_ID).all()
+        assert b.n_tokens == int((b.tgt_out != PAD_ID).sum()) == len(b.keep)
 
 
 def test_a_tag_that_is_not_a_piece_is_refused_naming_it_and_the_fix(tmp_path, corpora, tok):

@@ -120,8 +120,8 @@ class SourceConfig(Section):
     """Required. What logs, TensorBoard (data/<name>/..., valid_<name>/...) and the token cache
     (<cache_dir>/train-<name>) call it: letters, digits, _ and -."""
     path: str = ""
-    """Required. What data.train takes: a file prefix (parallel), a path or glob, or a hub split name
-    (of data.hub_name)."""
+    """Required. What data.train takes: a file prefix (parallel), a path or glob, or a hub split
+    name (of data.hub_name)."""
     weight: float | None = bounded(None, low=0, low_open=True)
     """Its share of the epoch's examples is weight / sum of the weights (rounded by largest
     remainder). Give every source a weight, or data.temperature instead."""

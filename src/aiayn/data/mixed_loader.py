@@ -16,12 +16,13 @@ it.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from aiayn.config import DataConfig
-from aiayn.data.batch import Batch, padded_rows, round_width, target_positions
+from aiayn.data.batch import Batch, round_width, target_positions
 from aiayn.data.cache import TokenCache
 from aiayn.data.cached_loader import STATE_VERSION, CachedLoader
 from aiayn.data.mixture import Mixture
@@ -31,6 +32,17 @@ from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class MixedPlan(Plan):
+    """A Plan whose batches' rows are grouped by source, with each row's source (`which`), its
+    index in that source (`local`), and each batch's rows per source (`counts`, batches in
+    bounds order)."""
+
+    which: np.ndarray | None = None
+    local: np.ndarray | None = None
+    counts: np.ndarray | None = None
 
 
 def tag_ids(cfg: DataConfig, tok: Tokenizer) -> list[int | None]:
@@ -81,6 +93,12 @@ class MixedLoader(CachedLoader):
                 )
         self._setup(data_cfg, tokenizer, kind, max_tokens, seed, train, rank, world_size)
         self.caches, self.cache, self.pin_memory = caches, caches[0], pin_memory
+        # Plain ndarray views of the memory maps (no copy): np.memmap's indexing goes through a
+        # Python subclass, about 1 us a call, and a mixed batch makes a few per source.
+        self._arrays = [
+            {name: np.asarray(a) for name, a in vars(c).items() if isinstance(a, np.ndarray)}
+            for c in caches
+        ]
         self.names = [s.name for s in data_cfg.sources]
         self.tags = tag_ids(data_cfg, tokenizer)
         self._index()
@@ -108,6 +126,10 @@ class MixedLoader(CachedLoader):
         if self.kind == "classifier":
             mean_tokens = [1.0] * len(self.caches)
         self._width = np.concatenate(widths).astype(np.int32)
+        self._src_len = np.concatenate(
+            [np.diff(c.src_offsets).astype(np.int32) for c in self.caches]
+        )
+        self._lead = np.array([int(t is not None) for t in self.tags], dtype=np.int64)
         self._tgt_len = np.concatenate(tgt_lens)
         self._base = np.cumsum([0] + [len(c) for c in self.caches]).astype(np.int64)
         sizes = [len(k) for k in self._kept]
@@ -227,7 +249,7 @@ class MixedLoader(CachedLoader):
     def _target_lengths(self, rows: np.ndarray) -> np.ndarray:
         return self._tgt_len[rows].astype(np.int64)
 
-    def _compute_plan(self, epoch: int) -> Plan:
+    def _compute_plan(self, epoch: int) -> MixedPlan:
         picks = self.mixture.epoch_rows(epoch)
         rows = np.concatenate(
             [self._base[s] + self._kept[s][p] for s, p in enumerate(picks)]
@@ -236,21 +258,33 @@ class MixedLoader(CachedLoader):
         if not self.cfg.shuffle_buffer:  # no bucketing, but the sources still interleave
             rows, rng = rows[rng.permutation(len(rows))], None
         plan = pair_plan(self._width, rows, self.max_tokens, self.cfg.shuffle_buffer, rng)
-        self._tallies[epoch] = self._plan_tally(plan)
-        for old in [e for e in list(self._tallies) if e < epoch - 1]:
-            self._tallies.pop(old, None)
-        return plan
-
-    def _plan_tally(self, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
-        """(batches, sources) arrays of examples and target tokens, in the epoch's order."""
+        # Each batch's rows grouped by source (stable: in plan order within a source), so that
+        # a batch reads each source's tokens in one gather (_side); what a batch needs to know
+        # of its rows' sources is made here, on the planning thread, once per epoch.
         n, S = len(plan), len(self.caches)
         batch = np.repeat(np.arange(n), np.diff(plan.bounds))
-        cell = batch * S + self._source_of(plan.rows)
-        examples = np.bincount(cell, minlength=n * S).reshape(n, S)
+        which = self._source_of(plan.rows)
+        counts = np.bincount(batch * S + which, minlength=n * S).reshape(n, S)
+        rows = np.empty_like(plan.rows)
+        rows[_grouped_places(batch, which, counts, plan.bounds)] = plan.rows
+        which = self._source_of(rows)
+        mixed = MixedPlan(rows, plan.bounds, plan.order, which, rows - self._base[which])
+        mixed.counts = counts
+        self._tallies[epoch] = self._plan_tally(mixed)
+        for old in [e for e in list(self._tallies) if e < epoch - 1]:
+            self._tallies.pop(old, None)
+        return mixed
+
+    def _plan_tally(self, plan: MixedPlan) -> tuple[np.ndarray, np.ndarray]:
+        """(batches, sources) arrays of examples and target tokens, in the epoch's order."""
+        n, S = len(plan), len(self.caches)
+        examples = plan.counts
         if self.kind == "classifier":
             tokens = examples
         else:
+            batch = np.repeat(np.arange(n), np.diff(plan.bounds))
             weights = self._tgt_len[plan.rows].astype(np.float64) + 1
+            cell = batch * S + plan.which
             tokens = np.bincount(cell, weights=weights, minlength=n * S).reshape(n, S)
         if plan.order is not None:
             examples, tokens = examples[plan.order], tokens[plan.order]
@@ -258,55 +292,91 @@ class MixedLoader(CachedLoader):
 
     # ---- one batch ----------------------------------------------------------------------------
 
-    def _make_batch(self, plan: Plan, k: int) -> Batch:
-        rows = plan.batch(k)
-        which = self._source_of(rows)
-        local = rows - self._base[which]
-        groups = []
-        for s in np.unique(which):
-            sel = np.flatnonzero(which == s)
-            groups.append((int(s), sel, local[sel]))
+    def _make_batch(self, plan: MixedPlan, k: int) -> Batch:
+        j = k if plan.order is None else int(plan.order[k])
+        lo, hi = int(plan.bounds[j]), int(plan.bounds[j + 1])
+        rows, which, local = plan.rows[lo:hi], plan.which[lo:hi], plan.local[lo:hi]
+        blocks, at = [], 0  # (source, first row, end row) of each source's rows in the batch
+        for s, count in enumerate(plan.counts[j].tolist()):
+            if count:
+                blocks.append((s, at, at + count))
+                at += count
         ids = np.empty(len(rows), dtype=np.int64)
-        for s, sel, loc in groups:
-            ids[sel] = self.caches[s].ids[loc]
-        common = dict(ids=torch.from_numpy(ids), sources=torch.from_numpy(which.astype(np.int64)))
-        eos, bos = self.tok.eos_id, self.tok.bos_id
-        src = self._side(groups, len(rows), "src", self.tags, eos)
+        for s, lo, hi in blocks:
+            ids[lo:hi] = self._arrays[s]["ids"][local[lo:hi]]
+        common = dict(ids=torch.from_numpy(ids), sources=torch.from_numpy(which))
+        src_len, lead = self._src_len[rows], self._lead[which]
+        src = self._side("src", local, blocks, src_len, 0, int((src_len + lead).max()))
+        for s, lo, hi in blocks:  # a tagged source's rows move one on, behind their tag
+            if self.tags[s] is not None:
+                src[lo:hi, 1:] = src[lo:hi, :-1].copy()
+                src[lo:hi, 0] = self.tags[s]
+        src[np.arange(len(rows)), src_len + lead] = self.tok.eos_id
         if self.kind == "classifier":
             labels = np.empty(len(rows), dtype=np.int64)
-            for s, sel, loc in groups:
-                labels[sel] = self.caches[s].labels[loc]
-            return Batch(**common, n_tokens=len(rows), src=src, labels=torch.from_numpy(labels))
-        tgt_in = self._side(groups, len(rows), "tgt", [bos] * len(self.caches), None)
-        tgt_out = self._side(groups, len(rows), "tgt", [None] * len(self.caches), eos)
-        n = int(self._tgt_len[rows].sum()) + len(rows)
+            for s, lo, hi in blocks:
+                labels[lo:hi] = self._arrays[s]["labels"][local[lo:hi]]
+            n, labels = len(rows), torch.from_numpy(labels)
+            return Batch(**common, n_tokens=n, src=torch.from_numpy(src), labels=labels)
+        length = self._tgt_len[rows]
+        tgt_in = self._side("tgt", local, blocks, length, 1, int(length.max()) + 1)
+        tgt_in[:, 0] = self.tok.bos_id
+        # tgt_out is tgt_in one position on (bos + y -> y + eos): no second read of the tokens.
+        tgt_out = np.empty_like(tgt_in)
+        tgt_out[:, :-1] = tgt_in[:, 1:]
+        tgt_out[:, -1] = self.tok.pad_id
+        tgt_out[np.arange(len(rows)), length] = self.tok.eos_id
+        tgt_out = torch.from_numpy(tgt_out)
+        n = int(length.sum()) + len(rows)
         keep = target_positions(tgt_out, self.tok.pad_id)
+        tgt_in = torch.from_numpy(tgt_in)
+        src = torch.from_numpy(src)
         return Batch(**common, n_tokens=n, src=src, tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)
 
-    def _side(self, groups: list, n: int, side: str, prefix: list, eos: int | None) -> torch.Tensor:
-        """(n, L) rows of one side (src or tgt), each read from its own source's arrays, with
-        that source's prefix token (a tag, bos, or none) and eos; L as padded_rows makes it
-        for the whole batch."""
-        parts, widest = [], 0
-        for s, sel, loc in groups:
-            offsets = getattr(self.caches[s], f"{side}_offsets")
-            start = offsets[loc]
-            length = offsets[loc + 1] - start
-            parts.append((s, sel, start, length))
-            widest = max(widest, int(length.max()) + (prefix[s] is not None))
-        limit = self.cfg.max_len + 1
-        width = int(round_width(widest + (eos is not None), self.multiple, limit))
-        pad = self.tok.pad_id
-        if len(parts) == 1:  # one source: its rows in batch order already
-            s, _, start, length = parts[0]
-            flat = getattr(self.caches[s], f"{side}_tokens")
-            return padded_rows(flat, start, length, pad, bos=prefix[s], eos=eos, width=width)
-        out = np.empty((n, width), dtype=np.int64)
-        for s, sel, start, length in parts:
-            flat = getattr(self.caches[s], f"{side}_tokens")
-            rows = padded_rows(flat, start, length, pad, bos=prefix[s], eos=eos, width=width)
-            out[sel] = rows.numpy()
-        return torch.from_numpy(out)
+    def _side(
+        self, side: str, local: np.ndarray, blocks: list, length: np.ndarray, lead: int, widest: int
+    ) -> np.ndarray:
+        """(n, L) int64 rows of one side, right-padded: each row's tokens from its own source's
+        arrays after `lead` free positions (for bos); the caller writes the prefix (bos, or a
+        tag it moves the rows on for) and eos. L is `widest` (the longest row with its prefix)
+        + 1 for eos, rounded as padded_rows rounds it. One gather per source: the rows come
+        grouped by source, so each source's tokens are one stretch of the row-major cells."""
+        n = len(local)
+        start = np.empty(n, dtype=np.int64)
+        for s, lo, hi in blocks:
+            start[lo:hi] = self._arrays[s][f"{side}_offsets"][local[lo:hi]]
+        width = int(round_width(widest + 1, self.multiple, self.cfg.max_len + 1))
+        pos = np.arange(width)[None, :] - lead
+        mask = (pos >= 0) & (pos < length[:, None])
+        cells = (start[:, None] + pos)[mask]
+        out = np.full((n, width), self.tok.pad_id, dtype=np.int64)
+        if len(blocks) == 1:
+            out[mask] = self._arrays[blocks[0][0]][f"{side}_tokens"][cells]
+            return out
+        ends = np.cumsum(length)  # the cells of rows lo..hi-1 are ends[lo-1]..ends[hi-1]
+        values = np.empty(len(cells), dtype=np.int64)
+        for s, lo, hi in blocks:
+            a, b = (int(ends[lo - 1]) if lo else 0), int(ends[hi - 1])
+            values[a:b] = self._arrays[s][f"{side}_tokens"][cells[a:b]]
+        out[mask] = values
+        return out
+
+
+def _grouped_places(
+    batch: np.ndarray, which: np.ndarray, counts: np.ndarray, bounds: np.ndarray
+) -> np.ndarray:
+    """Where each row goes so that every batch's rows are grouped by source, in order within a
+    source: a stable sort by (batch, source), in O(rows) (a counting sort; an argsort of the
+    epoch took as long as the rest of the plan)."""
+    # Where source s's rows begin in batch b: the batch's start, after the sources before s.
+    first = bounds[:-1, None] + np.cumsum(counts, axis=1) - counts
+    before = np.cumsum(counts, axis=0) - counts  # source s's rows in the batches before b
+    places = np.empty(len(batch), dtype=np.int64)
+    for s in range(counts.shape[1]):
+        mine = np.flatnonzero(which == s)
+        b = batch[mine]
+        places[mine] = first[b, s] + np.arange(len(mine)) - before[b, s]
+    return places
 
 
 def _number(value: float | None) -> float | None:
