@@ -33,6 +33,7 @@ from aiayn.data import (
 from aiayn.data.batch import resolve_pad_to_multiple
 from aiayn.data.hub_revision import pin_hub_revision
 from aiayn.data.mixed_loader import MixedLoader
+from aiayn.data.mixed_stream import MixedStream
 from aiayn.data.mixture import as_train, cache_folder, tokenizer_sample
 from aiayn.data.run_splits import with_run_copy
 from aiayn.distributed import faults
@@ -694,7 +695,7 @@ def _log_window(run: Run, window: Window, grad_norm, console: bool) -> dict[str,
         "tokens": progress.tokens,
     }
     run.metrics.log("train", step, scalars, console=console)
-    if isinstance(run.loader, MixedLoader):  # what the group took of each source
+    if isinstance(run.loader, MixedLoader | MixedStream):  # what the group took of each source
         run.metrics.log("data", step, run.loader.mixture_scalars(), console=False)
     return {k: scalars[k] for k in ("loss", "lr", "tokens_per_s")}
 

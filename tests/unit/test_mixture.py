@@ -354,3 +354,79 @@ def test_mixture_sizes_count_only_examples_within_max_len(corpora):
             [5, 0],
             [3.0, 3.0],
         )
+
+
+# ---- streamed (data.cache false) ---------------------------------------------------------
+
+
+def streamed(cfg: Config, tok, rank=0, world_size=1):
+    return make_loader(cfg, None, tok, train=True, rank=rank, world_size=world_size)
+
+
+def stream_cfg(run_dir: Path, corpora, **data) -> Config:
+    data = {"cache": False, "epoch": "examples", "epoch_size": 230, "shuffle_buffer": 64, **data}
+    return mixed_cfg(run_dir, corpora, **data)
+
+
+def test_a_streamed_epoch_reads_each_sources_count_passes_in_order(tmp_path, corpora, mtok):
+    ld = streamed(stream_cfg(tmp_path / "run", corpora), mtok)
+    assert type(ld).__name__ == "MixedStream" and ld.counts.tolist() == [115, 58, 57]
+    it, epochs = iter(ld), {0: [], 1: []}
+    while ld.epoch < 2:
+        batch = next(it)
+        if ld.epoch < 2:
+            epochs[ld.epoch] += pairs(batch)
+    first, second = (Counter(epochs[e]) for e in (0, 1))
+    assert [sum(1 for s, _ in epochs[0] if s == k) for k in range(3)] == [115, 58, 57]
+    # Each source in its own order, from where it stopped: a's first 115 lines, then 115-229.
+    assert {i for s, i in first if s == 0} == set(range(115))
+    assert {i for s, i in second if s == 0} == set(range(115, 230))
+    assert {i for s, i in first if s == 1} == set(range(58))
+    # c (40 lines) passes once and then reads 17 lines more: nothing twice within a pass.
+    assert sorted(first[(2, i)] for i in range(40)) == [1] * 23 + [2] * 17
+    assert ld.mixture_scalars()["c/passes"] == 2  # 114 of c's lines read by epoch 2
+
+
+def test_streamed_rounds_are_the_same_batches_at_every_world_size(tmp_path, corpora, mtok):
+    cfg = stream_cfg(tmp_path / "run", corpora)
+    single = take(iter(streamed(cfg, mtok)), 36)  # past two epochs of 230 examples
+    for world in (2, 3):
+        per_rank = [take(iter(streamed(cfg, mtok, r, world)), 36 // world) for r in range(world)]
+        rounds = [b for group in zip(*per_rank, strict=True) for b in group]
+        assert all(same(x, y) and pairs(x) == pairs(y) for x, y in zip(rounds, single, strict=True))
+
+
+def test_a_streamed_position_resumes_at_another_world_size_across_passes_and_epochs(
+    tmp_path, corpora, mtok
+):
+    cfg = stream_cfg(tmp_path / "run", corpora)
+    single = take(iter(streamed(cfg, mtok)), 40)
+    for world, after in ((1, 2), (2, 1), (3, 2)):
+        for cut in (4, 12, 18, 27):  # inside the first chunk, later chunks, the next epochs
+            cut -= cut % world
+            before = streamed(cfg, mtok, world - 1, world)
+            take(iter(before), cut // world)
+            state = roundtrip(before.state_dict())
+            ranks = [streamed(cfg, mtok, r, after) for r in range(after)]
+            for r in ranks:
+                r.load_state_dict(state)
+            per_rank = [take(iter(r), 4) for r in ranks]
+            got = [b for group in zip(*per_rank, strict=True) for b in group]
+            want = single[cut : cut + 4 * after]
+            assert all(pairs(x) == pairs(y) and same(x, y) for x, y in zip(got, want, strict=True))
+
+
+def test_a_streamed_tag_is_the_first_source_token_and_a_changed_mixture_is_refused(
+    tmp_path, corpora, mtok
+):
+    tag = mtok.sp.piece_to_id(TAG)
+    ld = streamed(stream_cfg(tmp_path / "run", corpora), mtok)
+    for b in take(iter(ld), 10):
+        tagged = b.sources == 1
+        assert (b.src[tagged, 0] == tag).all() and (b.src[~tagged, 0] != tag).all()
+    state = roundtrip(ld.state_dict())
+    other = streamed(stream_cfg(tmp_path / "run", corpora, weights=(1, 1, 1)), mtok)
+    with pytest.raises(DataError, match=r"source a: weight checkpoint 2.0, now 1.0"):
+        other.load_state_dict(state)
+    with pytest.raises(DataError, match="streaming loader's .data.cache=false.: resume with"):
+        mixed(mixed_cfg(tmp_path / "run", corpora), mtok).load_state_dict(state)

@@ -220,11 +220,11 @@ class DataConfig(Section):
 
     sources: list[SourceConfig] = field(default_factory=list)
     """Train on a mixture of corpora instead of data.train: a list of {name, path, weight or
-    (with temperature) none, tag, valid} (SourceConfig). Needs the token cache (data.cache
-    true) and model.kind seq2seq or classifier. Each source has its own token cache; every
-    epoch takes a fixed count of each source's examples, a function of (train.seed, the
-    sources, their weights, the epoch) alone, so the batches are the same at any world size
-    and a resume is exact (docs/data.md#mixtures)."""
+    (with temperature) none, tag, valid} (SourceConfig), for model.kind seq2seq or classifier.
+    Each source has its own token cache (or, with data.cache false, its own stream, and then
+    data.epoch examples with weights); every epoch takes a fixed count of each source's
+    examples, a function of (train.seed, the sources, their weights, the epoch) alone, so the
+    batches are the same at any world size and a resume is exact (docs/data.md#mixtures)."""
     temperature: float | None = bounded(None, low=0, low_open=True)
     """Instead of weights: source s's share is N_s^(1/T) / sum, N_s its examples (T = 1: by
     size; larger T: flatter, up-sampling small sources)."""
@@ -297,10 +297,11 @@ class DataConfig(Section):
                 "weight, or set data.temperature"
             )
         errs += self._validate_epoch(names)
-        if not self.cache:
+        if not self.cache and (self.epoch != "examples" or self.temperature is not None):
             errs.append(
-                "data.sources needs the token cache: data.cache=false (streaming) does not "
-                "mix sources yet; set data.cache=true"
+                "data.sources with data.cache=false (streamed) counts its epoch in examples "
+                "read, by weight: a stream's size is not known before it is read whole. Set "
+                "data.epoch=examples, data.epoch_size and weights, or data.cache=true"
             )
         return errs
 

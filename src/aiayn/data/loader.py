@@ -75,6 +75,7 @@ class _Chunk:
     tgt: _Tokens | None = None
     labels: np.ndarray | None = None
     blocks: np.ndarray | None = None  # lm: (n_blocks, max_len + 1)
+    sources: np.ndarray | None = None  # a mixture: the data.sources index of each row
 
 
 class BatchLoader:
@@ -105,21 +106,10 @@ class BatchLoader:
         world_size: int = 1,
         pin_memory: bool = False,
     ):
-        if kind not in KINDS:
-            raise DataError(f"unknown model kind {kind!r}; choose from {KINDS}")
-        check_loader_args(max_tokens, rank, world_size)
-        self.cfg, self.split, self.tok, self.kind = data_cfg, split, tokenizer, kind
-        self.max_tokens, self.seed, self.train = max_tokens, seed, train
-        self.rank, self.world_size, self.pin_memory = rank, world_size, pin_memory
-        self.multiple = data_cfg.pad_to_multiple or 1
+        self._setup(data_cfg, tokenizer, kind, max_tokens, seed, train, rank, world_size)
+        self.split, self.pin_memory = split, pin_memory
         self.source = open_split(data_cfg, split, kind)
-        self.chunk_size = data_cfg.shuffle_buffer or _ORDERED_CHUNK
-        self.epoch = 0
         self._pos = self._start()
-        self._resume_pending = False
-        self._stats = dict.fromkeys(
-            ("examples_read", "dropped_too_long", "dropped_empty", "batches"), 0
-        )
         self._fingerprint = {
             "split": split,
             "format": data_cfg.format,
@@ -134,6 +124,22 @@ class BatchLoader:
         }
         if self.multiple != 1:  # it changes the batches; older positions have 1
             self._fingerprint["pad_to_multiple"] = self.multiple
+
+    def _setup(self, data_cfg, tokenizer, kind, max_tokens, seed, train, rank, world_size) -> None:
+        """What every streaming loader holds besides its stream (mixed_stream.py too)."""
+        if kind not in KINDS:
+            raise DataError(f"unknown model kind {kind!r}; choose from {KINDS}")
+        check_loader_args(max_tokens, rank, world_size)
+        self.cfg, self.tok, self.kind = data_cfg, tokenizer, kind
+        self.max_tokens, self.seed, self.train = max_tokens, seed, train
+        self.rank, self.world_size = rank, world_size
+        self.multiple = data_cfg.pad_to_multiple or 1
+        self.chunk_size = data_cfg.shuffle_buffer or _ORDERED_CHUNK
+        self.epoch = 0
+        self._resume_pending = False
+        self._stats = dict.fromkeys(
+            ("examples_read", "dropped_too_long", "dropped_empty", "batches"), 0
+        )
 
     # ---- position ---------------------------------------------------------------------------
 
@@ -249,14 +255,14 @@ class BatchLoader:
         if self.kind == "lm":
             return self._build_lm_chunk(examples, anchor)
         rng = self._rng(anchor)
-        if self.kind == "seq2seq":
-            enc = self.tok.encode([e["src"] for e in examples] + [e["tgt"] for e in examples])
-            src, tgt = _Tokens.of(enc[: len(examples)]), _Tokens.of(enc[len(examples) :])
+        src_rows, tgt_rows = self._encoded(examples)
+        src = _Tokens.of(src_rows)
+        if tgt_rows is not None:
+            tgt = _Tokens.of(tgt_rows)
             shortest = np.minimum(src.length, tgt.length)
             longest = np.maximum(src.length, tgt.length)
         else:
-            src, tgt = _Tokens.of(self.tok.encode([e["text"] for e in examples])), None
-            shortest = longest = src.length
+            tgt, shortest, longest = None, src.length, src.length
         empty = shortest == 0
         too_long = ~empty & (longest > self.cfg.max_len)
         self._stats["dropped_empty"] += int(empty.sum())
@@ -280,6 +286,13 @@ class BatchLoader:
             labels = np.array([e["label"] for e in examples], dtype=np.int64)
         ids = anchor["read"] + np.arange(len(examples), dtype=np.int64)
         return _Chunk(anchor, batches, ids, src=src, tgt=tgt, labels=labels)
+
+    def _encoded(self, examples: list[dict]) -> tuple[list[list[int]], list[list[int]] | None]:
+        """The token ids of each example's source (or text) and target (None: no target)."""
+        if self.kind == "seq2seq":
+            enc = self.tok.encode([e["src"] for e in examples] + [e["tgt"] for e in examples])
+            return enc[: len(examples)], enc[len(examples) :]
+        return self.tok.encode([e["text"] for e in examples]), None
 
     def _build_lm_chunk(self, examples: list[dict], anchor: dict) -> _Chunk:
         """Documents joined by eos and cut into blocks of max_len + 1 tokens."""
@@ -337,8 +350,8 @@ def make_loader(
 ) -> BatchLoader | CachedLoader:
     """The loader of one split as a run config describes it: from its token cache if one is
     given (data/cache.py), from the caches of data.sources if a list is (a mixture,
-    data/mixed_loader.py), else streamed and tokenised as it goes. pin_memory where the batches
-    go to a GPU."""
+    data/mixed_loader.py), else streamed and tokenised as it goes (a mixture's sources:
+    data/mixed_stream.py). pin_memory where the batches go to a GPU."""
     common = dict(
         pin_memory=pin_memory,
         kind=cfg.model.kind,
@@ -350,6 +363,10 @@ def make_loader(
     )
     if isinstance(cache, list):
         return MixedLoader(cache, cfg.data, tokenizer, **common)
+    if cfg.data.sources and train:
+        from aiayn.data.mixed_stream import MixedStream  # it builds on BatchLoader, here
+
+        return MixedStream(cfg, tokenizer, **common)
     if cache is not None:
         return CachedLoader(cache, cfg.data, tokenizer, **common)
     return BatchLoader(cfg.data, split, tokenizer, **common)

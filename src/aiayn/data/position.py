@@ -95,8 +95,10 @@ def _mixture_diffs(saved: dict | None, now: dict | None) -> list[str]:
     diffs += [f"  - source {n}: in the checkpoint's mixture, not now" for n in old if n not in new]
     for name in (n for n in new if n in old):
         a, b = old[name], new[name]
-        if a["cache"] != b["cache"]:
+        if a.get("cache") != b.get("cache"):  # the token cache's content
             diffs.append(f"  - source {name}: its tokens changed (corpus, fields or tokenizer)")
+        if a.get("source") != b.get("source"):  # a stream's files, sizes and fields
+            diffs.append(f"  - source {name}: its corpus changed (files, sizes or fields)")
         diffs += [
             f"  - source {name}: {key} checkpoint {a[key]!r}, now {b[key]!r}"
             for key in ("weight", "tag")
