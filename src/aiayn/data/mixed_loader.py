@@ -316,11 +316,11 @@ class MixedLoader(CachedLoader):
         sources = torch.from_numpy(which.astype(np.int64))
         common = dict(ids=torch.from_numpy(ids), sources=sources)
         src_len, lead = self._src_len[rows], self._lead[which]
-        src = self._side("src", local, blocks, src_len, 0, int((src_len + lead).max()))
-        for s, lo, hi in blocks:  # a tagged source's rows move one on, behind their tag
-            if self.tags[s] is not None:
-                src[lo:hi, 1:] = src[lo:hi, :-1].copy()
-                src[lo:hi, 0] = self.tags[s]
+        tagged = [(s, lo, hi) for s, lo, hi in blocks if self.tags[s] is not None]
+        shift = lead if tagged else 0  # rows of a tagged source start one on, behind the tag
+        src = self._side("src", local, blocks, src_len, shift, int((src_len + lead).max()))
+        for s, lo, hi in tagged:
+            src[lo:hi, 0] = self.tags[s]
         src[np.arange(len(rows)), src_len + lead] = self.tok.eos_id
         if self.kind == "classifier":
             labels = np.empty(len(rows), dtype=np.int64)
@@ -344,19 +344,26 @@ class MixedLoader(CachedLoader):
         return Batch(**common, n_tokens=n, src=src, tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)
 
     def _side(
-        self, side: str, local: np.ndarray, blocks: list, length: np.ndarray, lead: int, widest: int
+        self,
+        side: str,
+        local: np.ndarray,
+        blocks: list,
+        length: np.ndarray,
+        lead: int | np.ndarray,
+        widest: int,
     ) -> np.ndarray:
         """(n, L) int64 rows of one side, right-padded: each row's tokens from its own source's
-        arrays after `lead` free positions (for bos); the caller writes the prefix (bos, or a
-        tag it moves the rows on for) and eos. L is `widest` (the longest row with its prefix)
-        + 1 for eos, rounded as padded_rows rounds it. One gather per source: the rows come
-        grouped by source, so each source's tokens are one stretch of the row-major cells."""
+        arrays after `lead` free positions (one number, or one per row), where the caller
+        writes the prefix (bos, or a tag), and eos. L is `widest` (the longest row with its
+        prefix) + 1 for eos, rounded as padded_rows rounds it. One gather per source: the rows
+        come grouped by source, so each source's tokens are one stretch of the row-major
+        cells."""
         n = len(local)
         start = np.empty(n, dtype=np.int64)
         for s, lo, hi in blocks:
             start[lo:hi] = self._arrays[s][f"{side}_offsets"][local[lo:hi]]
         width = int(round_width(widest + 1, self.multiple, self.cfg.max_len + 1))
-        pos = np.arange(width)[None, :] - lead
+        pos = np.arange(width)[None, :] - (lead[:, None] if isinstance(lead, np.ndarray) else lead)
         mask = (pos >= 0) & (pos < length[:, None])
         cells = (start[:, None] + pos)[mask]
         out = np.full((n, width), self.tok.pad_id, dtype=np.int64)

@@ -135,16 +135,23 @@ def pass_order(seed: int, name: str, n: int, q: int) -> np.ndarray:
     return np.random.default_rng([seed, _STREAM, name_key(name), q]).permutation(n)
 
 
-def take(seed: int, name: str, n: int, start: int, count: int) -> np.ndarray:
+def take(seed: int, name: str, n: int, start: int, count: int, ordered: bool = True) -> np.ndarray:
     """Items start .. start + count - 1 of the source's endless sequence of passes (indices
-    0..n-1): the examples one epoch takes, from position start = epoch x count on."""
+    0..n-1): the examples one epoch takes, from position start = epoch x count on.
+
+    ordered=False gives the same examples, a whole pass in index order (no permutation to
+    make: the plan permutes the epoch anyway); a part of a pass still needs its permutation,
+    which says which examples it holds."""
     if n == 0 or count == 0:
         return np.zeros(0, dtype=np.int64)
     out, pos, end = [], start, start + count
     while pos < end:
         q, within = divmod(pos, n)
         step = min(n - within, end - pos)
-        out.append(pass_order(seed, name, n, q)[within : within + step])
+        if step == n and not ordered:
+            out.append(np.arange(n, dtype=np.int64))
+        else:
+            out.append(pass_order(seed, name, n, q)[within : within + step])
         pos += step
     return np.concatenate(out)
 
@@ -186,9 +193,10 @@ class Mixture:
         return int(self.counts.sum())
 
     def epoch_rows(self, epoch: int) -> list[np.ndarray]:
-        """Per source, the indices (0..N_s - 1, into its kept examples) epoch `epoch` takes."""
+        """Per source, the indices (0..N_s - 1, into its kept examples) epoch `epoch` takes,
+        as a set: whole passes in index order (the plan permutes the epoch)."""
         return [
-            take(self.seed, name, int(n), epoch * int(c), int(c))
+            take(self.seed, name, int(n), epoch * int(c), int(c), ordered=False)
             for name, n, c in zip(self.names, self.sizes, self.counts, strict=True)
         ]
 
