@@ -28,11 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from aiayn.config import Config, DataConfig
+from aiayn.config import DataConfig
 from aiayn.data.batch import Batch, padded_rows, round_width, target_positions
-from aiayn.data.cache import TokenCache
-from aiayn.data.cached_loader import CachedLoader
-from aiayn.data.mixed_loader import MixedLoader
 from aiayn.data.plan import budget_bounds
 from aiayn.data.position import check_loader_args, saved_position, saved_state
 from aiayn.data.prefetch import AHEAD, BATCH_THREAD, prefetch
@@ -65,7 +62,7 @@ class _Tokens:
 
 
 @dataclass
-class _Chunk:
+class Chunk:
     """A tokenized chunk and its batches, each batch a list of rows into the chunk."""
 
     anchor: dict
@@ -207,13 +204,13 @@ class BatchLoader:
         if self.kind == "lm":
             rows = np.arange(max(1, self.max_tokens // self.cfg.max_len))
             blocks = np.full((len(rows), width), fill, dtype=np.int64)
-            return [self._make_batch(_Chunk(anchor, [rows], rows, blocks=blocks), rows)]
+            return [self._make_batch(Chunk(anchor, [rows], rows, blocks=blocks), rows)]
         full = _Tokens.of([[fill] * self.cfg.max_len for _ in rows])
         labels = np.zeros(len(rows), dtype=np.int64)
-        chunk = _Chunk(anchor, [rows], rows, src=full, tgt=full, labels=labels)
+        chunk = Chunk(anchor, [rows], rows, src=full, tgt=full, labels=labels)
         return [self._make_batch(chunk, rows)]
 
-    def _chunks(self, pos: dict) -> Iterator[_Chunk]:
+    def _chunks(self, pos: dict) -> Iterator[Chunk]:
         """Every chunk from the one at `pos` on: epoch after epoch if training."""
         epoch, chunk, state = pos["epoch"], pos["chunk"], pos["source"]
         read, next_id = pos["read"], pos["next_id"]
@@ -250,7 +247,7 @@ class BatchLoader:
             return None
         return np.random.default_rng([self.seed, anchor["epoch"], anchor["chunk"]])
 
-    def _build_chunk(self, examples: list[dict], anchor: dict) -> _Chunk:
+    def _build_chunk(self, examples: list[dict], anchor: dict) -> Chunk:
         self._stats["examples_read"] += len(examples)
         if self.kind == "lm":
             return self._build_lm_chunk(examples, anchor)
@@ -285,7 +282,7 @@ class BatchLoader:
         if self.kind == "classifier":
             labels = np.array([e["label"] for e in examples], dtype=np.int64)
         ids = anchor["read"] + np.arange(len(examples), dtype=np.int64)
-        return _Chunk(anchor, batches, ids, src=src, tgt=tgt, labels=labels)
+        return Chunk(anchor, batches, ids, src=src, tgt=tgt, labels=labels)
 
     def _encoded(self, examples: list[dict]) -> tuple[list[list[int]], list[list[int]] | None]:
         """The token ids of each example's source (or text) and target (None: no target)."""
@@ -294,7 +291,7 @@ class BatchLoader:
             return enc[: len(examples)], enc[len(examples) :]
         return self.tok.encode([e["text"] for e in examples]), None
 
-    def _build_lm_chunk(self, examples: list[dict], anchor: dict) -> _Chunk:
+    def _build_lm_chunk(self, examples: list[dict], anchor: dict) -> Chunk:
         """Documents joined by eos and cut into blocks of max_len + 1 tokens."""
         rng, eos, pad = self._rng(anchor), self.tok.eos_id, self.tok.pad_id
         docs = self.tok.encode([e["text"] for e in examples])
@@ -313,9 +310,9 @@ class BatchLoader:
         order = np.arange(n_blocks)
         batches = [order[j : j + rows] for j in range(0, n_blocks, rows)]
         ids = anchor["next_id"] + order
-        return _Chunk(anchor, batches, ids, blocks=blocks.reshape(n_blocks, size))
+        return Chunk(anchor, batches, ids, blocks=blocks.reshape(n_blocks, size))
 
-    def _make_batch(self, chunk: _Chunk, rows: np.ndarray) -> Batch:
+    def _make_batch(self, chunk: Chunk, rows: np.ndarray) -> Batch:
         ids = torch.from_numpy(chunk.ids[rows].copy())
         pad, bos, eos = self.tok.pad_id, self.tok.bos_id, self.tok.eos_id
         if self.kind == "lm":
@@ -335,38 +332,3 @@ class BatchLoader:
         n = int(chunk.tgt.length[rows].sum()) + len(rows)
         keep = target_positions(tgt_out, pad)
         return Batch(ids=ids, n_tokens=n, src=src, tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)
-
-
-def make_loader(
-    cfg: Config,
-    split: str,
-    tokenizer: Tokenizer,
-    *,
-    train: bool,
-    rank: int = 0,
-    world_size: int = 1,
-    cache: TokenCache | list[TokenCache] | None = None,
-    pin_memory: bool = False,
-) -> BatchLoader | CachedLoader:
-    """The loader of one split as a run config describes it: from its token cache if one is
-    given (data/cache.py), from the caches of data.sources if a list is (a mixture,
-    data/mixed_loader.py), else streamed and tokenised as it goes (a mixture's sources:
-    data/mixed_stream.py). pin_memory where the batches go to a GPU."""
-    common = dict(
-        pin_memory=pin_memory,
-        kind=cfg.model.kind,
-        max_tokens=cfg.train.max_tokens,
-        seed=cfg.train.seed,
-        train=train,
-        rank=rank,
-        world_size=world_size,
-    )
-    if isinstance(cache, list):
-        return MixedLoader(cache, cfg.data, tokenizer, **common)
-    if cfg.data.sources and train:
-        from aiayn.data.mixed_stream import MixedStream  # it builds on BatchLoader, here
-
-        return MixedStream(cfg, tokenizer, **common)
-    if cache is not None:
-        return CachedLoader(cache, cfg.data, tokenizer, **common)
-    return BatchLoader(cfg.data, split, tokenizer, **common)

@@ -27,7 +27,7 @@ import torch
 
 from aiayn.config import Config
 from aiayn.data.batch import Batch
-from aiayn.data.loader import STATE_VERSION, BatchLoader, _Chunk
+from aiayn.data.loader import STATE_VERSION, BatchLoader, Chunk
 from aiayn.data.mixed_loader import tag_ids
 from aiayn.data.mixture import as_train, largest_remainder, shares
 from aiayn.data.position import saved_position
@@ -178,7 +178,7 @@ class MixedStream(BatchLoader):
 
     # ---- chunks -------------------------------------------------------------------------------
 
-    def _chunks(self, pos: dict) -> Iterator[_Chunk]:
+    def _chunks(self, pos: dict) -> Iterator[Chunk]:
         epoch, chunk, left = pos["epoch"], pos["chunk"], list(pos["left"])
         at = zip(self.names, self.sources, pos["sources"], strict=True)
         readers = [_Reader(name, source, where) for name, source, where in at]
@@ -214,7 +214,7 @@ class MixedStream(BatchLoader):
                 row.insert(0, tag)
         return src, tgt
 
-    def _build_chunk(self, examples: list[dict], anchor: dict) -> _Chunk:
+    def _build_chunk(self, examples: list[dict], anchor: dict) -> Chunk:
         chunk = super()._build_chunk(examples, anchor)
         chunk.ids = np.array([rec["_id"] for rec in examples], dtype=np.int64)
         chunk.sources = np.array([rec["_source"] for rec in examples], dtype=np.int64)
@@ -226,7 +226,7 @@ class MixedStream(BatchLoader):
             self._shares[key] = (tokens / max(tokens.sum(), 1)).tolist()
         return chunk
 
-    def _make_batch(self, chunk: _Chunk, rows: np.ndarray) -> Batch:
+    def _make_batch(self, chunk: Chunk, rows: np.ndarray) -> Batch:
         batch = super()._make_batch(chunk, rows)
         if chunk.sources is not None:
             batch.sources = torch.from_numpy(chunk.sources[rows].copy())
