@@ -116,7 +116,7 @@ class MixedLoader(CachedLoader):
             tgt_len = np.diff(c.tgt_offsets).astype(np.int32) if c.tgt_offsets is not None else None
             if tgt_len is not None:
                 np.maximum(longest, tgt_len, out=longest)
-            kept = np.flatnonzero(longest <= self.cfg.max_len)
+            kept = np.flatnonzero(longest <= self.cfg.max_len).astype(np.int32)
             self._kept.append(kept)
             self._too_long += len(longest) - len(kept)
             widths.append(round_width(longest + 1, self.multiple, self.cfg.max_len + 1))
