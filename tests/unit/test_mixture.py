@@ -136,6 +136,10 @@ def test_a_pass_is_a_permutation_and_epochs_continue_where_the_last_stopped():
     down = [take_items(7, "a", 300, e * 154, 154) for e in range(2)]  # a down-sampled
     assert down[1][:146].tolist() == pass_order(7, "a", 300, 0)[154:].tolist()  # continues
     assert down[1][146:].tolist() == pass_order(7, "a", 300, 1)[:8].tolist()  # then pass 1
+    # What a plan is given: the same examples, a whole pass in index order (it permutes them).
+    for e in range(3):
+        given = take_items(7, "c", n, e * count, count, ordered=False)
+        assert sorted(given.tolist()) == sorted(epochs[e].tolist())
 
 
 # ---- the loader --------------------------------------------------------------------------
