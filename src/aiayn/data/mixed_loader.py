@@ -132,6 +132,8 @@ class MixedLoader(CachedLoader):
         self._lead = np.array([int(t is not None) for t in self.tags], dtype=np.int64)
         self._tgt_len = np.concatenate(tgt_lens)
         self._base = np.cumsum([0] + [len(c) for c in self.caches]).astype(np.int64)
+        # A plan's rows are per-rank memory, as the single cache's: int32 where they fit.
+        self._row_type = np.int32 if self._base[-1] < 2**31 else np.int64
         sizes = np.diff(self._base)
         small = np.int8 if len(sizes) < 128 else np.int16
         self._source_index = np.repeat(np.arange(len(sizes), dtype=small), sizes)
@@ -261,9 +263,8 @@ class MixedLoader(CachedLoader):
 
     def _compute_plan(self, epoch: int) -> MixedPlan:
         picks = self.mixture.epoch_rows(epoch)
-        rows = np.concatenate(
-            [self._base[s] + self._kept[s][p] for s, p in enumerate(picks)]
-        ).astype(np.int64)
+        rows = np.concatenate([self._base[s] + self._kept[s][p] for s, p in enumerate(picks)])
+        rows = rows.astype(self._row_type)
         rng = epoch_rng(self.seed, epoch)
         if not self.cfg.shuffle_buffer:  # no bucketing, but the sources still interleave
             rows, rng = rows[rng.permutation(len(rows))], None
@@ -280,7 +281,8 @@ class MixedLoader(CachedLoader):
         by_source = np.argsort(which, kind="stable")
         grouped = by_source[np.argsort(batch[by_source], kind="stable")]
         rows, which = plan.rows[grouped], which[grouped]
-        mixed = MixedPlan(rows, plan.bounds, plan.order, which, rows - self._base[which])
+        local = (rows - self._base[which]).astype(np.int32)  # a source has < 2^31 examples
+        mixed = MixedPlan(rows, plan.bounds, plan.order, which, local)
         mixed.counts = counts
         return mixed
 
@@ -304,7 +306,9 @@ class MixedLoader(CachedLoader):
     def _make_batch(self, plan: MixedPlan, k: int) -> Batch:
         j = k if plan.order is None else int(plan.order[k])
         lo, hi = int(plan.bounds[j]), int(plan.bounds[j + 1])
-        rows, which, local = plan.rows[lo:hi], plan.which[lo:hi], plan.local[lo:hi]
+        # intp once here: numpy converts a narrower index array at every gather it makes.
+        rows, local = plan.rows[lo:hi].astype(np.intp), plan.local[lo:hi].astype(np.intp)
+        which = plan.which[lo:hi].astype(np.int64)  # Batch.sources, and an index
         blocks, at = [], 0  # (source, first row, end row) of each source's rows in the batch
         for s, count in enumerate(plan.counts[j].tolist()):
             if count:
@@ -313,7 +317,7 @@ class MixedLoader(CachedLoader):
         ids = np.empty(len(rows), dtype=np.int64)
         for s, lo, hi in blocks:
             ids[lo:hi] = self._arrays[s]["ids"][local[lo:hi]]
-        sources = torch.from_numpy(which.astype(np.int64))
+        sources = torch.from_numpy(which)
         common = dict(ids=torch.from_numpy(ids), sources=sources)
         src_len, lead = self._src_len[rows], self._lead[which]
         tagged = [(s, lo, hi) for s, lo, hi in blocks if self.tags[s] is not None]
