@@ -32,7 +32,7 @@ from aiayn.data import (
 )
 from aiayn.data.batch import resolve_pad_to_multiple
 from aiayn.data.hub_revision import pin_hub_revision
-from aiayn.data.mixed_loader import MixedLoader
+from aiayn.data.mixed_loader import MixedLoader, tag_ids
 from aiayn.data.mixed_stream import MixedStream
 from aiayn.data.mixture import as_train, cache_folder, tokenizer_sample
 from aiayn.data.run_splits import with_run_copy
@@ -90,6 +90,7 @@ def prepare_data(
     env.barrier()
     if not env.is_main:
         tok = Tokenizer(cfg.tokenizer_path)
+    tag_ids(cfg.data, tok)  # a tag the tokenizer splits: refused before any cache is built
     if not cfg.data.cache:
         if env.distributed and env.is_main:
             log.warning(

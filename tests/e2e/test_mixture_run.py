@@ -90,3 +90,13 @@ def test_a_changed_weight_is_refused_at_resume_naming_it(tmp_path, corpora):
     changed = config(run_dir, corpora, "train.max_steps=6", "train.eval_every=0", bt_weight=2)
     with pytest.raises(DataError, match="source bt: weight checkpoint 1.0, now 2.0"):
         train(changed)
+
+
+def test_a_given_tokenizer_without_the_tag_is_refused_before_any_cache_is_built(tmp_path, corpora):
+    first = config(tmp_path / "first", corpora, "train.max_steps=1", "train.eval_every=0")
+    first.data.sources[1].tag = None  # its tokenizer is trained without <bt>
+    train(first)
+    cfg = config(tmp_path / "run", corpora, f"tokenizer.path={first.tokenizer_path}")
+    with pytest.raises(DataError, match=r"tag '<bt>' is not a piece .* tokenizer.user_symbols"):
+        train(cfg)
+    assert not (tmp_path / "run" / "data_cache").exists()
