@@ -308,10 +308,9 @@ def test_a_bad_source_entry_is_refused_naming_it(change, message):
         ({"epoch_size": 100}, "data.epoch_size is for data.epoch=examples or tokens"),
         ({"epoch": "examples", "epoch_size": 0}, "data.epoch_size must be >= 1, got 0"),
         ({"epoch": "passes"}, "data.epoch must be one of sum, largest, source, examples, tokens"),
-        ({"cache": False}, "data.sources with data.cache=false (streamed) counts its epoch in"),
         (
-            {"cache": False, "epoch": "examples", "epoch_size": 9, "temperature": 1.0},
-            "Set data.epoch=examples, data.epoch_size and weights, or data.cache=true",
+            {"cache": False, "epoch": "tokens", "epoch_size": 9},
+            "data.epoch=tokens needs the sources' mean lengths, which a stream does not have",
         ),
     ],
 )
@@ -328,3 +327,4 @@ def test_mixture_keys_without_sources_and_an_lm_mixture_are_refused():
     assert cfg.data.temperature == 5.0
     streamed = mixture(cache=False, epoch="examples", epoch_size=1000)
     assert not streamed.data.cache and streamed.data.epoch_size == 1000
+    assert mixture(cache=False, epoch="largest").data.epoch == "largest"

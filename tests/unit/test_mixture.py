@@ -16,6 +16,7 @@ from aiayn.config import Config, DataConfig, ModelConfig, SourceConfig, Tokenize
 from aiayn.data import CachedLoader, ensure_cache, make_loader
 from aiayn.data.cache import cache_dir
 from aiayn.data.mixed_loader import MixedLoader
+from aiayn.data.mixed_stream import MixedStream
 from aiayn.data.mixture import (
     Mixture,
     as_train,
@@ -434,3 +435,31 @@ def test_a_streamed_tag_is_the_first_source_token_and_a_changed_mixture_is_refus
         other.load_state_dict(state)
     with pytest.raises(DataError, match="streaming loader's .data.cache=false.: resume with"):
         mixed(mixed_cfg(tmp_path / "run", corpora), mtok).load_state_dict(state)
+
+
+def test_a_streamed_epoch_by_the_sources_sizes_counts_them_once_per_run(
+    tmp_path, corpora, mtok, monkeypatch
+):
+    cfg = stream_cfg(tmp_path / "run", corpora, epoch="sum", epoch_size=None)
+    ld = streamed(cfg, mtok)
+    assert ld.counts is None  # known once the streams are counted, as iteration starts
+    it = iter(ld)
+    take(it, 3)
+    assert ld.sizes == list(SIZES) and ld.counts.tolist() == [230, 115, 115]
+    state = roundtrip(ld.state_dict())
+    assert state["position"]["sizes"] == list(SIZES)
+    ref = take(it, 4)
+
+    def counted_again(self):
+        raise AssertionError("a resumed run counted the streams again")
+
+    monkeypatch.setattr(MixedStream, "_count_sizes", counted_again)
+    again = streamed(cfg, mtok)
+    again.load_state_dict(state)
+    assert all(same(x, y) for x, y in zip(take(iter(again), 4), ref, strict=True))
+    by_size = stream_cfg(tmp_path / "t", corpora, weights=(None,) * 3, epoch="sum")
+    by_size.data.temperature, by_size.data.epoch_size = 1.0, None  # T = 1: shares by size
+    monkeypatch.undo()
+    sized = streamed(by_size, mtok)
+    take(iter(sized), 1)
+    assert sized.counts.tolist() == list(SIZES)

@@ -221,8 +221,8 @@ class DataConfig(Section):
     sources: list[SourceConfig] = field(default_factory=list)
     """Train on a mixture of corpora instead of data.train: a list of {name, path, weight or
     (with temperature) none, tag, valid} (SourceConfig), for model.kind seq2seq or classifier.
-    Each source has its own token cache (or, with data.cache false, its own stream, and then
-    data.epoch examples with weights); every epoch takes a fixed count of each source's
+    Each source has its own token cache (or, with data.cache false, its own stream: then
+    data.epoch is not tokens); every epoch takes a fixed count of each source's
     examples, a function of (train.seed, the sources, their weights, the epoch) alone, so the
     batches are the same at any world size and a resume is exact (docs/data.md#mixtures)."""
     temperature: float | None = bounded(None, low=0, low_open=True)
@@ -297,11 +297,12 @@ class DataConfig(Section):
                 "weight, or set data.temperature"
             )
         errs += self._validate_epoch(names)
-        if not self.cache and (self.epoch != "examples" or self.temperature is not None):
+        if not self.cache and self.epoch == "tokens":
             errs.append(
-                "data.sources with data.cache=false (streamed) counts its epoch in examples "
-                "read, by weight: a stream's size is not known before it is read whole. Set "
-                "data.epoch=examples, data.epoch_size and weights, or data.cache=true"
+                "data.epoch=tokens needs the sources' mean lengths, which a stream does not "
+                "have before it is tokenised whole: with data.cache=false, give the epoch in "
+                "examples (data.epoch=examples) or by the sources' sizes (sum, largest, "
+                "source), or set data.cache=true"
             )
         return errs
 

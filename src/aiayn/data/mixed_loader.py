@@ -27,7 +27,7 @@ from aiayn.data.cache import TokenCache
 from aiayn.data.cached_loader import STATE_VERSION, CachedLoader
 from aiayn.data.mixture import Mixture
 from aiayn.data.plan import Plan, epoch_rng, pair_plan
-from aiayn.data.position import saved_position
+from aiayn.data.position import recorded_number, saved_position
 from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer
 
@@ -149,10 +149,14 @@ class MixedLoader(CachedLoader):
         """What a saved position means: the loader's settings and the whole mixture."""
         cfg = self.cfg
         sources = [
-            {"name": s.name, "cache": c.digest, "weight": _number(s.weight), "tag": s.tag}
+            {"name": s.name, "cache": c.digest, "weight": recorded_number(s.weight), "tag": s.tag}
             for s, c in zip(cfg.sources, self.caches, strict=True)
         ]
-        mixture = {"sources": sources, "temperature": _number(cfg.temperature), "epoch": cfg.epoch}
+        mixture = {
+            "sources": sources,
+            "temperature": recorded_number(cfg.temperature),
+            "epoch": cfg.epoch,
+        }
         mixture.update(epoch_source=cfg.epoch_source, epoch_size=cfg.epoch_size)
         fp = {
             "loader": "cache",
@@ -381,8 +385,3 @@ class MixedLoader(CachedLoader):
             values[a:b] = self._arrays[s][f"{side}_tokens"][cells[a:b]]
         out[mask] = values
         return out
-
-
-def _number(value: float | None) -> float | None:
-    """A float as a checkpoint records it: 2 and 2.0 are the same weight."""
-    return None if value is None else float(value)

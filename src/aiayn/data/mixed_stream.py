@@ -29,8 +29,8 @@ from aiayn.config import Config
 from aiayn.data.batch import Batch
 from aiayn.data.loader import STATE_VERSION, BatchLoader, Chunk
 from aiayn.data.mixed_loader import tag_ids
-from aiayn.data.mixture import as_train, largest_remainder, shares
-from aiayn.data.position import saved_position
+from aiayn.data.mixture import as_train, epoch_counts, largest_remainder, shares
+from aiayn.data.position import recorded_number, saved_position
 from aiayn.data.sources import Source, open_split, source_identity
 from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer
@@ -96,50 +96,93 @@ class MixedStream(BatchLoader):
         self.names = [s.name for s in data.sources]
         self.tags = tag_ids(data, tokenizer)
         self.sources = [open_split(as_train(cfg, s).data, s.path, kind) for s in data.sources]
-        p = shares(np.ones(len(self.names)), [s.weight for s in data.sources], None)
-        self.counts = largest_remainder(p, data.epoch_size)
+        self.counts: np.ndarray | None = None  # per epoch; known once the sizes are, if needed
+        self.sizes: list[int] | None = None
+        if data.epoch == "examples" and data.temperature is None:  # no size needed
+            self._set_counts(None)
         self._shares: dict[tuple[int, int], list[float]] = {}  # (epoch, chunk): token shares
         self._pos = self._start()
-        identities = [source_identity(as_train(cfg, s).data, s.path, kind) for s in data.sources]
-        mixture = {
-            "sources": [
-                {"name": s.name, "source": ident, "weight": float(s.weight), "tag": s.tag}
-                for s, ident in zip(data.sources, identities, strict=True)
-            ],
-            "temperature": None,
-            "epoch": data.epoch,
-            "epoch_source": None,
-            "epoch_size": data.epoch_size,
-        }
-        self._fingerprint = {
+        self._fingerprint = self._mixture_fingerprint(cfg)
+
+    def _mixture_fingerprint(self, cfg: Config) -> dict:
+        data = cfg.data
+        identities = [
+            source_identity(as_train(cfg, s).data, s.path, self.kind) for s in data.sources
+        ]
+        sources = [
+            {"name": s.name, "source": ident, "weight": recorded_number(s.weight), "tag": s.tag}
+            for s, ident in zip(data.sources, identities, strict=True)
+        ]
+        mixture = {"sources": sources, "temperature": recorded_number(data.temperature)}
+        mixture.update(epoch=data.epoch, epoch_source=data.epoch_source)
+        mixture["epoch_size"] = data.epoch_size
+        fp = {
             "mixture": mixture,
-            "kind": kind,
-            "train": train,
-            "max_tokens": max_tokens,
-            "seed": seed,
+            "kind": self.kind,
+            "train": self.train,
+            "max_tokens": self.max_tokens,
+            "seed": self.seed,
             "shuffle_buffer": data.shuffle_buffer,
             "max_len": data.max_len,
-            "tokenizer_sha256": tokenizer.contract()["sha256"],
+            "tokenizer_sha256": self.tok.contract()["sha256"],
         }
         if self.multiple != 1:
-            self._fingerprint["pad_to_multiple"] = self.multiple
-        if rank == 0:
+            fp["pad_to_multiple"] = self.multiple
+        return fp
+
+    def _set_counts(self, sizes: list[int] | None) -> None:
+        """Each source's examples per epoch, from the weights (data.epoch examples) or from
+        the sources' sizes (every other definition, and a temperature)."""
+        data = self.cfg
+        weights = None if data.temperature is not None else [s.weight for s in data.sources]
+        if sizes is None:
+            p = shares(np.ones(len(self.names)), weights, None)
+            self.counts = largest_remainder(p, data.epoch_size)
+        else:
+            sizes_ = np.asarray(sizes, dtype=np.int64)
+            p = shares(sizes_, weights, data.temperature)
+            self.counts = epoch_counts(
+                sizes_,
+                p,
+                data.epoch,
+                names=self.names,
+                source=data.epoch_source,
+                size=data.epoch_size,
+            )
+        self.sizes = sizes
+        if self.rank == 0:
             self._log_sources(p)
+
+    def _count_sizes(self) -> list[int]:
+        """Every source's records, read through once: what data.epoch (other than examples)
+        and data.temperature need of a stream. Once per run: the position keeps them."""
+        log.info("counting each streamed source's records (data.epoch %s)", self.cfg.epoch)
+        sizes = [sum(1 for _ in source) for source in self.sources]
+        empty = [n for n, size in zip(self.names, sizes, strict=True) if not size]
+        if empty:
+            raise DataError(f"data.sources {', '.join(empty)} hold no records")
+        return sizes
 
     def _log_sources(self, p: np.ndarray) -> None:
         log.info(
-            "mixture of %d streamed sources, an epoch (data.epoch examples) is %s examples read",
+            "mixture of %d streamed sources, an epoch (data.epoch %s) is %s examples read",
             len(self.names),
+            self.cfg.epoch,
             f"{int(self.counts.sum()):,}",
         )
         for s, source in enumerate(self.cfg.sources):
+            weight = f"weight {source.weight:g}, " if source.weight is not None else ""
+            size = "size unknown: streamed"
+            if self.sizes is not None:
+                passes = self.counts[s] / self.sizes[s]
+                size = f"{self.sizes[s]:,} examples, {passes:.3g} passes"
             log.info(
-                "  source %s: weight %g, share %.1f%%, %s per epoch (size unknown: streamed), "
-                "tag %s",
+                "  source %s: %sshare %.1f%%, %s per epoch (%s), tag %s",
                 source.name,
-                source.weight,
+                weight,
                 100 * p[s],
                 f"{int(self.counts[s]):,}",
+                size,
                 source.tag or "none",
             )
 
@@ -148,7 +191,8 @@ class MixedStream(BatchLoader):
         return {
             "epoch": epoch,
             "chunk": 0,
-            "left": [int(c) for c in self.counts],
+            "left": None,  # the epoch's counts, still owed: None at its start
+            "sizes": None,
             "sources": [dict(first) for _ in self.names],
             "read": 0,
             "next_id": 0,
@@ -168,9 +212,12 @@ class MixedStream(BatchLoader):
         passes it has completed, and its share of that chunk's target tokens: the same on every
         rank (each reads every source)."""
         pos, out = self._pos, {}
+        if self.counts is None:  # nothing read yet
+            return out
+        left = pos["left"] if pos["left"] is not None else self.counts
         shares_now = self._shares.get((pos["epoch"], pos["chunk"]), [0.0] * len(self.names))
         for s, name in enumerate(self.names):
-            taken = pos["epoch"] * int(self.counts[s]) + int(self.counts[s]) - pos["left"][s]
+            taken = pos["epoch"] * int(self.counts[s]) + int(self.counts[s]) - int(left[s])
             out[f"{name}/examples"] = float(taken)
             out[f"{name}/passes"] = float(pos["sources"][s]["pass"])
             out[f"{name}/token_share"] = shares_now[s]
@@ -179,7 +226,10 @@ class MixedStream(BatchLoader):
     # ---- chunks -------------------------------------------------------------------------------
 
     def _chunks(self, pos: dict) -> Iterator[Chunk]:
-        epoch, chunk, left = pos["epoch"], pos["chunk"], list(pos["left"])
+        if self.counts is None:  # the sizes: from the position, or counted once
+            self._set_counts(pos["sizes"] or self._count_sizes())
+        epoch, chunk = pos["epoch"], pos["chunk"]
+        left = [int(c) for c in (self.counts if pos["left"] is None else pos["left"])]
         at = zip(self.names, self.sources, pos["sources"], strict=True)
         readers = [_Reader(name, source, where) for name, source, where in at]
         read, next_id = pos["read"], pos["next_id"]
@@ -188,6 +238,7 @@ class MixedStream(BatchLoader):
                 rng = np.random.default_rng([self.seed, _CHUNKS, epoch, chunk])
                 take = rng.multivariate_hypergeometric(left, min(self.chunk_size, sum(left)))
                 anchor = dict(epoch=epoch, chunk=chunk, left=list(left), read=read)
+                anchor["sizes"] = self.sizes
                 anchor.update(sources=[r.position() for r in readers], next_id=next_id)
                 parts = [r.take(int(k)) for r, k in zip(readers, take, strict=True)]
                 for s, part in enumerate(parts):

@@ -20,6 +20,11 @@ def check_loader_args(max_tokens: int, rank: int, world_size: int) -> None:
         raise DataError(f"rank {rank} is outside world size {world_size}")
 
 
+def recorded_number(value: float | None) -> float | None:
+    """A float as a fingerprint records it: a weight of 2 and one of 2.0 are the same."""
+    return None if value is None else float(value)
+
+
 def saved_state(version: int, fingerprint: dict, position: dict) -> dict:
     """Plain ints, strings, lists and dicts: safe for torch.load(weights_only=True)."""
     return {
