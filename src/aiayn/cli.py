@@ -144,6 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="ctranslate2 only: weights stored in this type (default float32)",
     )
 
+    p = sub.add_parser(
+        "import-hf",
+        help="a Hugging Face MarianMT (OPUS-MT) model as an aiayn model, to fine-tune or serve",
+    )
+    p.add_argument(
+        "model", help="a MarianMT directory, or a hub name such as Helsinki-NLP/opus-mt-de-en"
+    )
+    p.add_argument("--output", required=True, help="FILE.safetensors (as aiayn export writes)")
+    p.add_argument("--revision", help="hub names only: the commit, tag or branch to download")
+
     p = sub.add_parser("demo-data", help="write a generated demo corpus")
     p.add_argument("kind", choices=["numbers", "lm", "classify"])
     p.add_argument("--out", required=True, help="output directory")
@@ -436,6 +446,27 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_import_hf(args) -> int:
+    import time
+
+    from aiayn.checkpoint.tools import read_export
+    from aiayn.export.hf_import import import_hf
+    from aiayn.metrics import setup_logging
+
+    setup_logging(None)
+    start = time.perf_counter()
+    out = import_hf(args.model, args.output, revision=args.revision)
+    config, tokenizer, contract = read_export(out)
+    m = config["model"]
+    print(
+        f"imported {args.model} as {out} in {time.perf_counter() - start:.1f} s: "
+        f"{m['N']}+{m['decoder_layers'] or m['N']} layers, d_model {m['d_model']}, activation "
+        f"{m['activation']}, vocabulary {contract['vocab_size']} ({contract['type']}). "
+        f"Fine-tune it with init.source={out}"
+    )
+    return 0
+
+
 def cmd_demo_data(args) -> int:
     from aiayn import demo_data
 
@@ -465,5 +496,6 @@ COMMANDS = {
     "average": cmd_average,
     "finish": cmd_finish,
     "export": cmd_export,
+    "import-hf": cmd_import_hf,
     "demo-data": cmd_demo_data,
 }

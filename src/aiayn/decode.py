@@ -61,8 +61,8 @@ def greedy_search(
         state = DecoderState()
         last = src.new_full((src.size(0), 1), bos_id)  # (B', 1)
         for step in range(int(limits.max())):
-            logits = model.decode(last, memory, src_mask, state)  # (B', 1, V)
-            last = logits[:, -1].argmax(dim=-1, keepdim=True)  # (B', 1)
+            logits = model.decode(last, memory, src_mask, state)[:, -1]  # (B', V)
+            last = _banned(logits, pad_id, bos_id, eos_id).argmax(dim=-1, keepdim=True)
             for b, token in zip(live, last[:, 0].tolist(), strict=True):
                 out[b].append(token)
             ended = (last[:, 0] == eos_id) | (step + 1 >= limits)  # (B',)
@@ -128,6 +128,7 @@ def beam_search(
             n, W = scores.shape
             logits = model.decode(last, memory, src_mask, state)[:, -1]  # (n * W, V)
             logp = torch.log_softmax(logits.float(), dim=-1)  # (n * W, V)
+            logp = _banned(logp, pad_id, bos_id, eos_id)
             at_limit = step >= limits  # (n,)
             if bool(at_limit.any()):
                 rows_at_limit = at_limit.repeat_interleave(W)  # (n * W,)
@@ -161,6 +162,16 @@ def beam_search(
             history = torch.cat([history[rows], last], dim=1)  # (n' * K, t + 1)
             state.reorder(rows)
     return [hyps[0][1] for hyps in finished]
+
+
+def _banned(scores: torch.Tensor, pad_id: int, bos_id: int, eos_id: int) -> torch.Tensor:
+    """Scores (rows, V) with pad and bos impossible (unless one is also eos, which ends an
+    output): neither is ever an output. A trained
+    model all but never picks them; an imported Marian model's bos is a copy of its pad row
+    (aiayn.marian_vocab), which Marian's generate bans too. After the log-softmax, as there,
+    so a beam's scores are still log-probabilities of the whole vocabulary."""
+    scores[:, [i for i in (pad_id, bos_id) if i != eos_id]] = float("-inf")
+    return scores
 
 
 def _only_eos(logp: torch.Tensor, eos_id: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """SentencePiece tokenizer: train, load, encode, decode, and the contract a run records.
 
 One joint source+target vocabulary (§3.4 shares it between the languages, which lets the model
-tie its embeddings). The special ids are fixed so that every model and every data path agrees
+tie its embeddings); an imported Marian model brings two models and one table instead
+(aiayn.marian_vocab). The special ids are fixed so that every model and every data path agrees
 on them without reading the tokenizer: pad 0, unk 1, bos 2, eos 3.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from aiayn import marian_vocab
 from aiayn.config import TokenizerConfig
 from aiayn.errors import TokenizerError
 
@@ -31,7 +33,10 @@ _TRAIN_THREADS = 4
 
 
 class Tokenizer:
-    """A loaded SentencePiece model with aiayn's fixed special ids."""
+    """A loaded SentencePiece model with aiayn's fixed special ids, or an imported Marian
+    vocabulary (aiayn.marian_vocab): a source and a target model whose pieces map through one
+    table. Every caller reads ids, pieces and text through the methods below, which take the
+    side (source or target) a text is on."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -42,15 +47,20 @@ class Tokenizer:
                 ".model file"
             )
         data = self.path.read_bytes()
-        self.sp = spm.SentencePieceProcessor()
-        try:
-            self.sp.LoadFromSerializedProto(data)
-        except (RuntimeError, OSError) as exc:
-            raise TokenizerError(
-                f"{self.path} is not a SentencePiece model ({exc}); retrain it with "
-                "`aiayn tokenizer train --config FILE`"
-            ) from None
         self.sha256 = hashlib.sha256(data).hexdigest()
+        self.bundle = None
+        self._ids: dict[str, int] | None = None  # piece -> id where the pieces are not spm's
+        if data.startswith(marian_vocab.MAGIC):
+            self.bundle = marian_vocab.read_bundle(data, str(self.path))
+            self.sp = self._load(self.bundle.source_spm, "source.spm")
+            self.target_sp = self._load(self.bundle.target_spm, "target.spm")
+            self._pieces = self.bundle.pieces()
+            self._ids = {p: i for i, p in reversed(list(enumerate(self._pieces)))}
+            self.vocab_size = len(self._pieces)
+            self.pad_id, self.unk_id, self.bos_id, self.eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
+            self.type = "marian"
+            return
+        self.sp = self.target_sp = self._load(data, "")
         self.vocab_size = self.sp.vocab_size()
         self.pad_id, self.unk_id = self.sp.pad_id(), self.sp.unk_id()
         self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
@@ -63,13 +73,39 @@ class Tokenizer:
             )
         self.type = _model_type(data)
 
-    def encode(self, texts: list[str], threads: int | None = None) -> list[list[int]]:
+    def _load(self, data: bytes, member: str) -> spm.SentencePieceProcessor:
+        sp = spm.SentencePieceProcessor()
+        try:
+            sp.LoadFromSerializedProto(data)
+        except (RuntimeError, OSError) as exc:
+            where = f"{self.path} ({member})" if member else str(self.path)
+            raise TokenizerError(
+                f"{where} is not a SentencePiece model ({exc}); retrain it with "
+                "`aiayn tokenizer train --config FILE`"
+            ) from None
+        return sp
+
+    def encode(
+        self, texts: list[str], threads: int | None = None, side: str = "source"
+    ) -> list[list[int]]:
         """Token ids of each text, without bos/eos (the data path adds what each side needs).
+        side: "target" for a translation's target text (a Marian vocabulary segments it with
+        its target model; a joint one is the same on both sides).
 
         threads: SentencePiece's native encoding threads (None: its default, every core). It
         releases the GIL meanwhile (sentencepiece 0.2.3), so Python threads go on reading.
         """
-        return self.sp.encode(list(texts), out_type=int, num_threads=threads)
+        sp = self.target_sp if side == "target" else self.sp
+        if self._ids is None:
+            return sp.encode(list(texts), out_type=int, num_threads=threads)
+        # As MarianTokenizer: a leading >>xx<< language code split off, the rest segmented into
+        # piece strings, each looked up in the joint vocabulary, so a piece this side's model
+        # does not know (an unknown character) still finds the other side's id.
+        split = [marian_vocab.language_code(t) for t in texts]
+        codes = [code for code, _ in split]
+        pieces = sp.encode([rest for _, rest in split], out_type=str, num_threads=threads)
+        ids, unk = self._ids, self.unk_id
+        return [[ids.get(p, unk) for p in c + row] for c, row in zip(codes, pieces, strict=True)]
 
     def decode(self, ids: list[list[int]]) -> list[str]:
         """Text of each id sequence: cut at the first eos, pad and bos dropped."""
@@ -79,7 +115,17 @@ class Tokenizer:
             if self.eos_id in row:
                 row = row[: row.index(self.eos_id)]
             rows.append([i for i in row if i != self.pad_id and i != self.bos_id])
-        return self.sp.decode(rows)
+        if self._ids is None:
+            return self.sp.decode(rows)
+        return [self.target_sp.decode_pieces([self._pieces[i] for i in row]) for row in rows]
+
+    def id_to_piece(self, i: int) -> str:
+        return self.sp.id_to_piece(i) if self._ids is None else self._pieces[i]
+
+    def piece_to_id(self, piece: str) -> int:
+        if self._ids is None:
+            return self.sp.piece_to_id(piece)
+        return self._ids.get(piece, self.unk_id)
 
     def contract(self) -> dict:
         """What a run records about its tokenizer, to refuse a different one at resume."""

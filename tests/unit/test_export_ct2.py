@@ -146,7 +146,10 @@ def _greedy_ct2(model_dir, tok, kind, prompts, n, **load):
             _ids(
                 tok,
                 translator.translate_batch(
-                    _pieces(tok, [p]), max_decoding_length=len(p) + 1 + n, beam_size=1
+                    _pieces(tok, [p]),
+                    max_decoding_length=len(p) + 1 + n,
+                    beam_size=1,
+                    suppress_sequences=_pieces(tok, [[tok.pad_id], [tok.bos_id]]),  # as aiayn
                 )[0].hypotheses,
             )[0]  # fmt: skip
             for p in prompts

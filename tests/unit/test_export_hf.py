@@ -21,7 +21,7 @@ from aiayn.decode import generate, greedy_search
 from aiayn.errors import ExportError
 from aiayn.evaluate import load_for_inference
 from aiayn.export import export_model
-from aiayn.export.hf import _marian_permutation
+from aiayn.export.bart_layout import marian_permutation as _marian_permutation
 from aiayn.export.source import sinusoid_table
 
 ROOT = Path(__file__).resolve().parents[2]

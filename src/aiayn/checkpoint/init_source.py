@@ -146,7 +146,7 @@ def resolve(given: str, run_dir: Path) -> tuple[Located, dict[str, Any]]:
     recorded. Rank 0's work (train.py broadcasts its answer)."""
     before = recorded(run_dir)
     if before is None:
-        found = locate(given)
+        found = locate(_imported(given, Path(run_dir)) or given)
         record = describe(given, found)
         write_atomic(Path(run_dir) / RECORD, json.dumps(record, indent=1) + "\n")
         return found, record
@@ -178,6 +178,20 @@ def resolve(given: str, run_dir: Path) -> tuple[Located, dict[str, Any]]:
             "restore the source, or start a new run_dir"
         )
     return found, before
+
+
+def _imported(given: str, run_dir: Path) -> Path | None:
+    """A Hugging Face MarianMT directory (or hub name) imported once into the run (as `aiayn
+    import-hf` does), which is then the source the record pins; None for aiayn's own."""
+    from aiayn.export.hf_import import import_hf, is_hf_model
+
+    if not is_hf_model(given):
+        return None
+    out = run_dir / "init_source" / "imported.safetensors"
+    if not out.is_file():  # a start killed after the import finds it done
+        log.info("init.source=%s: a Hugging Face model, imported into %s", given, out)
+        import_hf(given, out)
+    return out
 
 
 def check_resumed(given: str | None, manifest: dict[str, Any], ckpt: Path) -> None:
@@ -355,9 +369,9 @@ def load_moments(engine, found: Located, cfg) -> None:
 def piece_map(source: Tokenizer, tok: Tokenizer) -> list[int | None]:
     """For each id of `tok`, the source's id of the same piece string (the four specials by
     role: aiayn fixes their ids), or None where the source has no such piece."""
-    ids = {source.sp.id_to_piece(i): i for i in range(source.vocab_size)}
+    ids = {source.id_to_piece(i): i for i in range(source.vocab_size)}
     specials = {tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id}
-    return [j if j in specials else ids.get(tok.sp.id_to_piece(j)) for j in range(tok.vocab_size)]
+    return [j if j in specials else ids.get(tok.id_to_piece(j)) for j in range(tok.vocab_size)]
 
 
 def _load_remapped(model: nn.Module, found: Located, source: Tokenizer, tok: Tokenizer) -> dict:

@@ -246,6 +246,7 @@ def export_module(
     output: str | Path,
     dtype: str = "fp32",
     step: int = 0,
+    source: str = "in memory",
 ) -> Path:
     """Write a model held in memory (built from `config`, a run config as a dict, with
     `tokenizer`) as `export` writes a checkpoint: for models made in code, such as the random
@@ -255,7 +256,7 @@ def export_module(
     tmp_tok = weights.parent / f".{tokenizer_dest.name}.tmp"
     shutil.copyfile(tokenizer.path, tmp_tok)
     tensors, tied = weights_snapshot(model)
-    info = {"step": step, "tokenizer": tokenizer.contract(), "source": "in memory"}
+    info = {"step": step, "tokenizer": tokenizer.contract(), "source": source}
     return _write_export(weights, tensors, tied or {}, dtype, config, tmp_tok, info)
 
 

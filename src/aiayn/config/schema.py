@@ -541,7 +541,9 @@ class InitConfig(Section):
     """Start this run from a trained model's weights (fine-tuning, or continuing with new
     settings): a run directory (its latest valid checkpoint; RUN/best, RUN/latest and
     RUN/averaged name those), a checkpoint step directory, an averaged model (aiayn average,
-    aiayn finish), or a FILE.safetensors written by aiayn export. The weights only: the step,
+    aiayn finish), a FILE.safetensors written by aiayn export or aiayn import-hf, or a Hugging
+    Face MarianMT (OPUS-MT) directory or hub name, imported once into run_dir/init_source/ at
+    the first start (docs/fine_tuning.md#opus-mt). The weights only: the step,
     schedule, data position, random state, best ranking and loss scale start fresh, and
     train.max_steps counts this run's steps. The model's shape-defining fields and the
     tokenizer come from the source (a model field set here to another value is an error);

@@ -372,11 +372,12 @@ def _tokenize_chunk(
     threads: int,
 ) -> dict[str, np.ndarray]:
     fields = {"src": "src", "tgt": "tgt"} if kind == "seq2seq" else {"src": "text"}
-    lengths, tokens = _encode(
-        [r[f] for f in fields.values() for r in records], tok, dtype, pool, threads
-    )
-    n = len(records)
-    side_lengths = {side: lengths[i * n : (i + 1) * n] for i, side in enumerate(fields)}
+    encoded = {
+        side: _encode([r[f] for r in records], tok, dtype, pool, threads, side)
+        for side, f in fields.items()
+    }
+    side_lengths = {side: lengths for side, (lengths, _) in encoded.items()}
+    tokens = np.concatenate([t for _, t in encoded.values()])
     # A pair or an example with an empty side has nothing to learn. An lm keeps its empty lines:
     # in corpus order (data.lm_order stream) each is a line break of the text.
     keep = np.minimum.reduce(list(side_lengths.values())) > 0
@@ -395,7 +396,7 @@ def _tokenize_chunk(
 
 
 def _encode(
-    texts: list[str], tok: Tokenizer, dtype, pool: ThreadPoolExecutor, threads: int
+    texts: list[str], tok: Tokenizer, dtype, pool: ThreadPoolExecutor, threads: int, side: str
 ) -> tuple[np.ndarray, np.ndarray]:
     """(lengths, concatenated tokens) of `texts`, in pieces over the pool's threads. Each
     piece is encoded by one SentencePiece thread and turned into arrays in its Python thread:
@@ -404,7 +405,9 @@ def _encode(
     size = max(1, -(-len(texts) // (2 * threads)))
 
     def piece(lo: int) -> tuple[np.ndarray, np.ndarray]:
-        rows = tok.encode(texts[lo : lo + size], threads=1)
+        rows = tok.encode(
+            texts[lo : lo + size], threads=1, side="target" if side == "tgt" else "source"
+        )
         lengths = np.fromiter(map(len, rows), np.int64, len(rows))
         flat = np.fromiter(itertools.chain.from_iterable(rows), dtype, int(lengths.sum()))
         return lengths, flat

@@ -287,8 +287,8 @@ class BatchLoader:
     def _encoded(self, examples: list[dict]) -> tuple[list[list[int]], list[list[int]] | None]:
         """The token ids of each example's source (or text) and target (None: no target)."""
         if self.kind == "seq2seq":
-            enc = self.tok.encode([e["src"] for e in examples] + [e["tgt"] for e in examples])
-            return enc[: len(examples)], enc[len(examples) :]
+            src = self.tok.encode([e["src"] for e in examples])
+            return src, self.tok.encode([e["tgt"] for e in examples], side="target")
         return self.tok.encode([e["text"] for e in examples]), None
 
     def _build_lm_chunk(self, examples: list[dict], anchor: dict) -> Chunk:

@@ -53,8 +53,8 @@ def tag_ids(cfg: DataConfig, tok: Tokenizer) -> list[int | None]:
         if source.tag is None:
             out.append(None)
             continue
-        i = tok.sp.piece_to_id(source.tag)
-        if i == tok.unk_id or tok.sp.is_control(i) or tok.sp.is_unused(i):
+        i = tok.piece_to_id(source.tag)
+        if i in (tok.unk_id, tok.pad_id, tok.bos_id, tok.eos_id):
             raise DataError(
                 f"data.sources {source.name}: tag {source.tag!r} is not a piece of the tokenizer "
                 f"{tok.path}, so it would be split or unknown. Add it to tokenizer.user_symbols "

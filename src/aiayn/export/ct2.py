@@ -142,7 +142,7 @@ def build_spec(source: ExportSource):
         _fill_stack(spec.encoder, weights, "encoder", "src_embed", cfg, rows, cross=None)
         _fill_stack(spec.decoder, weights, "decoder", "tgt_embed", cfg, rows, cross=True)
         spec.config.add_source_eos = True  # the data path's source is its tokens + eos
-        spec.config.decoder_start_token = tok.sp.id_to_piece(tok.bos_id)
+        spec.config.decoder_start_token = tok.id_to_piece(tok.bos_id)
     else:
         # num_heads_kv spelled out: left None, CTranslate2 4.x flags the model multi-query.
         spec = TransformerDecoderModelSpec.from_config(
@@ -151,9 +151,9 @@ def build_spec(source: ExportSource):
         _fill_stack(spec.decoder, weights, "decoder", "embed", cfg, rows, cross=False)
     weights.check_all_used()
     spec.config.layer_norm_epsilon = LAYER_NORM_EPS
-    spec.config.unk_token = tok.sp.id_to_piece(tok.unk_id)
-    spec.config.bos_token = tok.sp.id_to_piece(tok.bos_id)
-    spec.config.eos_token = tok.sp.id_to_piece(tok.eos_id)
+    spec.config.unk_token = tok.id_to_piece(tok.unk_id)
+    spec.config.bos_token = tok.id_to_piece(tok.bos_id)
+    spec.config.eos_token = tok.id_to_piece(tok.eos_id)
     vocabulary = vocabulary_of(tok)
     if cfg.kind == "seq2seq":
         spec.register_source_vocabulary(vocabulary)
@@ -165,7 +165,7 @@ def build_spec(source: ExportSource):
 
 def vocabulary_of(tok) -> list[str]:
     """Every piece in id order: CTranslate2's token i is the project's id i."""
-    return [tok.sp.id_to_piece(i) for i in range(tok.vocab_size)]
+    return [tok.id_to_piece(i) for i in range(tok.vocab_size)]
 
 
 class _Weights:
@@ -249,7 +249,7 @@ def _norm(spec, weights: _Weights, name: str) -> None:
 
 def _metadata(source: ExportSource, quantization: str | None) -> dict:
     cfg, tok = source.cfg, source.tokenizer
-    piece = tok.sp.id_to_piece
+    piece = tok.id_to_piece
     return {
         "format": FORMAT,
         "version": FORMAT_VERSION,

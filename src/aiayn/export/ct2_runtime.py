@@ -101,10 +101,10 @@ class Ct2Model:
 
     def pieces(self, rows: list[list[int]]) -> list[list[str]]:
         """CTranslate2 takes tokens as strings: the pieces of the vocabulary it was given."""
-        return [[self.tok.sp.id_to_piece(i) for i in row] for row in rows]
+        return [[self.tok.id_to_piece(i) for i in row] for row in rows]
 
     def ids(self, rows: list[list[str]]) -> list[list[int]]:
-        return [[self.tok.sp.piece_to_id(p) for p in row] for row in rows]
+        return [[self.tok.piece_to_id(p) for p in row] for row in rows]
 
 
 def _usable_cores() -> int:
@@ -142,6 +142,8 @@ def translate_ct2(
     dec = model.cfg.decode
     # aiayn.evaluate.translate's limits, whatever the export's table allows: the same output.
     max_len = min(model.max_positions, model.cfg.model.max_len)
+    tok = model.tok
+    banned = [[tok.id_to_piece(i)] for i in (tok.pad_id, tok.bos_id)]  # as aiayn.decode
 
     def decode(batch: list[list[int]]) -> list[list[int]]:
         limits = [min(len(ids) + 1 + dec.max_len_b, max_len - 1) for ids in batch]
@@ -151,6 +153,7 @@ def translate_ct2(
             length_penalty=dec.alpha,
             max_decoding_length=max(limits),
             max_input_length=0,  # cut by translate_batches, with a warning, not silently at 1024
+            suppress_sequences=banned,
         )
         hyps = model.ids([r.hypotheses[0] for r in results])
         return [h[:limit] for h, limit in zip(hyps, limits, strict=True)]
@@ -184,7 +187,7 @@ def generate_ct2(
         sampling_topk=1 if greedy else (top_k or 0),  # 0: the whole vocabulary
         sampling_temperature=1.0 if greedy else temperature,
     )
-    eos = model.tok.sp.id_to_piece(model.tok.eos_id)
+    eos = model.tok.id_to_piece(model.tok.eos_id)
 
     def step(context: list[list[int]], n: int, eos_id: int | None) -> list[list[int]]:
         longest = max(map(len, context))

@@ -33,6 +33,12 @@ import torch
 from safetensors.torch import save_file
 
 from aiayn.errors import ExportError
+from aiayn.export.bart_layout import (
+    layer_pairs,
+    marian_permutation,
+    permute_residual,
+    to_theirs,
+)
 from aiayn.export.source import ExportSource, load_source, sinusoid_table
 from aiayn.files import atomic_directory
 
@@ -89,8 +95,12 @@ def _generation_config(config: dict, max_len: int) -> dict:
     # forced at the length limit (Marian's default forces one), and at most the position
     # table's length in all (a translation's start token included).
     keys = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+    out = {k: config[k] for k in keys if k in config}
+    if "decoder_start_token_id" in config:  # translation: as aiayn.decode, never pad or bos
+        banned = {config["pad_token_id"], config["decoder_start_token_id"]}
+        out["bad_words_ids"] = [[i] for i in sorted(banned)]
     return {
-        **{k: config[k] for k in keys if k in config},
+        **out,
         "forced_eos_token_id": None,
         "max_length": max_len,
         "num_beams": 1,
@@ -100,13 +110,12 @@ def _generation_config(config: dict, max_len: int) -> dict:
 
 def _specials(src: ExportSource) -> dict[str, str]:
     """The pieces of the fixed special ids, as this tokenizer spells them."""
-    sp = src.tokenizer.sp
     tok = src.tokenizer
     return {
-        "pad_token": sp.id_to_piece(tok.pad_id),
-        "unk_token": sp.id_to_piece(tok.unk_id),
-        "bos_token": sp.id_to_piece(tok.bos_id),
-        "eos_token": sp.id_to_piece(tok.eos_id),
+        "pad_token": tok.id_to_piece(tok.pad_id),
+        "unk_token": tok.id_to_piece(tok.unk_id),
+        "bos_token": tok.id_to_piece(tok.bos_id),
+        "eos_token": tok.id_to_piece(tok.eos_id),
     }
 
 
@@ -116,58 +125,6 @@ def _position_table(src: ExportSource, embeddings: str) -> torch.Tensor:
     if m.positions == "learned":
         return src.weights[f"{embeddings}.positions.weight"]
     return sinusoid_table(m.d_model, m.max_len, m.positions)
-
-
-def _layers(
-    w: dict[str, torch.Tensor], ours: str, theirs: str, n: int, cross: bool
-) -> dict[str, torch.Tensor]:
-    """The project's layers `ours`.layers.i under the names Marian and OPT share (BART's),
-    `theirs`.layers.i, in the project's layout. Their attention has biases: the model's
-    (model.attention_bias), or zeros."""
-    out: dict[str, torch.Tensor] = {}
-
-    def biases(source: str, weight: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
-        bias = w.get(f"{source}.bias")
-        return (torch.zeros(weight.size(0)),) * n if bias is None else bias.chunk(n)
-
-    def attention(prefix: str, q, k, v, o, bq, bk, bv, bo) -> None:
-        parts = (("q_proj", q, bq), ("k_proj", k, bk), ("v_proj", v, bv), ("out_proj", o, bo))
-        for name, weight, bias in parts:
-            out[f"{prefix}.{name}.weight"] = weight
-            out[f"{prefix}.{name}.bias"] = bias
-
-    def pair(prefix: str, source: str) -> None:  # a LayerNorm's or a Linear's weight and bias
-        out[f"{prefix}.weight"] = w[f"{source}.weight"]
-        out[f"{prefix}.bias"] = w[f"{source}.bias"]
-
-    for i in range(n):
-        s, t = f"{ours}.layers.{i}", f"{theirs}.layers.{i}"
-        qkv, o = w[f"{s}.self_attn.qkv.weight"].chunk(3), w[f"{s}.self_attn.out.weight"]
-        attention(
-            f"{t}.self_attn",
-            *qkv,
-            o,
-            *biases(f"{s}.self_attn.qkv", qkv[0], 3),
-            *biases(f"{s}.self_attn.out", o, 1),
-        )
-        pair(f"{t}.self_attn_layer_norm", f"{s}.res_{'self' if ours == 'decoder' else 'attn'}.norm")
-        if cross:
-            q, kv = w[f"{s}.cross_attn.q.weight"], w[f"{s}.cross_attn.kv.weight"].chunk(2)
-            o = w[f"{s}.cross_attn.out.weight"]
-            attention(
-                f"{t}.encoder_attn",
-                q,
-                *kv,
-                o,
-                *biases(f"{s}.cross_attn.q", q, 1),
-                *biases(f"{s}.cross_attn.kv", kv[0], 2),
-                *biases(f"{s}.cross_attn.out", o, 1),
-            )
-            pair(f"{t}.encoder_attn_layer_norm", f"{s}.res_cross.norm")
-        for hf, ffn in (("fc1", "w_1"), ("fc2", "w_2")):
-            pair(f"{t}.{hf}", f"{s}.ffn.{ffn}")
-        pair(f"{t}.final_layer_norm", f"{s}.res_ffn.norm")
-    return out
 
 
 # --- translation: MarianMTModel ------------------------------------------------------------
@@ -182,61 +139,55 @@ def _check_marian(src: ExportSource) -> None:
         )
 
 
-def _marian_permutation(d_model: int) -> torch.Tensor:
-    """perm with marian[..., k] = project[..., perm[k]]: the even (sin) dimensions, then the
-    odd (cos) ones."""
-    return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
-
-
-# Which axis of each Marian tensor is the residual stream's (d_model): the columns of what reads
-# it, the rows of what writes it, and the LayerNorms. The head dimensions inside attention, the
-# FFN's inner dimension and the vocabulary keep their order.
-_READ_RESIDUAL = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "fc1.weight")
-_READ_RESIDUAL += ("embed_tokens.weight", "embed_positions.weight", "shared.weight")
-_READ_RESIDUAL += ("lm_head.weight",)
-_WRITE_RESIDUAL = ("out_proj.weight", "out_proj.bias", "fc2.weight", "fc2.bias")
-_WRITE_RESIDUAL += ("layer_norm.weight", "layer_norm.bias")
-
-
-def _to_marian_layout(name: str, t: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    if name.endswith(_READ_RESIDUAL):
-        return t[:, perm]
-    if name.endswith(_WRITE_RESIDUAL):
-        return t[perm]
-    return t
-
-
 def _marian_weights(src: ExportSource) -> dict[str, torch.Tensor]:
     m, w = src.cfg.model, src.weights
-    out = _layers(w, "encoder", "model.encoder", m.N, cross=False)
-    out.update(_layers(w, "decoder", "model.decoder", m.decoder_layers or m.N, cross=True))
+    out = to_theirs(w, layer_pairs("encoder", "model.encoder", m.N, cross=False))
+    out.update(to_theirs(w, layer_pairs("decoder", "model.decoder", _dec(m), cross=True)))
     for ours, theirs in (("src_embed", "model.encoder"), ("tgt_embed", "model.decoder")):
         out[f"{theirs}.embed_positions.weight"] = _position_table(src, ours)
+    rows = _marian_rows(src.tokenizer)  # a Marian vocabulary's own ids, or aiayn's
     if m.share_embeddings == "all":
-        out["model.shared.weight"] = w["src_embed.token.weight"]
+        out["model.shared.weight"] = w["src_embed.token.weight"][rows]
     else:
-        out["model.encoder.embed_tokens.weight"] = w["src_embed.token.weight"]
-        out["model.decoder.embed_tokens.weight"] = w["tgt_embed.token.weight"]
+        out["model.encoder.embed_tokens.weight"] = w["src_embed.token.weight"][rows]
+        out["model.decoder.embed_tokens.weight"] = w["tgt_embed.token.weight"][rows]
         # Written even when tied to the decoder's embedding: transformers 5.0 unties it there
         # (tie_word_embeddings reads False) and would leave lm_head at its random init.
-        out["lm_head.weight"] = w["out.weight"]
+        out["lm_head.weight"] = w["out.weight"][rows]
     bias = w.get("out.bias")  # model.output_bias: Marian's final_logits_bias
-    out["final_logits_bias"] = (
-        torch.zeros(1, src.tokenizer.vocab_size) if bias is None else bias[None, :]
-    )
+    out["final_logits_bias"] = torch.zeros(1, len(rows)) if bias is None else bias[rows][None, :]
     # Marian's sinusoids are the sines then the cosines: a model whose are interleaved has its
     # residual stream's dimensions permuted into that order, which changes no output.
-    perm = (
-        torch.arange(m.d_model)
-        if m.positions == "sinusoidal_concat"
-        else _marian_permutation(m.d_model)
-    )
-    return {name: _to_marian_layout(name, t, perm) for name, t in out.items()}
+    if m.positions == "sinusoidal_concat":
+        return out
+    perm = marian_permutation(m.d_model)
+    return {name: permute_residual(name, t, perm) for name, t in out.items()}
+
+
+def _dec(m) -> int:
+    return m.decoder_layers or m.N
+
+
+def _marian_rows(tok) -> torch.Tensor:
+    """The aiayn row of each Marian id: an imported vocabulary's own order (its pad row from
+    aiayn's bos, the decoder start that training moves; see aiayn.marian_vocab), else aiayn's."""
+    if tok.bundle is None:
+        return torch.arange(tok.vocab_size)
+    rows = torch.empty(len(tok.bundle.vocab), dtype=torch.long)
+    rows[torch.tensor(tok.bundle.order)] = torch.arange(tok.vocab_size)
+    rows[tok.bundle.specials["decoder_start"]] = tok.bos_id
+    return rows
 
 
 def _marian_config(src: ExportSource) -> dict:
     m, tok = src.cfg.model, src.tokenizer
-    share, V = m.share_embeddings, tok.vocab_size
+    share = m.share_embeddings
+    # The data path starts every target with bos (evaluate.translate, decode.greedy_search);
+    # an imported vocabulary keeps Marian's own ids, where that start is its pad.
+    ids = {"pad": tok.pad_id, "eos": tok.eos_id, "decoder_start": tok.bos_id}
+    if tok.bundle is not None:
+        ids = {k: tok.bundle.specials[k] for k in ids}
+    V = len(_marian_rows(tok))
     return {
         "architectures": ["MarianMTModel"],
         "model_type": "marian",
@@ -244,7 +195,7 @@ def _marian_config(src: ExportSource) -> dict:
         "decoder_vocab_size": V,
         "d_model": m.d_model,
         "encoder_layers": m.N,
-        "decoder_layers": m.decoder_layers or m.N,
+        "decoder_layers": _dec(m),
         "encoder_attention_heads": m.h,
         "decoder_attention_heads": m.h,
         "encoder_ffn_dim": m.d_ff,
@@ -259,19 +210,29 @@ def _marian_config(src: ExportSource) -> dict:
         "share_encoder_decoder_embeddings": share == "all",
         "tie_word_embeddings": share != "none",
         "is_encoder_decoder": True,
-        "pad_token_id": tok.pad_id,
-        "eos_token_id": tok.eos_id,
-        "bos_token_id": tok.bos_id,
-        # The data path starts every target with bos (evaluate.translate, decode.greedy_search).
-        "decoder_start_token_id": tok.bos_id,
+        "pad_token_id": ids["pad"],
+        "eos_token_id": ids["eos"],
+        "bos_token_id": ids["decoder_start"],
+        "decoder_start_token_id": ids["decoder_start"],
         "forced_eos_token_id": None,
+        # What Marian's layout cannot say, for `aiayn import-hf` to restore the model exactly;
+        # transformers keeps unknown keys and ignores them.
+        "aiayn": {"positions": m.positions},
     }
 
 
 def _marian_tokenizer(src: ExportSource) -> dict:
     tok = src.tokenizer
+    if tok.bundle is not None:  # an imported Marian model: its files as they came
+        b = tok.bundle
+        return {
+            "source.spm": b.source_spm,
+            "target.spm": b.target_spm,
+            "vocab.json": b.vocab_json,
+            "tokenizer_config.json": b.tokenizer_config,
+        }
     model = tok.path.read_bytes()
-    vocab = {tok.sp.id_to_piece(i): i for i in range(tok.vocab_size)}
+    vocab = {tok.id_to_piece(i): i for i in range(tok.vocab_size)}
     specials = _specials(src)
     del specials["bos_token"]  # MarianTokenizer has none; the model starts from bos itself
     # MarianTokenizer encodes with source.spm, maps pieces to ids through vocab.json (here
@@ -301,7 +262,7 @@ def _opt(src: ExportSource) -> tuple[dict, dict[str, torch.Tensor], dict]:
             "ctranslate2 instead"
         )
     D = m.d_model
-    out = _layers(w, "decoder", "model.decoder", m.decoder_layers or m.N, cross=False)
+    out = to_theirs(w, layer_pairs("decoder", "model.decoder", _dec(m), cross=False))
     if m.norm == "pre":
         out["model.decoder.final_layer_norm.weight"] = w["decoder.norm.weight"]
         out["model.decoder.final_layer_norm.bias"] = w["decoder.norm.bias"]
