@@ -167,6 +167,34 @@ def test_an_epoch_holds_each_sources_count_and_no_example_twice_within_a_pass(
     assert ld.mixture_scalars()["c/passes"] == pytest.approx(115 / 40)
 
 
+@pytest.mark.parametrize(
+    "epoch, extra, counts",
+    [
+        ("largest", {}, [300, 150, 150]),
+        ("source", {"epoch_source": "c"}, [80, 40, 40]),
+        ("examples", {"epoch_size": 101}, [51, 25, 25]),
+    ],
+)
+def test_each_epoch_definition_is_what_the_loaders_epoch_holds(
+    tmp_path, corpora, mtok, epoch, extra, counts
+):
+    ld = mixed(mixed_cfg(tmp_path / "run", corpora, epoch=epoch, **extra), mtok)
+    assert ld.mixture.counts.tolist() == counts
+    per_source = Counter(s for b in first_epoch(ld) for s in b.sources.tolist())
+    assert [per_source[s] for s in range(3)] == counts
+
+
+def test_an_epoch_of_tokens_holds_about_that_many_target_tokens(tmp_path, corpora, mtok):
+    ld = mixed(mixed_cfg(tmp_path / "run", corpora, epoch="tokens", epoch_size=3000), mtok)
+    tokens = sum(b.n_tokens for b in first_epoch(ld))  # target tokens, eos included
+    assert abs(tokens - 3000) < 0.1 * 3000
+    assert (
+        ld.mixture.counts.tolist()
+        == largest_remainder(ld.mixture.p, ld.mixture.epoch_size).tolist()
+    )
+    assert ld.mixture.p.tolist() == [0.5, 0.25, 0.25]
+
+
 def test_rank_r_takes_global_batches_r_r_plus_w_at_every_world_size(tmp_path, corpora, mtok):
     cfg = mixed_cfg(tmp_path / "run", corpora)
     single = take(iter(mixed(cfg, mtok)), 60)  # past an epoch (about 25 batches)
