@@ -17,6 +17,7 @@ import ast
 import dataclasses
 import inspect
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,19 @@ def _keys_of(cls: type, prefix: str) -> list[Key]:
         rng = f.metadata.get("range") if f.metadata else None
         rng_text = str(rng) if rng is not None and (rng.low, rng.high) != (None, None) else None
         keys.append(Key(prefix + f.name, annotation, _default(f), rng_text, doc))
+        item = _list_item_section(cls, f)
+        if item is not None:  # a list of sections (data.sources): each entry's keys
+            keys += _keys_of(item, f"{prefix}{f.name}[].")
     return keys
+
+
+def _list_item_section(cls: type, f: dataclasses.Field) -> type | None:
+    hint = typing.get_type_hints(cls).get(f.name)
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        if dataclasses.is_dataclass(item):
+            return item
+    return None
 
 
 def sections() -> list[tuple[str, type, str | None, list[Key]]]:

@@ -247,10 +247,9 @@ def cmd_data(args) -> int:
     finally:
         teardown()
     if env.is_main:
-        counts = cache.counts()
-        print(
-            json.dumps({"cache": str(cache.root), "seconds": round(seconds, 2), **counts}, indent=1)
-        )
+        for one in cache if isinstance(cache, list) else [cache]:  # data.sources: one each
+            counts = {"cache": str(one.root), "seconds": round(seconds, 2), **one.counts()}
+            print(json.dumps(counts, indent=1))
     return 0
 
 

@@ -38,7 +38,6 @@ from aiayn.metric_names import (
     SECONDS,
     TER,
     TRANSLATION,
-    tag,
 )
 from aiayn.model import build_model
 from aiayn.tokenizer import Tokenizer, check_contract
@@ -274,8 +273,9 @@ class Validation:
     process at any world size. Rank 0 gathers them in order, scores them and writes them; the
     scores reach every rank."""
 
-    def __init__(self, cfg: Config, tok: Tokenizer, env):
+    def __init__(self, cfg: Config, tok: Tokenizer, env, prefix: str = PREFIX):
         self.cfg, self.tok = cfg, tok
+        self.prefix = prefix  # TensorBoard's and the log's name: valid, or valid_<source>
         self.batches: list[Batch] = []
         self.lines: list[str] = []  # lm: the whole text, scored by lm_eval
         if cfg.model.kind == "lm":
@@ -330,18 +330,18 @@ class Validation:
                 model = Lockstep(module, env) if partitioned else module
                 result.update(self._translate(model, device, metrics, step, env))
         result[SECONDS] = time.perf_counter() - started
-        metrics.log(PREFIX, step, result)
+        metrics.log(self.prefix, step, result)
         return result
 
     def _lm_samples(self, module, partitioned: bool, metrics, step: int, env) -> None:
         """Rank 0 samples a few texts for TensorBoard; under ZeRO-3 the others take its rounds."""
         if not partitioned:
             if env.is_main:
-                metrics.text(tag("samples"), step, lm_samples(module, self.tok, self.cfg))
+                metrics.text(f"{self.prefix}/samples", step, lm_samples(module, self.tok, self.cfg))
             return
         model = Lockstep(module, env)
         if env.is_main:
-            metrics.text(tag("samples"), step, lm_samples(model, self.tok, self.cfg))
+            metrics.text(f"{self.prefix}/samples", step, lm_samples(model, self.tok, self.cfg))
         model.idle()
 
     def _filled(self, env) -> tuple[int, Batch]:
@@ -394,12 +394,13 @@ class Validation:
         cfg = self.cfg
         srcs, refs = [p["src"] for p in self.pairs], [p["tgt"] for p in self.pairs]
         scores = translation_scores(hyps, refs, cfg.decode.bleu_tokenize)
-        path = hypotheses_path(cfg.run_dir, step)
+        path = hypotheses_path(cfg.run_dir, step, self.prefix)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, "".join(h.replace("\n", " ") + "\n" for h in hyps))
         log.info(
-            "valid step %d: %d dev sentences translated by %d rank(s), the busiest in %.1f s; "
+            "%s step %d: %d dev sentences translated by %d rank(s), the busiest in %.1f s; "
             "hypotheses in %s",
+            self.prefix,
             step,
             len(hyps),
             world,
@@ -408,19 +409,20 @@ class Validation:
         )
         if not self.signatures_logged:
             for name in TRANSLATION:
-                log.info("valid %s signature: %s", name, scores[f"{name}_signature"])
+                log.info("%s %s signature: %s", self.prefix, name, scores[f"{name}_signature"])
             self.signatures_logged = True
         samples = zip(srcs[: cfg.logging.samples], refs, hyps, strict=False)
         text = "\n\n".join(
             f"**source:** {s}  \n**reference:** {r}  \n**hypothesis:** {h}" for s, r, h in samples
         )
-        metrics.text(tag("samples"), step, text)
+        metrics.text(f"{self.prefix}/samples", step, text)
         return {name: scores[name] for name in TRANSLATION}
 
 
-def hypotheses_path(run_dir: str | Path, step: int) -> Path:
-    """Where a validation writes the dev set's hypotheses, a line per sentence, in order."""
-    return Path(run_dir) / "valid" / f"step_{step:08d}.hyp"
+def hypotheses_path(run_dir: str | Path, step: int, prefix: str = PREFIX) -> Path:
+    """Where a validation writes the dev set's hypotheses, a line per sentence, in order (a
+    source's own dev set: in valid_<source>)."""
+    return Path(run_dir) / prefix / f"step_{step:08d}.hyp"
 
 
 def split_lines(cfg: Config, spec: str) -> list[str]:

@@ -32,6 +32,9 @@ from aiayn.data import (
 )
 from aiayn.data.batch import resolve_pad_to_multiple
 from aiayn.data.hub_revision import pin_hub_revision
+from aiayn.data.mixed_loader import MixedLoader, tag_ids
+from aiayn.data.mixed_stream import MixedStream
+from aiayn.data.mixture import as_train, cache_folder, tokenizer_sample
 from aiayn.data.run_splits import with_run_copy
 from aiayn.distributed import faults
 from aiayn.distributed.engine import Engine, build_engine
@@ -67,23 +70,27 @@ def prepare_tokenizer(cfg: Config, retrain: bool = False) -> Tokenizer:
         cfg.tokenizer.type,
         cfg.tokenizer.vocab_size,
         n,
-        cfg.data.train,
+        cfg.data.train or ", ".join(s.name for s in cfg.data.sources),
         path,
     )
-    sentences = sample_sentences(cfg.data, cfg.model.kind, n, cfg.tokenizer.seed)
-    return train_tokenizer(cfg.tokenizer, sentences, path)
+    if not cfg.data.sources:
+        sentences = sample_sentences(cfg.data, cfg.model.kind, n, cfg.tokenizer.seed)
+        return train_tokenizer(cfg.tokenizer, sentences, path)
+    return train_tokenizer(*tokenizer_sample(cfg, n), path)
 
 
 def prepare_data(
     cfg: Config, env: DistEnv, rebuild: bool = False
-) -> tuple[Tokenizer, TokenCache | None]:
+) -> tuple[Tokenizer, TokenCache | list[TokenCache] | None]:
     """The tokenizer (trained by rank 0 if missing) and, with data.cache, the training split's
-    token cache (built by all ranks together if missing). Every rank calls it."""
+    token cache (built by all ranks together if missing), or a list of each data.sources
+    entry's cache. Every rank calls it."""
     if env.is_main:  # one writer: the others wait, then load what it trained
         tok = prepare_tokenizer(cfg)
     env.barrier()
     if not env.is_main:
         tok = Tokenizer(cfg.tokenizer_path)
+    tag_ids(cfg.data, tok)  # a tag the tokenizer splits: refused before any cache is built
     if not cfg.data.cache:
         if env.distributed and env.is_main:
             log.warning(
@@ -102,10 +109,28 @@ def prepare_data(
         if shared
         else (env.local_rank, env.local_world_size, env.node_gather)
     )
-    cache = ensure_cache(cfg, "train", tok, rank=rank, world_size=world, sync=sync, rebuild=rebuild)
+    if cfg.data.sources:  # a mixture: a cache per source, each keyed by its own corpus
+        caches = [
+            ensure_cache(
+                as_train(cfg, source),
+                "train",
+                tok,
+                rank=rank,
+                world_size=world,
+                sync=sync,
+                rebuild=rebuild,
+                folder=cache_folder(source),
+            )
+            for source in cfg.data.sources
+        ]
+    else:
+        caches = [
+            ensure_cache(cfg, "train", tok, rank=rank, world_size=world, sync=sync, rebuild=rebuild)
+        ]
     if not shared:
-        _same_tokens_on_every_node(env, cache)
-    return tok, cache
+        for cache in caches:
+            _same_tokens_on_every_node(env, cache)
+    return tok, caches if cfg.data.sources else caches[0]
 
 
 def _same_tokens_on_every_node(env: DistEnv, cache: TokenCache) -> None:
@@ -430,6 +455,7 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
     if cfg.data.valid:  # on the run's copy of the split: a restart reads no source
         local = with_run_copy(cfg, "valid", run.env.decide)
         validation = Validation(local, run.tok, run.env)
+    per_source = _source_validations(cfg, run.tok, run.env)
     if cfg.data.test:  # for `aiayn evaluate`; training does not need it, so it cannot stop it
         try:
             with_run_copy(cfg, "test", run.env.decide)
@@ -464,9 +490,12 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
         if stop_now:
             _stop(run, window, step)
         stop_early = False
-        if validation and ((cfg.train.eval_every and step % cfg.train.eval_every == 0) or last):
+        due = (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last
+        if validation and due:
             last_eval = valid = validation.run(engine, run.metrics, step, run.env)
             stop_early = _no_longer_improving(cfg, progress, valid) and not last
+        for each in per_source if due else ():  # scored and shown; data.valid ranks
+            each.run(engine, run.metrics, step, run.env)
         if run.ckpts.due(step) or last or stop_early:
             _save(run, window, step, valid)
             saved_step = step
@@ -487,6 +516,17 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
     if cfg.train.finish and run.env.is_main:  # the averaged model: one process's work
         finish(cfg.run_dir, cfg.train.finish, cfg.train.finish_select)
     return last_eval
+
+
+def _source_validations(cfg: Config, tok: Tokenizer, env: DistEnv) -> list[Validation]:
+    """A Validation of each data.sources entry's own dev set (on the run's copy of it), logged
+    as valid_<name>/...: untagged, like data.valid and inference."""
+    out = []
+    for source in (s for s in cfg.data.sources if s.valid):
+        name = f"{PREFIX}_{source.name}"
+        local = with_run_copy(as_train(cfg, source), "valid", env.decide, name=name)
+        out.append(Validation(local, tok, env, prefix=name))
+    return out
 
 
 def _no_longer_improving(cfg: Config, progress: Progress, valid: dict[str, float]) -> bool:
@@ -607,6 +647,8 @@ def _record_ids(run: Run, fetched: list) -> None:
     with open(path, "a") as fh:
         for batch, epoch in fetched:
             row = {"step": run.progress.step + 1, "epoch": epoch, "ids": batch.ids.tolist()}
+            if batch.sources is not None:  # a mixture: ids count within each source
+                row["sources"] = batch.sources.tolist()
             fh.write(json.dumps(row) + "\n")
 
 
@@ -654,6 +696,8 @@ def _log_window(run: Run, window: Window, grad_norm, console: bool) -> dict[str,
         "tokens": progress.tokens,
     }
     run.metrics.log("train", step, scalars, console=console)
+    if isinstance(run.loader, MixedLoader | MixedStream):  # what the group took of each source
+        run.metrics.log("data", step, run.loader.mixture_scalars(), console=False)
     return {k: scalars[k] for k in ("loss", "lr", "tokens_per_s")}
 
 

@@ -147,7 +147,7 @@ def test_the_ranges_are_declared_on_the_fields():
         "distributed.zero_stage",
         "data.pad_to_multiple",
     } <= declared
-    assert len(declared) == 50  # every numeric field with a bound
+    assert len(declared) == 52  # every numeric field with a bound
 
 
 SHAKESPEARE = Path(__file__).parents[2] / "configs" / "tinyshakespeare_lm.yaml"
@@ -244,3 +244,87 @@ def test_init_exclude_needs_a_source():
         load_config(SHAKESPEARE, ["init.vocab=remap"])
     with pytest.raises(ConfigError, match=r"init.vocab must be one of same, remap, got 'new'"):
         load_config(SHAKESPEARE, ["init.source=runs/x", "init.vocab=new"])
+
+
+# ---- data.sources: a mixture -------------------------------------------------------------
+
+MIX = [{"name": "news", "path": "a", "weight": 3}, {"name": "bt", "path": "b", "weight": 1}]
+
+
+def mixture(*sources, **data) -> Config:
+    return config_from_dict({"data": {"sources": list(sources or MIX), **data}})
+
+
+def refusals(*sources, **data) -> str:
+    with pytest.raises(ConfigError) as err:
+        mixture(*sources, **data)
+    return str(err.value)
+
+
+def test_a_mixture_loads_and_round_trips_through_its_yaml(tmp_path):
+    cfg = mixture({"name": "x", "path": "p", "weight": 1, "tag": "<bt>"}, epoch="largest")
+    assert cfg.data.sources[0].tag == "<bt>" and cfg.data.sources[0].weight == 1.0
+    cfg.save(tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+def test_a_sources_entrys_unknown_key_and_wrong_type_are_named_with_its_index():
+    text = refusals({"name": "a", "path": "p", "wieght": 1}, {"name": "b", "path": 3, "tag": []})
+    assert "unknown key data.sources[0].wieght; did you mean data.sources[0].weight?" in text
+    assert "data.sources[1].tag must be a string or null, got []" in text
+    assert "data.sources must be a list of mappings, got 'news'" in str(
+        pytest.raises(ConfigError, config_from_dict, {"data": {"sources": "news"}}).value
+    )
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"weight": 0}, "data.sources[0].weight must be > 0, got 0"),
+        ({"weight": -1.5}, "data.sources[0].weight must be > 0, got -1.5"),
+        ({"name": "news/2019"}, "data.sources[0].name 'news/2019' must be letters, digits"),
+        ({"name": ""}, "data.sources[0].name '' must be letters, digits"),
+        ({"path": ""}, "data.sources[0].path is required"),
+        ({"tag": "<b t>"}, "data.sources[0].tag '<b t>' must be one token"),
+        ({"tag": ""}, "data.sources[0].tag '' must be one token"),
+        ({"name": "bt"}, "data.sources: each name once; bt given twice"),
+        ({"weight": None}, "data.sources news have no weight: give every source a weight"),
+    ],
+)
+def test_a_bad_source_entry_is_refused_naming_it(change, message):
+    assert message in refusals({**MIX[0], **change}, MIX[1])
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"train": "x"}, "data.train and data.sources are both set"),
+        ({"temperature": 2.0}, "data.temperature sets every source's share: remove the weights"),
+        ({"temperature": 0}, "data.temperature must be > 0, got 0"),
+        ({"epoch": "source"}, "data.epoch=source counts one pass over data.epoch_source"),
+        ({"epoch": "source", "epoch_source": "web"}, "must name a source (news, bt); got 'web'"),
+        ({"epoch_source": "bt"}, "data.epoch_source is for data.epoch=source"),
+        ({"epoch": "tokens"}, "data.epoch=tokens needs data.epoch_size"),
+        ({"epoch_size": 100}, "data.epoch_size is for data.epoch=examples or tokens"),
+        ({"epoch": "examples", "epoch_size": 0}, "data.epoch_size must be >= 1, got 0"),
+        ({"epoch": "passes"}, "data.epoch must be one of sum, largest, source, examples, tokens"),
+        (
+            {"cache": False, "epoch": "tokens", "epoch_size": 9},
+            "data.epoch=tokens needs the sources' mean lengths, which a stream does not have",
+        ),
+    ],
+)
+def test_a_bad_mixture_setting_is_refused_naming_it(data, message):
+    assert message in refusals(**data)
+
+
+def test_mixture_keys_without_sources_and_an_lm_mixture_are_refused():
+    with pytest.raises(ConfigError, match="data.temperature, data.epoch describe a mixture"):
+        config_from_dict({"data": {"train": "x", "temperature": 1.0, "epoch": "largest"}})
+    with pytest.raises(ConfigError, match="a language model .model.kind lm. trains on data.train"):
+        config_from_dict({"data": {"sources": MIX, "format": "text"}, "model": {"kind": "lm"}})
+    cfg = mixture(*[{k: v for k, v in s.items() if k != "weight"} for s in MIX], temperature=5)
+    assert cfg.data.temperature == 5.0
+    streamed = mixture(cache=False, epoch="examples", epoch_size=1000)
+    assert not streamed.data.cache and streamed.data.epoch_size == 1000
+    assert mixture(cache=False, epoch="largest").data.epoch == "largest"

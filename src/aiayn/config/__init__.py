@@ -17,6 +17,7 @@ from aiayn.config.schema import (
     ModelConfig,
     OptimConfig,
     ScheduleConfig,
+    SourceConfig,
     TokenizerConfig,
     TrainConfig,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "ScheduleConfig",
+    "SourceConfig",
     "TokenizerConfig",
     "TrainConfig",
     "apply_override",

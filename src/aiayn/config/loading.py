@@ -110,6 +110,8 @@ def _build(cls, raw: Any, prefix: str, errs: list[str]):
         value, tp = raw[f.name], hints[f.name]
         if dataclasses.is_dataclass(tp):
             kwargs[f.name] = _build(tp, value, f"{prefix}{f.name}.", errs)
+        elif _item_section(tp) is not None:
+            kwargs[f.name] = _build_list(_item_section(tp), value, f"{prefix}{f.name}", errs)
         else:
             ok, converted, expected = _coerce(value, tp)
             if ok:
@@ -121,6 +123,23 @@ def _build(cls, raw: Any, prefix: str, errs: list[str]):
                     + (f"; {hint}" if hint else "")
                 )
     return cls(**kwargs)
+
+
+def _item_section(tp: Any) -> type | None:
+    """The section class of a list-of-sections field (data.sources), else None."""
+    if typing.get_origin(tp) is list:
+        (item,) = typing.get_args(tp)
+        if dataclasses.is_dataclass(item):
+            return item
+    return None
+
+
+def _build_list(cls, raw: Any, name: str, errs: list[str]) -> list:
+    """A list of sections, each checked like a section: unknown keys, types (data.sources[1].x)."""
+    if not isinstance(raw, list):
+        errs.append(f"{name} must be a list of mappings, got {raw!r}")
+        return []
+    return [_build(cls, item, f"{name}[{i}].", errs) for i, item in enumerate(raw)]
 
 
 def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:

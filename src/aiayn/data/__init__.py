@@ -6,7 +6,8 @@ from aiayn.data.batch import Batch
 from aiayn.data.cache import TokenCache
 from aiayn.data.cache_build import ensure_cache
 from aiayn.data.cached_loader import CachedLoader
-from aiayn.data.loader import BatchLoader, make_loader
+from aiayn.data.loader import BatchLoader
+from aiayn.data.make import make_loader
 from aiayn.data.sources import Source, open_split, sample_sentences
 from aiayn.data.steps import StepBatches
 

@@ -32,6 +32,9 @@ class Batch:
     non-pad targets, which the model projects and the loss scores (loss.batch_loss). Made on
     the host with the batch (target_positions): found on the device, the count N would make the
     host wait for the GPU."""
+    sources: torch.Tensor | None = None
+    """(B,) int64: the data.sources index each example comes from (a mixture; None for
+    data.train). With ids, what identifies an example (ids count within each source)."""
 
     @property
     def size(self) -> int:
@@ -56,9 +59,9 @@ class Batch:
         return Batch(**out)
 
 
-HOST_ONLY = frozenset({"ids"})
-"""Fields the model never reads: they are not copied to the device (`ids` only records what was
-consumed, and is read on the host)."""
+HOST_ONLY = frozenset({"ids", "sources"})
+"""Fields the model never reads: they are not copied to the device (`ids` and `sources` only
+record what was consumed, and are read on the host)."""
 
 
 def resolve_pad_to_multiple(setting: int | None, device: torch.device) -> int:
@@ -96,12 +99,15 @@ def padded_rows(
     eos: int | None = None,
     multiple: int = 1,
     limit: int = 0,
+    width: int | None = None,
 ) -> torch.Tensor:
     """(B, L) int64 tensor of rows flat[start[i]:start[i] + length[i]], right-padded, optionally
     bos-prefixed and eos-suffixed. `flat` may be a memory map: only these rows are read. L is
+    `width` if given (the rows of a batch read from several arrays, data/mixed_loader.py), else
     the widest row rounded up by round_width(multiple, limit)."""
     off = int(bos is not None)
-    width = int(round_width(int(length.max()) + off + int(eos is not None), multiple, limit))
+    if width is None:
+        width = int(round_width(int(length.max()) + off + int(eos is not None), multiple, limit))
     pos = np.arange(width)[None, :] - off  # position of each column inside the ids
     mask = (pos >= 0) & (pos < length[:, None])
     out = np.full((len(length), width), pad, dtype=np.int64)

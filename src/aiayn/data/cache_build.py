@@ -63,8 +63,11 @@ def ensure_cache(
     world_size: int = 1,
     sync: Sync | None = None,
     rebuild: bool = False,
+    folder: str | None = None,
 ) -> TokenCache:
-    """Open the cache of `split`, building it first if it is missing (or if rebuild).
+    """Open the cache of `split`, building it first if it is missing (or if rebuild). It
+    lives in the folder `folder` of the cache directory (default: the split's name; a source of
+    a mixture has its own, mixture.cache_folder).
 
     Every rank calls it; the ranks share the tokenising and rank 0 writes the result. An
     existing cache that does not fit the config is refused, never silently replaced. Rank 0
@@ -73,7 +76,7 @@ def ensure_cache(
     if any rank finds it wrong.
     """
     sync = sync or (lambda value: [value])
-    root = cache_dir(cfg, split)
+    root = cache_dir(cfg, folder or split)
     work = root.parent / f"{root.name}.partial"
     if not rebuild and sync((root / MANIFEST).is_file())[0]:  # as rank 0 sees it, for all
         # Rank 0 compares the corpus (file sizes and times) and verifies for all.

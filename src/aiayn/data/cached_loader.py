@@ -66,24 +66,8 @@ class CachedLoader:
                 f"token cache {cache.root} holds {cache.kind} data, this model is {kind}; "
                 "set data.cache_dir to another directory"
             )
-        check_loader_args(max_tokens, rank, world_size)
-        self.cache, self.cfg, self.tok, self.kind = cache, data_cfg, tokenizer, kind
-        self.max_tokens, self.seed, self.train = max_tokens, seed, train
-        self.rank, self.world_size, self.pin_memory = rank, world_size, pin_memory
-        self.multiple = data_cfg.pad_to_multiple or 1
-        self.epoch = 0
-        self._pos = {"epoch": 0, "done": 0}
-        self._resume_pending = False
-        self._plan_of: tuple[int, Plan | LmPlan] | None = None
-        self._ahead: tuple[int, Future] | None = None  # the next epoch's plan, while training
-        self._planner: ThreadPoolExecutor | None = None
-        self._plan_lock = threading.Lock()  # plans are made on the batch thread, and read here
-        self._batches = 0
-        self._targets_of: tuple[int, np.ndarray] | None = None
-        self.round: tuple[int, int] | None = None
-        """For the batch last handed out: the target tokens of its round (the W global batches
-        the ranks take together, one each), and the epoch of the round's last batch. Every rank
-        plans every rank's batches, so the loop needs no collective to learn them (train.py)."""
+        self._setup(data_cfg, tokenizer, kind, max_tokens, seed, train, rank, world_size)
+        self.cache, self.pin_memory = cache, pin_memory
         # int32 throughout (examples < 2^31, a row < 2^31 tokens): the index and the plan of
         # millions of examples are per-rank memory. Pairs keep only widths; rows read their
         # lengths from the offsets of their own batch.
@@ -121,6 +105,27 @@ class CachedLoader:
             self._fingerprint["lm_order"] = data_cfg.lm_order
         if self.multiple != 1:  # it changes the plan; older positions have 1
             self._fingerprint["pad_to_multiple"] = self.multiple
+
+    def _setup(self, data_cfg, tokenizer, kind, max_tokens, seed, train, rank, world_size) -> None:
+        """What every loader over token caches holds besides its index (mixed_loader.py too)."""
+        check_loader_args(max_tokens, rank, world_size)
+        self.cfg, self.tok, self.kind = data_cfg, tokenizer, kind
+        self.max_tokens, self.seed, self.train = max_tokens, seed, train
+        self.rank, self.world_size = rank, world_size
+        self.multiple = data_cfg.pad_to_multiple or 1
+        self.epoch = 0
+        self._pos = {"epoch": 0, "done": 0}
+        self._resume_pending = False
+        self._plan_of: tuple[int, Plan | LmPlan] | None = None
+        self._ahead: tuple[int, Future] | None = None  # the next epoch's plan, while training
+        self._planner: ThreadPoolExecutor | None = None
+        self._plan_lock = threading.Lock()  # plans are made on the batch thread, and read here
+        self._batches = 0
+        self._targets_of: tuple[int, np.ndarray] | None = None
+        self.round: tuple[int, int] | None = None
+        """For the batch last handed out: the target tokens of its round (the W global batches
+        the ranks take together, one each), and the epoch of the round's last batch. Every rank
+        plans every rank's batches, so the loop needs no collective to learn them (train.py)."""
 
     # ---- position ---------------------------------------------------------------------------
 
@@ -204,10 +209,14 @@ class CachedLoader:
         if self.kind == "classifier":  # one target per example
             per_batch = np.diff(plan.bounds)
         else:  # each target side and its eos
-            c = self.cache
-            lengths = (c.tgt_offsets[rows + 1] - c.tgt_offsets[rows]).astype(np.int64) + 1
+            lengths = self._target_lengths(rows) + 1
             per_batch = np.add.reduceat(lengths, starts) if len(rows) else np.zeros(0, np.int64)
         return per_batch if plan.order is None else per_batch[plan.order]
+
+    def _target_lengths(self, rows: np.ndarray) -> np.ndarray:
+        """int64 target tokens (eos not counted) of the examples `rows`."""
+        c = self.cache
+        return (c.tgt_offsets[rows + 1] - c.tgt_offsets[rows]).astype(np.int64)
 
     def _stream(self, pos: dict) -> Iterator[tuple[int, int]]:
         """(epoch, batch index) of every global batch from `pos` on; epochs follow each other

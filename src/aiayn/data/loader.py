@@ -28,10 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from aiayn.config import Config, DataConfig
+from aiayn.config import DataConfig
 from aiayn.data.batch import Batch, padded_rows, round_width, target_positions
-from aiayn.data.cache import TokenCache
-from aiayn.data.cached_loader import CachedLoader
 from aiayn.data.plan import budget_bounds
 from aiayn.data.position import check_loader_args, saved_position, saved_state
 from aiayn.data.prefetch import AHEAD, BATCH_THREAD, prefetch
@@ -64,7 +62,7 @@ class _Tokens:
 
 
 @dataclass
-class _Chunk:
+class Chunk:
     """A tokenized chunk and its batches, each batch a list of rows into the chunk."""
 
     anchor: dict
@@ -74,6 +72,7 @@ class _Chunk:
     tgt: _Tokens | None = None
     labels: np.ndarray | None = None
     blocks: np.ndarray | None = None  # lm: (n_blocks, max_len + 1)
+    sources: np.ndarray | None = None  # a mixture: the data.sources index of each row
 
 
 class BatchLoader:
@@ -104,21 +103,10 @@ class BatchLoader:
         world_size: int = 1,
         pin_memory: bool = False,
     ):
-        if kind not in KINDS:
-            raise DataError(f"unknown model kind {kind!r}; choose from {KINDS}")
-        check_loader_args(max_tokens, rank, world_size)
-        self.cfg, self.split, self.tok, self.kind = data_cfg, split, tokenizer, kind
-        self.max_tokens, self.seed, self.train = max_tokens, seed, train
-        self.rank, self.world_size, self.pin_memory = rank, world_size, pin_memory
-        self.multiple = data_cfg.pad_to_multiple or 1
+        self._setup(data_cfg, tokenizer, kind, max_tokens, seed, train, rank, world_size)
+        self.split, self.pin_memory = split, pin_memory
         self.source = open_split(data_cfg, split, kind)
-        self.chunk_size = data_cfg.shuffle_buffer or _ORDERED_CHUNK
-        self.epoch = 0
         self._pos = self._start()
-        self._resume_pending = False
-        self._stats = dict.fromkeys(
-            ("examples_read", "dropped_too_long", "dropped_empty", "batches"), 0
-        )
         self._fingerprint = {
             "split": split,
             "format": data_cfg.format,
@@ -133,6 +121,22 @@ class BatchLoader:
         }
         if self.multiple != 1:  # it changes the batches; older positions have 1
             self._fingerprint["pad_to_multiple"] = self.multiple
+
+    def _setup(self, data_cfg, tokenizer, kind, max_tokens, seed, train, rank, world_size) -> None:
+        """What every streaming loader holds besides its stream (mixed_stream.py too)."""
+        if kind not in KINDS:
+            raise DataError(f"unknown model kind {kind!r}; choose from {KINDS}")
+        check_loader_args(max_tokens, rank, world_size)
+        self.cfg, self.tok, self.kind = data_cfg, tokenizer, kind
+        self.max_tokens, self.seed, self.train = max_tokens, seed, train
+        self.rank, self.world_size = rank, world_size
+        self.multiple = data_cfg.pad_to_multiple or 1
+        self.chunk_size = data_cfg.shuffle_buffer or _ORDERED_CHUNK
+        self.epoch = 0
+        self._resume_pending = False
+        self._stats = dict.fromkeys(
+            ("examples_read", "dropped_too_long", "dropped_empty", "batches"), 0
+        )
 
     # ---- position ---------------------------------------------------------------------------
 
@@ -200,13 +204,13 @@ class BatchLoader:
         if self.kind == "lm":
             rows = np.arange(max(1, self.max_tokens // self.cfg.max_len))
             blocks = np.full((len(rows), width), fill, dtype=np.int64)
-            return [self._make_batch(_Chunk(anchor, [rows], rows, blocks=blocks), rows)]
+            return [self._make_batch(Chunk(anchor, [rows], rows, blocks=blocks), rows)]
         full = _Tokens.of([[fill] * self.cfg.max_len for _ in rows])
         labels = np.zeros(len(rows), dtype=np.int64)
-        chunk = _Chunk(anchor, [rows], rows, src=full, tgt=full, labels=labels)
+        chunk = Chunk(anchor, [rows], rows, src=full, tgt=full, labels=labels)
         return [self._make_batch(chunk, rows)]
 
-    def _chunks(self, pos: dict) -> Iterator[_Chunk]:
+    def _chunks(self, pos: dict) -> Iterator[Chunk]:
         """Every chunk from the one at `pos` on: epoch after epoch if training."""
         epoch, chunk, state = pos["epoch"], pos["chunk"], pos["source"]
         read, next_id = pos["read"], pos["next_id"]
@@ -243,19 +247,19 @@ class BatchLoader:
             return None
         return np.random.default_rng([self.seed, anchor["epoch"], anchor["chunk"]])
 
-    def _build_chunk(self, examples: list[dict], anchor: dict) -> _Chunk:
+    def _build_chunk(self, examples: list[dict], anchor: dict) -> Chunk:
         self._stats["examples_read"] += len(examples)
         if self.kind == "lm":
             return self._build_lm_chunk(examples, anchor)
         rng = self._rng(anchor)
-        if self.kind == "seq2seq":
-            src = _Tokens.of(self.tok.encode([e["src"] for e in examples]))
-            tgt = _Tokens.of(self.tok.encode([e["tgt"] for e in examples], side="target"))
+        src_rows, tgt_rows = self._encoded(examples)
+        src = _Tokens.of(src_rows)
+        if tgt_rows is not None:
+            tgt = _Tokens.of(tgt_rows)
             shortest = np.minimum(src.length, tgt.length)
             longest = np.maximum(src.length, tgt.length)
         else:
-            src, tgt = _Tokens.of(self.tok.encode([e["text"] for e in examples])), None
-            shortest = longest = src.length
+            tgt, shortest, longest = None, src.length, src.length
         empty = shortest == 0
         too_long = ~empty & (longest > self.cfg.max_len)
         self._stats["dropped_empty"] += int(empty.sum())
@@ -278,9 +282,16 @@ class BatchLoader:
         if self.kind == "classifier":
             labels = np.array([e["label"] for e in examples], dtype=np.int64)
         ids = anchor["read"] + np.arange(len(examples), dtype=np.int64)
-        return _Chunk(anchor, batches, ids, src=src, tgt=tgt, labels=labels)
+        return Chunk(anchor, batches, ids, src=src, tgt=tgt, labels=labels)
 
-    def _build_lm_chunk(self, examples: list[dict], anchor: dict) -> _Chunk:
+    def _encoded(self, examples: list[dict]) -> tuple[list[list[int]], list[list[int]] | None]:
+        """The token ids of each example's source (or text) and target (None: no target)."""
+        if self.kind == "seq2seq":
+            src = self.tok.encode([e["src"] for e in examples])
+            return src, self.tok.encode([e["tgt"] for e in examples], side="target")
+        return self.tok.encode([e["text"] for e in examples]), None
+
+    def _build_lm_chunk(self, examples: list[dict], anchor: dict) -> Chunk:
         """Documents joined by eos and cut into blocks of max_len + 1 tokens."""
         rng, eos, pad = self._rng(anchor), self.tok.eos_id, self.tok.pad_id
         docs = self.tok.encode([e["text"] for e in examples])
@@ -299,9 +310,9 @@ class BatchLoader:
         order = np.arange(n_blocks)
         batches = [order[j : j + rows] for j in range(0, n_blocks, rows)]
         ids = anchor["next_id"] + order
-        return _Chunk(anchor, batches, ids, blocks=blocks.reshape(n_blocks, size))
+        return Chunk(anchor, batches, ids, blocks=blocks.reshape(n_blocks, size))
 
-    def _make_batch(self, chunk: _Chunk, rows: np.ndarray) -> Batch:
+    def _make_batch(self, chunk: Chunk, rows: np.ndarray) -> Batch:
         ids = torch.from_numpy(chunk.ids[rows].copy())
         pad, bos, eos = self.tok.pad_id, self.tok.bos_id, self.tok.eos_id
         if self.kind == "lm":
@@ -321,31 +332,3 @@ class BatchLoader:
         n = int(chunk.tgt.length[rows].sum()) + len(rows)
         keep = target_positions(tgt_out, pad)
         return Batch(ids=ids, n_tokens=n, src=src, tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)
-
-
-def make_loader(
-    cfg: Config,
-    split: str,
-    tokenizer: Tokenizer,
-    *,
-    train: bool,
-    rank: int = 0,
-    world_size: int = 1,
-    cache: TokenCache | None = None,
-    pin_memory: bool = False,
-) -> BatchLoader | CachedLoader:
-    """The loader of one split as a run config describes it: from its token cache if one is
-    given (data/cache.py), else streamed and tokenised as it goes. pin_memory where the batches
-    go to a GPU."""
-    common = dict(
-        pin_memory=pin_memory,
-        kind=cfg.model.kind,
-        max_tokens=cfg.train.max_tokens,
-        seed=cfg.train.seed,
-        train=train,
-        rank=rank,
-        world_size=world_size,
-    )
-    if cache is not None:
-        return CachedLoader(cache, cfg.data, tokenizer, **common)
-    return BatchLoader(cfg.data, split, tokenizer, **common)

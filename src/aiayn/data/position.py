@@ -20,6 +20,11 @@ def check_loader_args(max_tokens: int, rank: int, world_size: int) -> None:
         raise DataError(f"rank {rank} is outside world size {world_size}")
 
 
+def recorded_number(value: float | None) -> float | None:
+    """A float as a fingerprint records it: a weight of 2 and one of 2.0 are the same."""
+    return None if value is None else float(value)
+
+
 def saved_state(version: int, fingerprint: dict, position: dict) -> dict:
     """Plain ints, strings, lists and dicts: safe for torch.load(weights_only=True)."""
     return {
@@ -44,8 +49,10 @@ def saved_position(state: dict, version: int, fingerprint: dict, what: str) -> d
             f"data position has version {state.get('version')}, this code reads {version}; "
             "resume with the aiayn version that wrote the checkpoint"
         )
-    diffs = []
+    diffs = _mixture_diffs(saved.get("mixture"), fingerprint.get("mixture"))
     for key, value in fingerprint.items():
+        if key in ("mixture", "cache") and ("mixture" in saved or "mixture" in fingerprint):
+            continue  # what the data is: said by _mixture_diffs
         if key == "source":
             if key in saved:  # positions saved before it was recorded have nothing to compare
                 diffs += _source_diffs(saved[key], value)
@@ -77,4 +84,36 @@ def _source_diffs(saved: dict, now: dict) -> list[str]:
             for a, b in zip(old, new, strict=True)
             if a["bytes"] != b["bytes"]
         ]
+    return diffs
+
+
+def _mixture_diffs(saved: dict | None, now: dict | None) -> list[str]:
+    """What changed in a mixture (data.sources), by source: one line per change."""
+    if saved is None and now is None:
+        return []
+    if saved is None or now is None:
+        was, is_ = ("data.train", "data.sources") if now else ("data.sources", "data.train")
+        return [f"  - data: the checkpoint trained on {was}, this config names {is_}"]
+    old = {s["name"]: s for s in saved["sources"]}
+    new = {s["name"]: s for s in now["sources"]}
+    diffs = [f"  - source {n}: not in the checkpoint's mixture" for n in new if n not in old]
+    diffs += [f"  - source {n}: in the checkpoint's mixture, not now" for n in old if n not in new]
+    for name in (n for n in new if n in old):
+        a, b = old[name], new[name]
+        if a.get("cache") != b.get("cache"):  # the token cache's content
+            diffs.append(f"  - source {name}: its tokens changed (corpus, fields or tokenizer)")
+        if a.get("source") != b.get("source"):  # a stream's files, sizes and fields
+            diffs.append(f"  - source {name}: its corpus changed (files, sizes or fields)")
+        diffs += [
+            f"  - source {name}: {key} checkpoint {a[key]!r}, now {b[key]!r}"
+            for key in ("weight", "tag")
+            if a[key] != b[key]
+        ]
+    if not diffs and list(old) != list(new):
+        diffs.append(f"  - order of data.sources: checkpoint {list(old)}, now {list(new)}")
+    diffs += [
+        f"  - data.{key}: checkpoint {saved[key]!r}, now {now[key]!r}"
+        for key in now
+        if key != "sources" and saved.get(key) != now[key]
+    ]
     return diffs

@@ -33,10 +33,13 @@ FIELDS = {
 }
 
 
-def with_run_copy(cfg: Config, split: str, decide: Callable = lambda choose: choose()) -> Config:
+def with_run_copy(
+    cfg: Config, split: str, decide: Callable = lambda choose: choose(), name: str | None = None
+) -> Config:
     """`cfg` with data.<split> read from the run's copy, which rank 0 makes from the source if
-    the run has none yet (DistEnv.decide); all ranks raise together if it cannot be made."""
-    path = Path(cfg.run_dir) / COPY_DIR / f"{split}.jsonl"
+    the run has none yet (DistEnv.decide); all ranks raise together if it cannot be made. The
+    copy is data/<name>.jsonl (default: the split's name; a source's own dev set has its own)."""
+    path = Path(cfg.run_dir) / COPY_DIR / f"{name or split}.jsonl"
     decide(lambda: _copied(cfg, split, path))
     return _reading(cfg, split, path)
 

@@ -1,0 +1,46 @@
+"""Which loader a run config describes: one split's token cache, a mixture's caches, or a
+stream (one split's, or a mixture's sources). Above the loaders, so that none imports another
+to choose."""
+
+from __future__ import annotations
+
+from aiayn.config import Config
+from aiayn.data.cache import TokenCache
+from aiayn.data.cached_loader import CachedLoader
+from aiayn.data.loader import BatchLoader
+from aiayn.data.mixed_loader import MixedLoader
+from aiayn.data.mixed_stream import MixedStream
+from aiayn.tokenizer import Tokenizer
+
+
+def make_loader(
+    cfg: Config,
+    split: str,
+    tokenizer: Tokenizer,
+    *,
+    train: bool,
+    rank: int = 0,
+    world_size: int = 1,
+    cache: TokenCache | list[TokenCache] | None = None,
+    pin_memory: bool = False,
+) -> BatchLoader | CachedLoader:
+    """The loader of one split as a run config describes it: from its token cache if one is
+    given (data/cache.py), from the caches of data.sources if a list is (a mixture,
+    data/mixed_loader.py), else streamed and tokenised as it goes (a mixture's sources:
+    data/mixed_stream.py). pin_memory where the batches go to a GPU."""
+    common = dict(
+        pin_memory=pin_memory,
+        kind=cfg.model.kind,
+        max_tokens=cfg.train.max_tokens,
+        seed=cfg.train.seed,
+        train=train,
+        rank=rank,
+        world_size=world_size,
+    )
+    if isinstance(cache, list):
+        return MixedLoader(cache, cfg.data, tokenizer, **common)
+    if cfg.data.sources and train:
+        return MixedStream(cfg, tokenizer, **common)
+    if cache is not None:
+        return CachedLoader(cache, cfg.data, tokenizer, **common)
+    return BatchLoader(cfg.data, split, tokenizer, **common)

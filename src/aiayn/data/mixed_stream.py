@@ -1,0 +1,284 @@
+"""Training batches from a mixture of streamed sources (data.sources with data.cache false).
+
+Each source is read as an endless sequence of passes over its stream, from where it stopped:
+a pass is the stream in its own order (there is no index to permute), so nothing repeats
+within a pass, and a source taken in part in one epoch goes on from there in the next. An
+epoch is data.epoch_size examples read (the sizes of streams are not known without reading
+them whole), each source's count by largest remainder of the weights (mixture.py).
+
+The epoch is read in chunks of data.shuffle_buffer examples, as the single-stream loader reads
+one stream. Chunk c takes from each source a count drawn from what the epoch still owes it
+(a multivariate hypergeometric draw seeded by (seed, epoch, c), so that the counts add up to
+the epoch's exactly), in an order permuted with the same generator; the chunk is then
+tokenised (tags put first), bucketed and batched like BatchLoader's. The position holds the
+chunk's start: the epoch's counts still owed, and every source's stream state and pass. Every
+rank reads every source and builds the same chunks, so the batches are the same at any world
+size, taken round by round, and a position resumes on another.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from aiayn.config import Config
+from aiayn.data.batch import Batch
+from aiayn.data.loader import STATE_VERSION, BatchLoader, Chunk
+from aiayn.data.mixed_loader import tag_ids
+from aiayn.data.mixture import as_train, epoch_counts, largest_remainder, shares
+from aiayn.data.position import recorded_number, saved_position
+from aiayn.data.sources import Source, open_split, source_identity
+from aiayn.errors import DataError
+from aiayn.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_CHUNKS = 0x63686B  # "chk": keeps the chunks' draws apart from other streams of the seed
+
+
+class _Reader:
+    """One source's stream, read pass after pass from a saved position."""
+
+    def __init__(self, name: str, source: Source, pos: dict):
+        self.name, self.source = name, source
+        self.passes, self.state, self.read = pos["pass"], pos["state"], pos["read"]
+        self._ds, self._records = None, None
+
+    def position(self) -> dict:
+        return {"pass": self.passes, "state": self.state, "read": self.read}
+
+    def take(self, n: int) -> list[dict]:
+        """The next n records, each with its source's index in the pass ("_id")."""
+        out: list[dict] = []
+        while len(out) < n:
+            if self._records is None:
+                self._ds = self.source.dataset(self.state)
+                self._records = self.source.records(self._ds)
+            got = list(itertools.islice(self._records, n - len(out)))
+            for i, rec in enumerate(got):
+                rec["_id"] = self.read + i
+            out += got
+            self.read += len(got)
+            self.state = self._ds.state_dict()
+            if len(out) < n:  # the pass ended: the next starts at the stream's beginning
+                if self.read == 0:
+                    raise DataError(f"data.sources {self.name} holds no records")
+                self.passes, self.state, self.read, self._records = self.passes + 1, None, 0, None
+        return out
+
+
+class MixedStream(BatchLoader):
+    """BatchLoader's interface (iterate; state_dict; epoch; stats) over data.sources, streamed,
+    in training only. Its extra: `mixture_scalars()` for TensorBoard."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        tokenizer: Tokenizer,
+        *,
+        kind: str,
+        max_tokens: int,
+        seed: int,
+        train: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        pin_memory: bool = False,
+    ):
+        if not train or kind == "lm":
+            raise ValueError("a mixture of sources is for training seq2seq or classifier models")
+        data = cfg.data
+        self._setup(data, tokenizer, kind, max_tokens, seed, train, rank, world_size)
+        self.split, self.pin_memory = "data.sources", pin_memory
+        self.names = [s.name for s in data.sources]
+        self.tags = tag_ids(data, tokenizer)
+        self.sources = [open_split(as_train(cfg, s).data, s.path, kind) for s in data.sources]
+        self.counts: np.ndarray | None = None  # per epoch; known once the sizes are, if needed
+        self.sizes: list[int] | None = None
+        if data.epoch == "examples" and data.temperature is None:  # no size needed
+            self._set_counts(None)
+        self._shares: dict[tuple[int, int], list[float]] = {}  # (epoch, chunk): token shares
+        self._pos = self._start()
+        self._fingerprint = self._mixture_fingerprint(cfg)
+
+    def _mixture_fingerprint(self, cfg: Config) -> dict:
+        data = cfg.data
+        identities = [
+            source_identity(as_train(cfg, s).data, s.path, self.kind) for s in data.sources
+        ]
+        sources = [
+            {"name": s.name, "source": ident, "weight": recorded_number(s.weight), "tag": s.tag}
+            for s, ident in zip(data.sources, identities, strict=True)
+        ]
+        mixture = {"sources": sources, "temperature": recorded_number(data.temperature)}
+        mixture.update(epoch=data.epoch, epoch_source=data.epoch_source)
+        mixture["epoch_size"] = data.epoch_size
+        fp = {
+            "mixture": mixture,
+            "kind": self.kind,
+            "train": self.train,
+            "max_tokens": self.max_tokens,
+            "seed": self.seed,
+            "shuffle_buffer": data.shuffle_buffer,
+            "max_len": data.max_len,
+            "tokenizer_sha256": self.tok.contract()["sha256"],
+        }
+        if self.multiple != 1:
+            fp["pad_to_multiple"] = self.multiple
+        return fp
+
+    def _set_counts(self, sizes: list[int] | None) -> None:
+        """Each source's examples per epoch, from the weights (data.epoch examples) or from
+        the sources' sizes (every other definition, and a temperature)."""
+        data = self.cfg
+        weights = None if data.temperature is not None else [s.weight for s in data.sources]
+        if sizes is None:
+            p = shares(np.ones(len(self.names)), weights, None)
+            self.counts = largest_remainder(p, data.epoch_size)
+        else:
+            sizes_ = np.asarray(sizes, dtype=np.int64)
+            p = shares(sizes_, weights, data.temperature)
+            self.counts = epoch_counts(
+                sizes_,
+                p,
+                data.epoch,
+                names=self.names,
+                source=data.epoch_source,
+                size=data.epoch_size,
+            )
+        self.sizes = sizes
+        if self.rank == 0:
+            self._log_sources(p)
+
+    def _count_sizes(self) -> list[int]:
+        """Every source's records, read through once: what data.epoch (other than examples)
+        and data.temperature need of a stream. Once per run: the position keeps them."""
+        log.info("counting each streamed source's records (data.epoch %s)", self.cfg.epoch)
+        sizes = [sum(1 for _ in source) for source in self.sources]
+        empty = [n for n, size in zip(self.names, sizes, strict=True) if not size]
+        if empty:
+            raise DataError(f"data.sources {', '.join(empty)} hold no records")
+        return sizes
+
+    def _log_sources(self, p: np.ndarray) -> None:
+        log.info(
+            "mixture of %d streamed sources, an epoch (data.epoch %s) is %s examples read",
+            len(self.names),
+            self.cfg.epoch,
+            f"{int(self.counts.sum()):,}",
+        )
+        for s, source in enumerate(self.cfg.sources):
+            weight = f"weight {source.weight:g}, " if source.weight is not None else ""
+            size = "size unknown: streamed"
+            if self.sizes is not None:
+                passes = self.counts[s] / self.sizes[s]
+                size = f"{self.sizes[s]:,} examples, {passes:.3g} passes"
+            log.info(
+                "  source %s: %sshare %.1f%%, %s per epoch (%s), tag %s",
+                source.name,
+                weight,
+                100 * p[s],
+                f"{int(self.counts[s]):,}",
+                size,
+                source.tag or "none",
+            )
+
+    def _start(self, epoch: int = 0) -> dict:
+        first = {"pass": 0, "state": None, "read": 0}
+        return {
+            "epoch": epoch,
+            "chunk": 0,
+            "left": None,  # the epoch's counts, still owed: None at its start
+            "sizes": None,
+            "sources": [dict(first) for _ in self.names],
+            "read": 0,
+            "next_id": 0,
+            "done": 0,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._pos = saved_position(state, STATE_VERSION, self._fingerprint, self.split)
+        self.epoch = self._pos["epoch"]
+        self._resume_pending = True
+
+    def stats(self) -> dict[str, int]:
+        return {**self._stats, "invalid_utf8_skipped": sum(s.invalid_utf8 for s in self.sources)}
+
+    def mixture_scalars(self) -> dict[str, float]:
+        """Examples read from each source by the start of the chunk the group is in, the
+        passes it has completed, and its share of that chunk's target tokens: the same on every
+        rank (each reads every source)."""
+        pos, out = self._pos, {}
+        if self.counts is None:  # nothing read yet
+            return out
+        left = pos["left"] if pos["left"] is not None else self.counts
+        shares_now = self._shares.get((pos["epoch"], pos["chunk"]), [0.0] * len(self.names))
+        for s, name in enumerate(self.names):
+            taken = pos["epoch"] * int(self.counts[s]) + int(self.counts[s]) - int(left[s])
+            out[f"{name}/examples"] = float(taken)
+            out[f"{name}/passes"] = float(pos["sources"][s]["pass"])
+            out[f"{name}/token_share"] = shares_now[s]
+        return out
+
+    # ---- chunks -------------------------------------------------------------------------------
+
+    def _chunks(self, pos: dict) -> Iterator[Chunk]:
+        if self.counts is None:  # the sizes: from the position, or counted once
+            self._set_counts(pos["sizes"] or self._count_sizes())
+        epoch, chunk = pos["epoch"], pos["chunk"]
+        left = [int(c) for c in (self.counts if pos["left"] is None else pos["left"])]
+        at = zip(self.names, self.sources, pos["sources"], strict=True)
+        readers = [_Reader(name, source, where) for name, source, where in at]
+        read, next_id = pos["read"], pos["next_id"]
+        while True:
+            while sum(left):
+                rng = np.random.default_rng([self.seed, _CHUNKS, epoch, chunk])
+                take = rng.multivariate_hypergeometric(left, min(self.chunk_size, sum(left)))
+                anchor = dict(epoch=epoch, chunk=chunk, left=list(left), read=read)
+                anchor["sizes"] = self.sizes
+                anchor.update(sources=[r.position() for r in readers], next_id=next_id)
+                parts = [r.take(int(k)) for r, k in zip(readers, take, strict=True)]
+                for s, part in enumerate(parts):
+                    for rec in part:
+                        rec["_source"] = s
+                # The sources interleaved in an order of the chunk's own, so that batches mix
+                # them even with data.shuffle_buffer 0 (which keeps the order).
+                order = np.repeat(np.arange(len(parts)), take)[rng.permutation(int(take.sum()))]
+                cursors = [iter(part) for part in parts]
+                examples = [next(cursors[s]) for s in order]
+                built = self._build_chunk(examples, anchor)
+                yield built
+                left = [int(a - b) for a, b in zip(left, take, strict=True)]
+                read, next_id, chunk = read + len(examples), next_id + len(built.ids), chunk + 1
+            epoch, chunk, left, read, next_id = epoch + 1, 0, [int(c) for c in self.counts], 0, 0
+
+    def _encoded(self, examples: list[dict]) -> tuple[list[list[int]], list[list[int]] | None]:
+        """BatchLoader's, with each tagged source's tag before its (non-empty) source text: an
+        empty one stays empty and is dropped as such."""
+        src, tgt = super()._encoded(examples)
+        for row, rec in zip(src, examples, strict=True):
+            tag = self.tags[rec["_source"]]
+            if tag is not None and row:
+                row.insert(0, tag)
+        return src, tgt
+
+    def _build_chunk(self, examples: list[dict], anchor: dict) -> Chunk:
+        chunk = super()._build_chunk(examples, anchor)
+        chunk.ids = np.array([rec["_id"] for rec in examples], dtype=np.int64)
+        chunk.sources = np.array([rec["_source"] for rec in examples], dtype=np.int64)
+        if chunk.tgt is not None:  # the chunk's target tokens per source (TensorBoard)
+            tokens = np.bincount(chunk.sources, chunk.tgt.length + 1, len(self.names))
+            key = (anchor["epoch"], anchor["chunk"])
+            # Built a few ahead of the loop (a thread): keep the last few chunks'.
+            self._shares = {k: v for k, v in self._shares.items() if k >= (key[0], key[1] - 4)}
+            self._shares[key] = (tokens / max(tokens.sum(), 1)).tolist()
+        return chunk
+
+    def _make_batch(self, chunk: Chunk, rows: np.ndarray) -> Batch:
+        batch = super()._make_batch(chunk, rows)
+        if chunk.sources is not None:
+            batch.sources = torch.from_numpy(chunk.sources[rows].copy())
+        return batch
