@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 BENCH_VENV ?= .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: install demo demo-lm demo-classify adapt multi30k tinyshakespeare wikitext2 test test-fast lint format clean-demo bench
+.PHONY: install demo demo-lm demo-classify adapt backtranslation multi30k tinyshakespeare wikitext2 test test-fast lint format clean-demo bench
 
 install: $(STAMP)
 
@@ -53,6 +53,12 @@ adapt: install
 # averaging and test BLEU, then a table. 20-25 minutes on 2 CPU cores.
 multi30k: install
 	$(BIN)/python launch/multi30k.py
+
+# Back-translation on Multi30k de->en (docs/recipes.md#back-translation): half the parallel data,
+# the other half's English back-translated by an en->de model, mixed in tagged and untagged,
+# against half and all of the parallel data. About an hour on 2 CPU cores.
+backtranslation: install
+	$(BIN)/python launch/backtranslation.py
 
 # The language-model recipes (data in ../shared/data): split, tokenizer, training, whole-split
 # scores (bits per character; word-level perplexity), a sample. About 30 minutes each on 2 cores.
