@@ -5,21 +5,19 @@ same greedy output. The directory is built by tests/unit/marian_build.py in the 
 venv (transformers never enters this one)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from bench_venv import ROOT, require_bench_venv, run_in_bench_venv  # tests/
 from safetensors.torch import load_file
 from test_init_source import kill_at_step, losses, start  # tests/e2e, beside this file
 
 from aiayn.evaluate import evaluate, load_for_inference, translate
 from aiayn.export import export_model
 
-ROOT = Path(__file__).resolve().parents[2]
-BENCH_PYTHON = Path(os.environ.get("AIAYN_HF_PYTHON", ROOT / ".venv-bench" / "bin" / "python"))
 BUILDER = ROOT / "tests" / "unit" / "marian_build.py"
 
 pytestmark = pytest.mark.slow
@@ -28,8 +26,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def marian_dir(numbers, tmp_path_factory) -> Path:
     """A random swish MarianMT with tied embeddings, tokenizers trained on the corpus (de, en)."""
-    if not BENCH_PYTHON.is_file():
-        pytest.skip(f"no {BENCH_PYTHON}: make test builds the benchmarks' venv (transformers)")
+    require_bench_venv("build a MarianMT directory")
     root = tmp_path_factory.mktemp("marian")
     spec = {
         "corpus": str(numbers),
@@ -42,15 +39,7 @@ def marian_dir(numbers, tmp_path_factory) -> Path:
         "max_len_b": 2,
     }
     (root / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.run(
-        [str(BENCH_PYTHON), str(BUILDER), "build", str(root / "spec.json"), str(root / "r.json")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode == 3:
-        pytest.skip(f"transformers is not installed in {BENCH_PYTHON}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_in_bench_venv(BUILDER, "build", str(root / "spec.json"), str(root / "r.json"))
     return root / "opus"
 
 

@@ -7,13 +7,12 @@ Those tests share one export of every case and one run of the checker (about a m
 are marked slow."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from bench_venv import require_bench_venv, run_in_bench_venv  # tests/bench_venv.py
 from export_models import variant_id, write_model
 from safetensors import safe_open
 
@@ -24,9 +23,6 @@ from aiayn.export import export_model
 from aiayn.export.bart_layout import marian_permutation as _marian_permutation
 from aiayn.export.source import sinusoid_table
 
-ROOT = Path(__file__).resolve().parents[2]
-# The benchmarks' venv (Makefile), or another interpreter with transformers: AIAYN_HF_PYTHON.
-BENCH_PYTHON = Path(os.environ.get("AIAYN_HF_PYTHON", ROOT / ".venv-bench" / "bin" / "python"))
 CHECKER = Path(__file__).with_name("hf_check.py")
 TOL = 1e-4
 
@@ -119,11 +115,7 @@ def pad(rows: list[list[int]], pad_id: int) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def checked(tok, corpus, lm_corpus, tmp_path_factory):
     """Every EXACT case exported, its reference computed, and hf_check.py's results."""
-    if not BENCH_PYTHON.is_file():
-        pytest.skip(
-            f"no {BENCH_PYTHON}: `make .venv-bench/.installed-2.13.0` (make test builds it) "
-            "creates the benchmarks' venv with transformers, to run the HF check"
-        )
+    require_bench_venv("run the HF check")
     root = tmp_path_factory.mktemp("hf")
     cases, refs = [], {}
     for case in EXACT:
@@ -154,15 +146,7 @@ def checked(tok, corpus, lm_corpus, tmp_path_factory):
         )
     cases_path, results_path = root / "cases.json", root / "results.json"
     cases_path.write_text(json.dumps(cases))
-    proc = subprocess.run(
-        [str(BENCH_PYTHON), str(CHECKER), str(cases_path), str(results_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode == 3:
-        pytest.skip(f"transformers is not installed in {BENCH_PYTHON}: {proc.stderr.strip()}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_in_bench_venv(CHECKER, str(cases_path), str(results_path))
     results = json.loads(results_path.read_text())
     return {
         case_id(c): (refs[case_id(c)], results[d["dir"]]) for c, d in zip(EXACT, cases, strict=True)

@@ -9,7 +9,6 @@ round trip from aiayn's own export and the refusals need no transformers."""
 
 import dataclasses
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench_venv import require_bench_venv, run_in_bench_venv  # tests/bench_venv.py
 from export_models import write_model
 from safetensors.torch import load_file
 
@@ -27,8 +27,6 @@ from aiayn.evaluate import load_for_inference
 from aiayn.export import export_model
 from aiayn.export.hf_import import import_hf
 
-ROOT = Path(__file__).resolve().parents[2]
-BENCH_PYTHON = Path(os.environ.get("AIAYN_HF_PYTHON", ROOT / ".venv-bench" / "bin" / "python"))
 BUILDER = Path(__file__).with_name("marian_build.py")
 TOL = 1e-4
 VARIANTS = [
@@ -44,22 +42,10 @@ MAX_LEN_B = 5
 
 
 def run_builder(mode: str, spec: dict, tmp: Path) -> dict:
-    if not BENCH_PYTHON.is_file():
-        pytest.skip(
-            f"no {BENCH_PYTHON}: `make .venv-bench/.installed-2.13.0` (make test builds it) "
-            "creates the benchmarks' venv with transformers, to build MarianMT directories"
-        )
+    require_bench_venv("build MarianMT directories")
     spec_path, results = tmp / f"{mode}-spec.json", tmp / f"{mode}-results.json"
     spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run(
-        [str(BENCH_PYTHON), str(BUILDER), mode, str(spec_path), str(results)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode == 3:
-        pytest.skip(f"transformers is not installed in {BENCH_PYTHON}: {proc.stderr.strip()}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_in_bench_venv(BUILDER, mode, str(spec_path), str(results))
     return json.loads(results.read_text())
 
 
