@@ -93,6 +93,23 @@ def pairs(batch) -> list[tuple[int, int]]:
 # ---- the counts --------------------------------------------------------------------------
 
 
+def assert_resumes(make, cfg, mtok, single, world: int, after: int, cut: int) -> None:
+    """A loader of `world` ranks that took `cut` batches (rounded down to whole rounds), saved
+    and resumed on `after` ranks, gives round by round the batches `single` (one rank,
+    uninterrupted) has next."""
+    cut -= cut % world  # the group consumes whole rounds
+    before = make(cfg, mtok, world - 1, world)
+    take(iter(before), cut // world)
+    state = roundtrip(before.state_dict())
+    ranks = [make(cfg, mtok, r, after) for r in range(after)]
+    for r in ranks:
+        r.load_state_dict(state)
+    per_rank = [take(iter(r), 4) for r in ranks]
+    got = [b for group in zip(*per_rank, strict=True) for b in group]
+    want = single[cut : cut + 4 * after]
+    assert all(pairs(x) == pairs(y) and same(x, y) for x, y in zip(got, want, strict=True))
+
+
 def test_largest_remainder_gives_the_shares_in_integers_and_ties_to_the_earlier_source():
     assert largest_remainder(np.array([0.5, 0.3, 0.2]), 7).tolist() == [4, 2, 1]  # 3.5 2.1 1.4
     assert largest_remainder(np.array([0.5, 0.5]), 3).tolist() == [2, 1]
@@ -213,17 +230,7 @@ def test_a_position_resumes_at_another_world_size_across_pass_and_epoch_boundari
     single = take(iter(mixed(cfg, mtok)), 2 * per_epoch + 12)
     for world, after in ((1, 2), (2, 1), (2, 3)):
         for cut in (5, per_epoch - 1, per_epoch + 2):  # mid-epoch, at its end, in the next
-            cut -= cut % world  # the group consumes whole rounds
-            before = mixed(cfg, mtok, world - 1, world)
-            take(iter(before), cut // world)
-            state = roundtrip(before.state_dict())
-            ranks = [mixed(cfg, mtok, r, after) for r in range(after)]
-            for r in ranks:
-                r.load_state_dict(state)
-            per_rank = [take(iter(r), 4) for r in ranks]
-            got = [b for group in zip(*per_rank, strict=True) for b in group]
-            want = single[cut : cut + 4 * after]
-            assert all(pairs(x) == pairs(y) and same(x, y) for x, y in zip(got, want, strict=True))
+            assert_resumes(mixed, cfg, mtok, single, world, after, cut)
 
 
 def test_the_tag_is_the_first_source_token_and_counts_in_max_len_and_the_budget(
@@ -436,17 +443,7 @@ def test_a_streamed_position_resumes_at_another_world_size_across_passes_and_epo
     single = take(iter(streamed(cfg, mtok)), 40)
     for world, after in ((1, 2), (2, 1), (3, 2)):
         for cut in (4, 12, 18, 27):  # inside the first chunk, later chunks, the next epochs
-            cut -= cut % world
-            before = streamed(cfg, mtok, world - 1, world)
-            take(iter(before), cut // world)
-            state = roundtrip(before.state_dict())
-            ranks = [streamed(cfg, mtok, r, after) for r in range(after)]
-            for r in ranks:
-                r.load_state_dict(state)
-            per_rank = [take(iter(r), 4) for r in ranks]
-            got = [b for group in zip(*per_rank, strict=True) for b in group]
-            want = single[cut : cut + 4 * after]
-            assert all(pairs(x) == pairs(y) and same(x, y) for x, y in zip(got, want, strict=True))
+            assert_resumes(streamed, cfg, mtok, single, world, after, cut)
 
 
 def test_a_streamed_tag_is_the_first_source_token_and_a_changed_mixture_is_refused(
