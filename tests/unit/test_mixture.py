@@ -277,6 +277,80 @@ def test_every_row_is_its_sources_pair_tokenised_with_the_tag_eos_and_bos(tmp_pa
         assert b.n_tokens == int((b.tgt_out != PAD_ID).sum()) == len(b.keep)
 
 
+def test_a_batch_is_as_wide_as_its_widest_row_and_a_target_of_max_len_tokens_fits(
+    tmp_path, corpora, mtok
+):
+    """src: the widest row with its tag and eos; tgt_in and tgt_out: the longest target + 1.
+    (The first mixed loader made the targets one column wider than that, which a target of
+    data.max_len tokens would have taken past the position table.)"""
+    probe = mixed(mixed_cfg(tmp_path / "probe", corpora), mtok)
+    # The longest target of a pair whose source (with its tag) is no longer: at that max_len
+    # the pair is kept, and its batch's targets are max_len + 1 wide.
+    longest = max(
+        int(tgt[src <= tgt].max(initial=0))
+        for c, lead in zip(probe.caches, probe._lead, strict=True)
+        for src, tgt in [(np.diff(c.src_offsets) + lead, np.diff(c.tgt_offsets))]
+    )
+    ld = mixed(mixed_cfg(tmp_path / "run", corpora, max_len=longest), mtok)
+    at_max_len = 0
+    for b in first_epoch(ld):
+        assert b.src.shape[1] == int((b.src != PAD_ID).sum(1).max())
+        assert b.tgt_in.shape == b.tgt_out.shape
+        assert b.tgt_out.shape[1] == int((b.tgt_out != PAD_ID).sum(1).max()) <= longest + 1
+        at_max_len += b.tgt_out.shape[1] == longest + 1
+    assert at_max_len >= 1
+
+
+def loader_of(kind: str, tmp_path: Path, corpora, mtok, rank: int, world: int):
+    if kind == "sources":
+        return mixed(mixed_cfg(tmp_path / "run", corpora), mtok, rank, world)
+    cfg = dataclasses.replace(
+        mixed_cfg(tmp_path / "run", corpora),
+        data=DataConfig(train=str(corpora[0]), src_lang="en", tgt_lang="de", shuffle_buffer=64),
+    )
+    cache = ensure_cache(cfg, "train", mtok)
+    return make_loader(
+        cfg, cfg.data.train, mtok, train=True, rank=rank, world_size=world, cache=cache
+    )
+
+
+@pytest.mark.parametrize("kind", ["train", "sources"])
+@pytest.mark.parametrize("count, world", [(2, 1), (5, 3), (64, 2)])
+def test_batches_read_together_are_the_batches_read_one_at_a_time(
+    tmp_path, corpora, mtok, kind, count, world
+):
+    """A rank reads its next `count` batches' rows at once (data/cache_rows.py): the batches,
+    and for a mixture the order of each one's rows, do not depend on how many are read
+    together, nor on the blocks' being copied (few sources) or gathered (many)."""
+    ld = loader_of(kind, tmp_path, corpora, mtok, world - 1, world)
+    plan, mine = ld.plan(0), range(world - 1, len(ld.plan(0)), world)
+    alone = [ld._make_batch(plan, k, count=1) for k in mine]
+    ld._rows_read = None
+    together = [ld._make_batch(plan, k, count=count) for k in mine]
+    assert all(same(x, y) for x, y in zip(alone, together, strict=True))
+    if kind == "sources":
+        assert all(pairs(x) == pairs(y) for x, y in zip(alone, together, strict=True))
+        # Each batch's rows come grouped by source, in the plan's order within each source.
+        for k, b in zip(mine, together, strict=True):
+            assert b.sources.tolist() == sorted(b.sources.tolist())
+            rows = plan.batch(k)
+            which = ld._source_of(rows)
+            want = [(int(w), int(r - ld._base[w])) for w, r in zip(which, rows, strict=True)]
+            want = sorted(want, key=lambda p: p[0])  # stable: plan order within a source
+            ids = [(s, int(ld.caches[s].ids[i])) for s, i in want]
+            assert pairs(b) == ids
+        from aiayn.data import cache_rows
+
+        gathered = []
+        ld._rows_read = None
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cache_rows._Blocks, "CONCATENATED", 0)
+            gathered = [ld._make_batch(plan, k, count=count) for k in mine]
+        assert all(
+            same(x, y) and pairs(x) == pairs(y) for x, y in zip(alone, gathered, strict=True)
+        )
+
+
 def test_a_tag_that_is_not_a_piece_is_refused_naming_it_and_the_fix(tmp_path, corpora, tok):
     with pytest.raises(DataError, match=r"tag '<bt>' is not a piece .* tokenizer.user_symbols"):
         mixed(mixed_cfg(tmp_path / "run", corpora), tok)

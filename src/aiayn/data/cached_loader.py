@@ -5,8 +5,10 @@ and builds only its own batches, global batches r, r + W, r + 2W, ... of the str
 what a rank reads and pads falls as 1/W. The plan costs a few passes over the lengths per epoch,
 under a second for millions of examples; while training, the next epoch's plan is computed in a
 background thread (numpy releases the GIL), so the epoch boundary does not stall the loop. The
-batches themselves are read and padded a few ahead in another thread (prefetch.py), pinned
-when they are bound for a GPU, so that neither reading nor the copy waits on the loop.
+batches themselves are made a few ahead in another thread (prefetch.py), pinned when they are
+bound for a GPU, so that neither reading nor the copy waits on the loop; the rows of a rank's
+next batches are read from the memory maps together, then padded batch by batch
+(cache_rows.py).
 
 Position: (epoch, global batches of that epoch the group has consumed), a count that may run
 past the epoch's end into the next ones. It is the group's, not the rank's, so a checkpoint from
@@ -25,8 +27,9 @@ import numpy as np
 import torch
 
 from aiayn.config import DataConfig
-from aiayn.data.batch import Batch, padded_rows, round_width, target_positions
+from aiayn.data.batch import Batch, round_width, target_positions
 from aiayn.data.cache import TokenCache
+from aiayn.data.cache_rows import RowsRead, cache_arrays, ragged_index, read_count, read_rows
 from aiayn.data.plan import LmPlan, Plan, epoch_rng, lm_plan, pair_plan
 from aiayn.data.position import check_loader_args, saved_position, saved_state
 from aiayn.data.prefetch import AHEAD, BATCH_THREAD, prefetch
@@ -68,6 +71,7 @@ class CachedLoader:
             )
         self._setup(data_cfg, tokenizer, kind, max_tokens, seed, train, rank, world_size)
         self.cache, self.pin_memory = cache, pin_memory
+        self._arrays = [cache_arrays(cache)]
         # int32 throughout (examples < 2^31, a row < 2^31 tokens): the index and the plan of
         # millions of examples are per-rank memory. Pairs keep only widths; rows read their
         # lengths from the offsets of their own batch.
@@ -122,6 +126,9 @@ class CachedLoader:
         self._plan_lock = threading.Lock()  # plans are made on the batch thread, and read here
         self._batches = 0
         self._targets_of: tuple[int, np.ndarray] | None = None
+        self._rows_read: RowsRead | None = None  # the rows of this rank's next few batches
+        self._read_count = read_count(max_tokens)
+        self._tags: list[int | None] | None = None  # per source (mixed_loader.py)
         self.round: tuple[int, int] | None = None
         """For the batch last handed out: the target tokens of its round (the W global batches
         the ranks take together, one each), and the epoch of the round's last batch. Every rank
@@ -273,13 +280,13 @@ class CachedLoader:
         if len(plan) == 0:
             return []
         if self.kind == "lm":  # every batch but the last has `rows` full blocks
-            return [self._make_batch(plan, 0)]
+            return [self._make_batch(plan, 0, count=1)]
         starts = plan.bounds[:-1]
         widest = np.maximum.reduceat(self._width[plan.rows], starts)
         tokens = widest.astype(np.int64) * np.diff(plan.bounds)
         picks = dict.fromkeys((int(np.argmax(tokens)), int(np.argmax(widest))))
         where = np.arange(len(plan)) if plan.order is None else np.argsort(plan.order)
-        return [self._make_batch(plan, int(where[j])) for j in picks]
+        return [self._make_batch(plan, int(where[j]), count=1) for j in picks]
 
     def _nothing_left(self) -> DataError:
         s = self.stats()
@@ -291,25 +298,32 @@ class CachedLoader:
 
     # ---- one batch ----------------------------------------------------------------------------
 
-    def _make_batch(self, plan: Plan | LmPlan, k: int) -> Batch:
-        pad, bos, eos = self.tok.pad_id, self.tok.bos_id, self.tok.eos_id
+    def _make_batch(self, plan: Plan | LmPlan, k: int, count: int | None = None) -> Batch:
+        """Global batch k of the plan, from the rows read with it (cache_rows.py): on a miss,
+        this rank's batches k, k + W, ... of the epoch are read, `count` of them (by default
+        read_count's)."""
         if self.kind == "lm":
             return self._lm_batch(plan, k)
-        rows = plan.batch(k)
-        c = self.cache
-        ids = torch.from_numpy(np.asarray(c.ids[rows], dtype=np.int64))
-        start = c.src_offsets[rows]
-        fit = dict(multiple=self.multiple, limit=self.cfg.max_len + 1)
-        src = padded_rows(c.src_tokens, start, c.src_offsets[rows + 1] - start, pad, eos=eos, **fit)
-        if self.kind == "classifier":
-            labels = torch.from_numpy(np.asarray(c.labels[rows], dtype=np.int64))
-            return Batch(ids=ids, n_tokens=len(rows), src=src, labels=labels)
-        start, end = c.tgt_offsets[rows], c.tgt_offsets[rows + 1]
-        tgt_in = padded_rows(c.tgt_tokens, start, end - start, pad, bos=bos, **fit)
-        tgt_out = padded_rows(c.tgt_tokens, start, end - start, pad, eos=eos, **fit)
-        n = int((end - start).sum()) + len(rows)
-        keep = target_positions(tgt_out, pad)
-        return Batch(ids=ids, n_tokens=n, src=src, tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)
+        read = self._rows_read
+        if read is None or not read.holds(plan, k):
+            read = self._rows_read = self._read(plan, k, count or self._read_count)
+        tok, fit = self.tok, dict(multiple=self.multiple, limit=self.cfg.max_len + 1)
+        return read.batch(k, self.kind, tok.pad_id, tok.bos_id, tok.eos_id, fit)
+
+    def _read(self, plan: Plan, k: int, count: int) -> RowsRead:
+        step = self.world_size
+        ks = np.arange(k, min(len(plan), k + count * step), step)
+        js = ks if plan.order is None else plan.order[ks]
+        first, sizes = plan.bounds[js], plan.bounds[js + 1] - plan.bounds[js]
+        cells, ends = ragged_index(first, sizes)
+        which, local = self._row_sources(plan.rows[cells].astype(np.intp))
+        row_at = np.concatenate(([0], ends))
+        ids, sources, src, tgt, labels = read_rows(self._arrays, local, row_at, which, self._tags)
+        return RowsRead(plan, k, step, len(ks), row_at, ids, sources, src, tgt, labels)
+
+    def _row_sources(self, rows: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """(source of each row or None for one cache, its row in that source's cache)."""
+        return None, rows
 
     def _lm_batch(self, plan: LmPlan, k: int) -> Batch:
         """Blocks of the epoch's stream (documents in plan order, each followed by eos)."""

@@ -6,24 +6,23 @@ which examples of each source it takes, and those global rows go to the same pla
 single cache's (plan.pair_plan: permuted whole, bucketed by width, batched by token budget,
 batches shuffled). Everything else, the position, rounds, resume at another world size and the
 plan ahead, is CachedLoader's: the position (epoch, batches done) says where in the mixture a
-run is. A batch's rows are read from their own source's arrays.
+run is. A batch's rows are read from their own source's arrays, a rank's next few batches
+together, one gather per source (data/cache_rows.py).
 
-A source's tag is put before each source sentence as the batch is made: it counts in the
-width that data.max_len and the token budget see, and the cache stays the same with or without
-it.
+A source's tag is put before each source sentence as its rows are read: it counts in the width
+that data.max_len and the token budget see, and the cache stays the same with or without it.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from aiayn.config import DataConfig
-from aiayn.data.batch import Batch, round_width, target_positions
+from aiayn.data.batch import round_width
 from aiayn.data.cache import TokenCache
+from aiayn.data.cache_rows import cache_arrays
 from aiayn.data.cached_loader import STATE_VERSION, CachedLoader
 from aiayn.data.mixture import Mixture
 from aiayn.data.plan import Plan, epoch_rng, pair_plan
@@ -32,17 +31,6 @@ from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class MixedPlan(Plan):
-    """A Plan whose batches' rows are grouped by source, with each row's source (`which`), its
-    index in that source (`local`), and each batch's rows per source (`counts`, batches in
-    bounds order)."""
-
-    which: np.ndarray | None = None
-    local: np.ndarray | None = None
-    counts: np.ndarray | None = None
 
 
 def tag_ids(cfg: DataConfig, tok: Tokenizer) -> list[int | None]:
@@ -93,14 +81,9 @@ class MixedLoader(CachedLoader):
                 )
         self._setup(data_cfg, tokenizer, kind, max_tokens, seed, train, rank, world_size)
         self.caches, self.cache, self.pin_memory = caches, caches[0], pin_memory
-        # Plain ndarray views of the memory maps (no copy): np.memmap's indexing goes through a
-        # Python subclass, about 1 us a call, and a mixed batch makes a few per source.
-        self._arrays = [
-            {name: np.asarray(a) for name, a in vars(c).items() if isinstance(a, np.ndarray)}
-            for c in caches
-        ]
+        self._arrays = [cache_arrays(c) for c in caches]
         self.names = [s.name for s in data_cfg.sources]
-        self.tags = tag_ids(data_cfg, tokenizer)
+        self.tags = self._tags = tag_ids(data_cfg, tokenizer)
         self._index()
         self._tallies: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._fingerprint = self._mixture_fingerprint()
@@ -262,126 +245,33 @@ class MixedLoader(CachedLoader):
         searchsorted in the sources' bounds took 20x as long)."""
         return self._source_index[rows]
 
+    def _row_sources(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        which = self._source_of(rows)
+        return which, rows - self._base[which]
+
     def _target_lengths(self, rows: np.ndarray) -> np.ndarray:
         return self._tgt_len[rows].astype(np.int64)
 
-    def _compute_plan(self, epoch: int) -> MixedPlan:
+    def _compute_plan(self, epoch: int) -> Plan:
         picks = self.mixture.epoch_rows(epoch)
         rows = np.concatenate([self._base[s] + self._kept[s][p] for s, p in enumerate(picks)])
         rows = rows.astype(self._row_type)
         rng = epoch_rng(self.seed, epoch)
         if not self.cfg.shuffle_buffer:  # no bucketing, but the sources still interleave
             rows, rng = rows[rng.permutation(len(rows))], None
-        plan = pair_plan(self._width, rows, self.max_tokens, self.cfg.shuffle_buffer, rng)
-        # Each batch's rows grouped by source (stable: in plan order within a source), so that
-        # a batch reads each source's tokens in one gather (_side); what a batch needs to know
-        # of its rows' sources is made here, on the planning thread, once per epoch.
-        n, S = len(plan), len(self.caches)
-        batch = np.repeat(np.arange(n), np.diff(plan.bounds))
-        which = self._source_of(plan.rows)
-        counts = np.bincount(batch * S + which, minlength=n * S).reshape(n, S)
-        # A stable sort by (batch, source) in two: by source (a radix sort of small ints), then by
-        # batch, which is then S sorted runs that timsort merges.
-        by_source = np.argsort(which, kind="stable")
-        grouped = by_source[np.argsort(batch[by_source], kind="stable")]
-        rows, which = plan.rows[grouped], which[grouped]
-        local = (rows - self._base[which]).astype(np.int32)  # a source has < 2^31 examples
-        mixed = MixedPlan(rows, plan.bounds, plan.order, which, local)
-        mixed.counts = counts
-        return mixed
+        return pair_plan(self._width, rows, self.max_tokens, self.cfg.shuffle_buffer, rng)
 
-    def _plan_tally(self, plan: MixedPlan) -> tuple[np.ndarray, np.ndarray]:
+    def _plan_tally(self, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
         """(batches, sources) arrays of examples and target tokens, in the epoch's order."""
         n, S = len(plan), len(self.caches)
-        examples = plan.counts
+        batch = np.repeat(np.arange(n), np.diff(plan.bounds))
+        cell = batch * S + self._source_of(plan.rows)
+        examples = np.bincount(cell, minlength=n * S).reshape(n, S)
         if self.kind == "classifier":
             tokens = examples
         else:
-            batch = np.repeat(np.arange(n), np.diff(plan.bounds))
             weights = self._tgt_len[plan.rows].astype(np.float64) + 1
-            cell = batch * S + plan.which
             tokens = np.bincount(cell, weights=weights, minlength=n * S).reshape(n, S)
         if plan.order is not None:
             examples, tokens = examples[plan.order], tokens[plan.order]
         return examples, tokens
-
-    # ---- one batch ----------------------------------------------------------------------------
-
-    def _make_batch(self, plan: MixedPlan, k: int) -> Batch:
-        j = k if plan.order is None else int(plan.order[k])
-        lo, hi = int(plan.bounds[j]), int(plan.bounds[j + 1])
-        # intp once here: numpy converts a narrower index array at every gather it makes.
-        rows, local = plan.rows[lo:hi].astype(np.intp), plan.local[lo:hi].astype(np.intp)
-        which = plan.which[lo:hi].astype(np.int64)  # Batch.sources, and an index
-        blocks, at = [], 0  # (source, first row, end row) of each source's rows in the batch
-        for s, count in enumerate(plan.counts[j].tolist()):
-            if count:
-                blocks.append((s, at, at + count))
-                at += count
-        ids = np.empty(len(rows), dtype=np.int64)
-        for s, lo, hi in blocks:
-            ids[lo:hi] = self._arrays[s]["ids"][local[lo:hi]]
-        sources = torch.from_numpy(which)
-        common = dict(ids=torch.from_numpy(ids), sources=sources)
-        src_len, lead = self._src_len[rows], self._lead[which]
-        tagged = [(s, lo, hi) for s, lo, hi in blocks if self.tags[s] is not None]
-        shift = lead if tagged else 0  # rows of a tagged source start one on, behind the tag
-        src = self._side("src", local, blocks, src_len, shift, int((src_len + lead).max()))
-        for s, lo, hi in tagged:
-            src[lo:hi, 0] = self.tags[s]
-        src[np.arange(len(rows)), src_len + lead] = self.tok.eos_id
-        if self.kind == "classifier":
-            labels = np.empty(len(rows), dtype=np.int64)
-            for s, lo, hi in blocks:
-                labels[lo:hi] = self._arrays[s]["labels"][local[lo:hi]]
-            n, labels = len(rows), torch.from_numpy(labels)
-            return Batch(**common, n_tokens=n, src=torch.from_numpy(src), labels=labels)
-        length = self._tgt_len[rows]
-        tgt_in = self._side("tgt", local, blocks, length, 1, int(length.max()) + 1)
-        tgt_in[:, 0] = self.tok.bos_id
-        # tgt_out is tgt_in one position on (bos + y -> y + eos): no second read of the tokens.
-        tgt_out = np.empty_like(tgt_in)
-        tgt_out[:, :-1] = tgt_in[:, 1:]
-        tgt_out[:, -1] = self.tok.pad_id
-        tgt_out[np.arange(len(rows)), length] = self.tok.eos_id
-        tgt_out = torch.from_numpy(tgt_out)
-        n = int(length.sum()) + len(rows)
-        keep = target_positions(tgt_out, self.tok.pad_id)
-        tgt_in = torch.from_numpy(tgt_in)
-        src = torch.from_numpy(src)
-        return Batch(**common, n_tokens=n, src=src, tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)
-
-    def _side(
-        self,
-        side: str,
-        local: np.ndarray,
-        blocks: list,
-        length: np.ndarray,
-        lead: int | np.ndarray,
-        widest: int,
-    ) -> np.ndarray:
-        """(n, L) int64 rows of one side, right-padded: each row's tokens from its own source's
-        arrays after `lead` free positions (one number, or one per row), where the caller
-        writes the prefix (bos, or a tag), and eos. L is `widest` (the longest row with its
-        prefix) + 1 for eos, rounded as padded_rows rounds it. One gather per source: the rows
-        come grouped by source, so each source's tokens are one stretch of the row-major
-        cells."""
-        n = len(local)
-        start = np.empty(n, dtype=np.int64)
-        for s, lo, hi in blocks:
-            start[lo:hi] = self._arrays[s][f"{side}_offsets"][local[lo:hi]]
-        width = int(round_width(widest + 1, self.multiple, self.cfg.max_len + 1))
-        pos = np.arange(width)[None, :] - (lead[:, None] if isinstance(lead, np.ndarray) else lead)
-        mask = (pos >= 0) & (pos < length[:, None])
-        cells = (start[:, None] + pos)[mask]
-        out = np.full((n, width), self.tok.pad_id, dtype=np.int64)
-        if len(blocks) == 1:
-            out[mask] = self._arrays[blocks[0][0]][f"{side}_tokens"][cells]
-            return out
-        ends = np.cumsum(length)  # the cells of rows lo..hi-1 are ends[lo-1]..ends[hi-1]
-        values = np.empty(len(cells), dtype=np.int64)
-        for s, lo, hi in blocks:
-            a, b = (int(ends[lo - 1]) if lo else 0), int(ends[hi - 1])
-            values[a:b] = self._arrays[s][f"{side}_tokens"][cells[a:b]]
-        out[mask] = values
-        return out
