@@ -10,10 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from batch_checks import roundtrip, same, take
 
 from aiayn.config import Config, DataConfig, ModelConfig, SourceConfig, TokenizerConfig, TrainConfig
 from aiayn.data import CachedLoader, ensure_cache, make_loader
+from aiayn.data.batch import target_positions
 from aiayn.data.cache import cache_dir
 from aiayn.data.mixed_loader import MixedLoader
 from aiayn.data.mixed_stream import MixedStream
@@ -319,36 +321,28 @@ def loader_of(kind: str, tmp_path: Path, corpora, mtok, rank: int, world: int):
 def test_batches_read_together_are_the_batches_read_one_at_a_time(
     tmp_path, corpora, mtok, kind, count, world
 ):
-    """A rank reads its next `count` batches' rows at once (data/cache_rows.py): the batches,
-    and for a mixture the order of each one's rows, do not depend on how many are read
-    together, nor on the blocks' being copied (few sources) or gathered (many)."""
+    """A rank reads and pads its next `count` batches at once (data/cache_rows.py): the
+    batches do not depend on how many are read together, each holds its plan rows in the
+    plan's order (a mixture's rows are read source by source and put back), and each tensor
+    is a contiguous view whose Batch.keep is what target_positions finds."""
     ld = loader_of(kind, tmp_path, corpora, mtok, world - 1, world)
     plan, mine = ld.plan(0), range(world - 1, len(ld.plan(0)), world)
     alone = [ld._make_batch(plan, k, count=1) for k in mine]
     ld._rows_read = None
     together = [ld._make_batch(plan, k, count=count) for k in mine]
     assert all(same(x, y) for x, y in zip(alone, together, strict=True))
-    if kind == "sources":
-        assert all(pairs(x) == pairs(y) for x, y in zip(alone, together, strict=True))
-        # Each batch's rows come grouped by source, in the plan's order within each source.
-        for k, b in zip(mine, together, strict=True):
-            assert b.sources.tolist() == sorted(b.sources.tolist())
-            rows = plan.batch(k)
+    for k, b in zip(mine, together, strict=True):
+        rows = plan.batch(k)
+        if kind == "sources":
             which = ld._source_of(rows)
-            want = [(int(w), int(r - ld._base[w])) for w, r in zip(which, rows, strict=True)]
-            want = sorted(want, key=lambda p: p[0])  # stable: plan order within a source
-            ids = [(s, int(ld.caches[s].ids[i])) for s, i in want]
-            assert pairs(b) == ids
-        from aiayn.data import cache_rows
-
-        gathered = []
-        ld._rows_read = None
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(cache_rows._Blocks, "CONCATENATED", 0)
-            gathered = [ld._make_batch(plan, k, count=count) for k in mine]
-        assert all(
-            same(x, y) and pairs(x) == pairs(y) for x, y in zip(alone, gathered, strict=True)
-        )
+            local = rows - ld._base[which]
+            want = [(int(s), int(ld.caches[s].ids[i])) for s, i in zip(which, local, strict=True)]
+            assert pairs(b) == want
+        else:
+            assert b.ids.tolist() == ld.cache.ids[rows].tolist() and b.sources is None
+        assert all(t.is_contiguous() for t in (b.src, b.tgt_in, b.tgt_out, b.keep))
+        assert torch.equal(b.keep, target_positions(b.tgt_out, PAD_ID))
+        assert b.n_tokens == len(b.keep)
 
 
 def test_a_tag_that_is_not_a_piece_is_refused_naming_it_and_the_fix(tmp_path, corpora, tok):

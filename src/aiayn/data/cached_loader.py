@@ -29,7 +29,14 @@ import torch
 from aiayn.config import DataConfig
 from aiayn.data.batch import Batch, round_width, target_positions
 from aiayn.data.cache import TokenCache
-from aiayn.data.cache_rows import RowsRead, cache_arrays, ragged_index, read_count, read_rows
+from aiayn.data.cache_rows import (
+    RowsRead,
+    Specials,
+    cache_arrays,
+    ragged_index,
+    read_batches,
+    read_count,
+)
 from aiayn.data.plan import LmPlan, Plan, epoch_rng, lm_plan, pair_plan
 from aiayn.data.position import check_loader_args, saved_position, saved_state
 from aiayn.data.prefetch import AHEAD, BATCH_THREAD, prefetch
@@ -307,8 +314,7 @@ class CachedLoader:
         read = self._rows_read
         if read is None or not read.holds(plan, k):
             read = self._rows_read = self._read(plan, k, count or self._read_count)
-        tok, fit = self.tok, dict(multiple=self.multiple, limit=self.cfg.max_len + 1)
-        return read.batch(k, self.kind, tok.pad_id, tok.bos_id, tok.eos_id, fit)
+        return read.batch(k)
 
     def _read(self, plan: Plan, k: int, count: int) -> RowsRead:
         step = self.world_size
@@ -318,8 +324,10 @@ class CachedLoader:
         cells, ends = ragged_index(first, sizes)
         which, local = self._row_sources(plan.rows[cells].astype(np.intp))
         row_at = np.concatenate(([0], ends))
-        ids, sources, src, tgt, labels = read_rows(self._arrays, local, row_at, which, self._tags)
-        return RowsRead(plan, k, step, len(ks), row_at, ids, sources, src, tgt, labels)
+        tok, limit = self.tok, self.cfg.max_len + 1
+        special = Specials(tok.pad_id, tok.bos_id, tok.eos_id, self.multiple, limit)
+        arrays = read_batches(self._arrays, local, row_at, special, which, self._tags)
+        return RowsRead(plan, k, step, len(ks), row_at, **arrays)
 
     def _row_sources(self, rows: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         """(source of each row or None for one cache, its row in that source's cache)."""
