@@ -99,15 +99,12 @@ def padded_rows(
     eos: int | None = None,
     multiple: int = 1,
     limit: int = 0,
-    width: int | None = None,
 ) -> torch.Tensor:
     """(B, L) int64 tensor of rows flat[start[i]:start[i] + length[i]], right-padded, optionally
-    bos-prefixed and eos-suffixed. `flat` may be a memory map: only these rows are read. L is
-    `width` if given (the rows of a batch read from several arrays, data/mixed_loader.py), else
-    the widest row rounded up by round_width(multiple, limit)."""
+    bos-prefixed and eos-suffixed: the streaming loader's batches (the token caches' are made
+    by data/cache_rows.py). L is the widest row rounded up by round_width(multiple, limit)."""
     off = int(bos is not None)
-    if width is None:
-        width = int(round_width(int(length.max()) + off + int(eos is not None), multiple, limit))
+    width = int(round_width(int(length.max()) + off + int(eos is not None), multiple, limit))
     pos = np.arange(width)[None, :] - off  # position of each column inside the ids
     mask = (pos >= 0) & (pos < length[:, None])
     out = np.full((len(length), width), pad, dtype=np.int64)
