@@ -42,6 +42,21 @@ def _max_lengths(model: Seq2SeqTransformer, src: torch.Tensor, pad_id: int, max_
     return (src_len + max_len_b).clamp(max=model.cfg.max_len - 1)
 
 
+def _min_lengths(src: torch.Tensor, pad_id: int, min_len: int) -> torch.Tensor:
+    """(B,) fewest output tokens per sentence before eos: min_len, but none for an empty
+    source (eos alone), whose translation may well be empty."""
+    return torch.where((src != pad_id).sum(dim=1) > 1, min_len, 0)
+
+
+def _no_early_eos(logp: torch.Tensor, step: int, minimums: torch.Tensor, eos_id: int):
+    """Scores (rows, V) with eos impossible in the rows whose hypotheses are still shorter
+    than their minimum (one per row)."""
+    early = step < minimums  # (rows,)
+    if bool(early.any()):
+        logp[early, eos_id] = float("-inf")
+    return logp
+
+
 def greedy_search(
     model: Seq2SeqTransformer,
     src: torch.Tensor,
@@ -50,19 +65,23 @@ def greedy_search(
     eos_id: int,
     pad_id: int,
     max_len_b: int = 50,
+    min_len: int = 0,
 ) -> list[list[int]]:
-    """The most probable next token at every step, for each sentence of src (B, S). A sentence
-    leaves the batch when it ends, so later steps decode only the sentences still running."""
+    """The most probable next token at every step, for each sentence of src (B, S), eos not
+    before min_len tokens (but for an empty source). A sentence leaves the batch when it
+    ends, so later steps decode only the sentences still running."""
     out: list[list[int]] = [[] for _ in range(src.size(0))]
     with _eval_mode(model):
         memory, src_mask = model.encode(src)  # (B, S, D), (B, 1, 1, S)
         limits = _max_lengths(model, src, pad_id, max_len_b)  # (B,)
+        minimums = _min_lengths(src, pad_id, min_len)  # (B,)
         live = list(range(src.size(0)))  # the sentence of each row still decoded
         state = DecoderState()
         last = src.new_full((src.size(0), 1), bos_id)  # (B', 1)
         for step in range(int(limits.max())):
             logits = model.decode(last, memory, src_mask, state)[:, -1]  # (B', V)
-            last = _banned(logits, pad_id, bos_id, eos_id).argmax(dim=-1, keepdim=True)
+            logits = _no_early_eos(_banned(logits, pad_id, bos_id, eos_id), step, minimums, eos_id)
+            last = logits.argmax(dim=-1, keepdim=True)
             for b, token in zip(live, last[:, 0].tolist(), strict=True):
                 out[b].append(token)
             ended = (last[:, 0] == eos_id) | (step + 1 >= limits)  # (B',)
@@ -71,7 +90,7 @@ def greedy_search(
                 if keep.numel() == 0:
                     break
                 live = [live[i] for i in keep.tolist()]
-                last, limits = last[keep], limits[keep]
+                last, limits, minimums = last[keep], limits[keep], minimums[keep]
                 memory, src_mask = memory[keep], src_mask[keep]
                 state.reorder(keep)
                 state.select_sources(keep)
@@ -89,11 +108,14 @@ def beam_search(
     beam: int = 4,
     alpha: float = 0.6,
     max_len_b: int = 50,
+    min_len: int = 0,
     bos_id: int,
     eos_id: int,
     pad_id: int,
 ) -> list[list[int]]:
-    """Beam search over B sentences at once (up to B * beam decoder rows), §6.1.
+    """Beam search over B sentences at once (up to B * beam decoder rows), §6.1, eos not
+    before min_len tokens (but for an empty source, and at the length limit, where eos is
+    forced).
 
     Hypotheses are ranked by log P(Y | X) / lp(Y). A hypothesis that ends in eos is finished.
     A sentence stops when no live hypothesis can still beat its best finished one (a live
@@ -108,14 +130,14 @@ def beam_search(
     cross-attention keys and values. A sentence that stops leaves the batch.
     """
     if beam == 1:
-        return greedy_search(
-            model, src, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, max_len_b=max_len_b
-        )
+        special = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+        return greedy_search(model, src, max_len_b=max_len_b, min_len=min_len, **special)
     K = beam
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(src.size(0))]
     with _eval_mode(model):
         memory, src_mask = model.encode(src)  # (B, S, D), (B, 1, 1, S)
         limits = _max_lengths(model, src, pad_id, max_len_b)  # (B,)
+        minimums = _min_lengths(src, pad_id, min_len)  # (B,)
         live = list(range(src.size(0)))  # the sentence of each row of the (B', ...) tensors
         state = DecoderState()
         last = src.new_full((src.size(0), 1), bos_id)  # (B' * W, 1), W = 1 at first, then K
@@ -129,6 +151,7 @@ def beam_search(
             logits = model.decode(last, memory, src_mask, state)[:, -1]  # (n * W, V)
             logp = torch.log_softmax(logits.float(), dim=-1)  # (n * W, V)
             logp = _banned(logp, pad_id, bos_id, eos_id)
+            logp = _no_early_eos(logp, step, minimums.repeat_interleave(W), eos_id)
             at_limit = step >= limits  # (n,)
             if bool(at_limit.any()):
                 rows_at_limit = at_limit.repeat_interleave(W)  # (n * W,)
@@ -154,7 +177,7 @@ def beam_search(
                     break
                 live = [live[i] for i in keep.tolist()]
                 rows, last, scores = rows[keep], last[keep], scores[keep]
-                limits, best = limits[keep], best[keep]
+                limits, minimums, best = limits[keep], minimums[keep], best[keep]
                 memory, src_mask = memory[keep], src_mask[keep]
                 state.select_sources(keep)
             rows = rows.view(-1)  # (n' * K,) parent row of each new hypothesis

@@ -102,15 +102,11 @@ def decoder(
         src = torch.full((len(rows), max(map(len, rows))), tok.pad_id, dtype=torch.long)
         for r, ids in enumerate(rows):
             src[r, : len(ids)] = torch.tensor(ids)
+        lengths = dict(max_len_b=cfg.max_len_b, min_len=cfg.min_len)
         if cfg.beam == 1:
-            return greedy_search(model, src.to(device), max_len_b=cfg.max_len_b, **special)
+            return greedy_search(model, src.to(device), **lengths, **special)
         return beam_search(
-            model,
-            src.to(device),
-            beam=cfg.beam,
-            alpha=cfg.alpha,
-            max_len_b=cfg.max_len_b,
-            **special,
+            model, src.to(device), beam=cfg.beam, alpha=cfg.alpha, **lengths, **special
         )
 
     return decode
@@ -125,10 +121,15 @@ def translate_batches(
 ) -> list[str]:
     """What every engine's translation shares: each line encoded and cut to max_len - 1 tokens
     (room for eos) with a warning, batches of batch_size lines of similar length, and the text of
-    each hypothesis in input order. decode maps a batch's token ids (no eos) to its hypotheses'."""
+    each hypothesis in input order. decode maps a batch's token ids (no eos) to its hypotheses'.
+    A line of no tokens is translated as an empty line, not decoded (decode.min_len would make
+    it say something)."""
     encoded = encode_sources(tok, lines, max_len)
     out: list[str] = [""] * len(lines)
     for idx in length_batches(encoded, batch_size):
+        idx = [i for i in idx if encoded[i]]
+        if not idx:
+            continue
         for i, text in zip(idx, tok.decode(decode([encoded[i] for i in idx])), strict=True):
             out[i] = text
     return out

@@ -296,3 +296,58 @@ def test_beam_search_does_not_stop_before_its_best_hypothesis_finishes():
     src = torch.tensor([[4, 4, 4, EOS]])
     out = beam_search(ScriptedModel(), src, beam=4, alpha=0.6, bos_id=BOS, eos_id=EOS, pad_id=PAD)
     assert out == [ScriptedModel.PATH]
+
+
+class EosFirst(torch.nn.Module):
+    """A model that all but certainly ends at once: eos first, by 100 nats, as beam search's
+    empty hypothesis wins under the length penalty where a model is unsure of a long sentence."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.cfg, self.first = model, model.cfg, True
+
+    def encode(self, src):
+        self.first = True
+        return self.model.encode(src)
+
+    def decode(self, tgt, memory, src_mask, state=None):
+        logits = self.model.decode(tgt, memory, src_mask, state)
+        if self.first:
+            logits[..., EOS] += 100.0
+            self.first = False
+        return logits
+
+
+@pytest.mark.parametrize("search", [greedy_search, beam_search])
+def test_min_len_keeps_eos_back_until_that_many_tokens_but_not_for_an_empty_source(
+    toy, src, search
+):
+    model = EosFirst(toy)
+    assert search(model, src, **dict(KW, min_len=0)) == [[]] * len(src)
+    with evaluated(toy):
+        plain = search(toy, src, **KW)
+    assert all(plain)  # the toy itself never ends at once
+    held_back = search(model, src, **dict(KW, min_len=1))
+    if search is greedy_search:  # its argmax is the toy's: eos held back changes nothing else
+        assert held_back == plain
+    else:  # the other tokens' log-probabilities all lost the same 100 nats to eos
+        assert all(held_back)
+    assert min(len(h) for h in search(model, src, **dict(KW, min_len=4))) >= 4
+    # an empty source (eos alone) may be translated as nothing
+    empty_too = pad_rows([torch.tensor([EOS]), src[0][src[0] != PAD]])
+    hyps = search(model, empty_too, **dict(KW, min_len=1))
+    assert hyps[0] == [] and hyps[1] == held_back[0]
+
+
+def test_an_empty_line_is_translated_as_an_empty_line_without_decoding_it(tok):
+    from aiayn.evaluate import translate_batches
+
+    seen = []
+
+    def decode(batch):
+        seen.extend(batch)
+        return [ids[::-1] for ids in batch]
+
+    out = translate_batches(tok, ["one two", "", "three"], 64, 2, decode)
+    assert out[1] == "" and out[0] and out[2]
+    assert [] not in seen and len(seen) == 2

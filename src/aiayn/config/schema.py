@@ -672,6 +672,11 @@ class DecodeConfig(Section):
     """Length penalty ((5 + len) / 6)^alpha (§6.1)."""
     max_len_b: int = bounded(50, low=1)
     """Hypotheses stop at source length + max_len_b tokens (§6.1)."""
+    min_len: int = bounded(1, low=0)
+    """Tokens a hypothesis has at least before eos (fairseq's min_len; 0: none). With 0, beam
+    search under the length penalty takes the empty hypothesis (eos first) wherever the model
+    is unsure of a long sentence: 3.9% of a Multi30k en->de model's outputs (docs/recipes.md).
+    An empty source line is translated as an empty line either way."""
     batch_size: int = bounded(64, low=1)
     """Sentences decoded together."""
     bleu_tokenize: str = "13a"

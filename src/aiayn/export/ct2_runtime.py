@@ -152,6 +152,7 @@ def translate_ct2(
             beam_size=dec.beam,
             length_penalty=dec.alpha,
             max_decoding_length=max(limits),
+            min_decoding_length=dec.min_len,
             max_input_length=0,  # cut by translate_batches, with a warning, not silently at 1024
             suppress_sequences=banned,
         )

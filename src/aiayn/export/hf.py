@@ -68,7 +68,8 @@ def export_hf(checkpoint: str | Path, output: str | Path, dtype: str = "fp32") -
     with atomic_directory(Path(output)) as tmp:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", _generation_config(config, model.max_len))
+        generation = _generation_config(config, model.max_len, src.cfg.decode.min_len)
+        _write_json(tmp / "generation_config.json", generation)
         for name, data in tokenizer_files.items():
             path = tmp / name
             if isinstance(data, bytes):
@@ -90,15 +91,17 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _generation_config(config: dict, max_len: int) -> dict:
+def _generation_config(config: dict, max_len: int, min_len: int) -> dict:
     # Greedy as `aiayn translate --beam 1` / `aiayn generate --temperature 0` decode: no eos
     # forced at the length limit (Marian's default forces one), and at most the position
     # table's length in all (a translation's start token included).
     keys = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
     out = {k: config[k] for k in keys if k in config}
-    if "decoder_start_token_id" in config:  # translation: as aiayn.decode, never pad or bos
+    if "decoder_start_token_id" in config:  # translation: as aiayn.decode, never pad or bos,
         banned = {config["pad_token_id"], config["decoder_start_token_id"]}
         out["bad_words_ids"] = [[i] for i in sorted(banned)]
+        if min_len:  # and eos not before decode.min_len tokens
+            out["min_new_tokens"] = min_len
     return {
         **out,
         "forced_eos_token_id": None,
