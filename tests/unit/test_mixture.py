@@ -290,7 +290,7 @@ def test_a_batch_is_as_wide_as_its_widest_row_and_a_target_of_max_len_tokens_fit
     # the pair is kept, and its batch's targets are max_len + 1 wide.
     longest = max(
         int(tgt[src <= tgt].max(initial=0))
-        for c, lead in zip(probe.caches, probe._lead, strict=True)
+        for c, lead in zip(probe.caches, [t is not None for t in probe.tags], strict=True)
         for src, tgt in [(np.diff(c.src_offsets) + lead, np.diff(c.tgt_offsets))]
     )
     ld = mixed(mixed_cfg(tmp_path / "run", corpora, max_len=longest), mtok)

@@ -135,7 +135,7 @@ class CachedLoader:
         self._targets_of: tuple[int, np.ndarray] | None = None
         self._rows_read: RowsRead | None = None  # the rows of this rank's next few batches
         self._read_count = read_count(max_tokens)
-        self._tags: list[int | None] | None = None  # per source (mixed_loader.py)
+        self.tags: list[int | None] | None = None  # a tag's token id per source, or None
         self.round: tuple[int, int] | None = None
         """For the batch last handed out: the target tokens of its round (the W global batches
         the ranks take together, one each), and the epoch of the round's last batch. Every rank
@@ -326,7 +326,7 @@ class CachedLoader:
         row_at = np.concatenate(([0], ends))
         tok, limit = self.tok, self.cfg.max_len + 1
         special = Specials(tok.pad_id, tok.bos_id, tok.eos_id, self.multiple, limit)
-        arrays = read_batches(self._arrays, local, row_at, special, which, self._tags)
+        arrays = read_batches(self._arrays, local, row_at, special, which, self.tags)
         return RowsRead(plan, k, step, len(ks), row_at, **arrays)
 
     def _row_sources(self, rows: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:

@@ -83,7 +83,7 @@ class MixedLoader(CachedLoader):
         self.caches, self.cache, self.pin_memory = caches, caches[0], pin_memory
         self._arrays = [cache_arrays(c) for c in caches]
         self.names = [s.name for s in data_cfg.sources]
-        self.tags = self._tags = tag_ids(data_cfg, tokenizer)
+        self.tags = tag_ids(data_cfg, tokenizer)
         self._index()
         self._tallies: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._fingerprint = self._mixture_fingerprint()
@@ -109,10 +109,6 @@ class MixedLoader(CachedLoader):
         if self.kind == "classifier":
             mean_tokens = [1.0] * len(self.caches)
         self._width = np.concatenate(widths).astype(np.int32)
-        self._src_len = np.concatenate(
-            [np.diff(c.src_offsets).astype(np.int32) for c in self.caches]
-        )
-        self._lead = np.array([int(t is not None) for t in self.tags], dtype=np.int64)
         self._tgt_len = np.concatenate(tgt_lens)
         self._base = np.cumsum([0] + [len(c) for c in self.caches]).astype(np.int64)
         # A plan's rows are per-rank memory, as the single cache's: int32 where they fit.
