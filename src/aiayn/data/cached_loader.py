@@ -6,9 +6,8 @@ what a rank reads and pads falls as 1/W. The plan costs a few passes over the le
 under a second for millions of examples; while training, the next epoch's plan is computed in a
 background thread (numpy releases the GIL), so the epoch boundary does not stall the loop. The
 batches themselves are made a few ahead in another thread (prefetch.py), pinned when they are
-bound for a GPU, so that neither reading nor the copy waits on the loop; the rows of a rank's
-next batches are read from the memory maps together, then padded batch by batch
-(cache_rows.py).
+bound for a GPU, so that neither reading nor the copy waits on the loop; a rank's next batches
+of the epoch are read from the memory maps and padded together (cache_rows.py).
 
 Position: (epoch, global batches of that epoch the group has consumed), a count that may run
 past the epoch's end into the next ones. It is the group's, not the rank's, so a checkpoint from
@@ -133,7 +132,7 @@ class CachedLoader:
         self._plan_lock = threading.Lock()  # plans are made on the batch thread, and read here
         self._batches = 0
         self._targets_of: tuple[int, np.ndarray] | None = None
-        self._rows_read: RowsRead | None = None  # the rows of this rank's next few batches
+        self._rows_read: RowsRead | None = None  # this rank's next few batches, read together
         self._read_count = read_count(max_tokens)
         self.tags: list[int | None] | None = None  # a tag's token id per source, or None
         self.round: tuple[int, int] | None = None
@@ -287,7 +286,7 @@ class CachedLoader:
         if len(plan) == 0:
             return []
         if self.kind == "lm":  # every batch but the last has `rows` full blocks
-            return [self._make_batch(plan, 0, count=1)]
+            return [self._make_batch(plan, 0)]
         starts = plan.bounds[:-1]
         widest = np.maximum.reduceat(self._width[plan.rows], starts)
         tokens = widest.astype(np.int64) * np.diff(plan.bounds)
@@ -317,6 +316,7 @@ class CachedLoader:
         return read.batch(k)
 
     def _read(self, plan: Plan, k: int, count: int) -> RowsRead:
+        """Batches k, k + W, ... of the plan, up to `count` of them within the epoch."""
         step = self.world_size
         ks = np.arange(k, min(len(plan), k + count * step), step)
         js = ks if plan.order is None else plan.order[ks]
