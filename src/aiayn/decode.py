@@ -50,10 +50,9 @@ def _min_lengths(src: torch.Tensor, pad_id: int, min_len: int) -> torch.Tensor:
 
 def _no_early_eos(logp: torch.Tensor, step: int, minimums: torch.Tensor, eos_id: int):
     """Scores (rows, V) with eos impossible in the rows whose hypotheses are still shorter
-    than their minimum (one per row)."""
+    than their minimum (one per row). Callers skip it from step min_len on; no host sync."""
     early = step < minimums  # (rows,)
-    if bool(early.any()):
-        logp[early, eos_id] = float("-inf")
+    logp[:, eos_id] = torch.where(early, float("-inf"), logp[:, eos_id])
     return logp
 
 
@@ -80,7 +79,9 @@ def greedy_search(
         last = src.new_full((src.size(0), 1), bos_id)  # (B', 1)
         for step in range(int(limits.max())):
             logits = model.decode(last, memory, src_mask, state)[:, -1]  # (B', V)
-            logits = _no_early_eos(_banned(logits, pad_id, bos_id, eos_id), step, minimums, eos_id)
+            logits = _banned(logits, pad_id, bos_id, eos_id)
+            if step < min_len:
+                logits = _no_early_eos(logits, step, minimums, eos_id)
             last = logits.argmax(dim=-1, keepdim=True)
             for b, token in zip(live, last[:, 0].tolist(), strict=True):
                 out[b].append(token)
@@ -151,7 +152,8 @@ def beam_search(
             logits = model.decode(last, memory, src_mask, state)[:, -1]  # (n * W, V)
             logp = torch.log_softmax(logits.float(), dim=-1)  # (n * W, V)
             logp = _banned(logp, pad_id, bos_id, eos_id)
-            logp = _no_early_eos(logp, step, minimums.repeat_interleave(W), eos_id)
+            if step < min_len:
+                logp = _no_early_eos(logp, step, minimums.repeat_interleave(W), eos_id)
             at_limit = step >= limits  # (n,)
             if bool(at_limit.any()):
                 rows_at_limit = at_limit.repeat_interleave(W)  # (n * W,)
