@@ -28,9 +28,10 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from aiayn import evaluate, files  # noqa: E402
+from aiayn import files  # noqa: E402
 from aiayn.checkpoint import manager  # noqa: E402
 from aiayn.data import sources  # noqa: E402
+from aiayn.eval import validation  # noqa: E402
 from aiayn.malloc import AllocatedPeak  # noqa: E402
 
 counts = {
@@ -143,7 +144,7 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     sources.open_bytes = _counting_open
     manager.CheckpointManager.save = _measured("save", manager.CheckpointManager.save, True)
-    evaluate.Validation.run = _measured("valid", evaluate.Validation.run)
+    validation.Validation.run = _measured("valid", validation.Validation.run)
     atexit.register(_report, out, time.perf_counter())
     sys.argv = ["aiayn", *sys.argv[2:]]
     runpy.run_module("aiayn", run_name="__main__")

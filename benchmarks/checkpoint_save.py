@@ -20,7 +20,7 @@ import torch
 
 from aiayn.checkpoint import CheckpointManager
 from aiayn.config import load_config
-from aiayn.distributed.ddp_engine import LocalEngine
+from aiayn.engine.ddp_engine import LocalEngine
 from aiayn.model import build_model, count_parameters
 
 

@@ -29,8 +29,8 @@ from _common import (
 )
 from throughput import synthetic_batches
 
+from aiayn.engine.precision import CPU_BF16_FLAGS, cpu_flags, resolve_precision
 from aiayn.flops import matmul_dtype, measure_matmul_peak
-from aiayn.precision import CPU_BF16_FLAGS, cpu_flags, resolve_precision
 
 PRECISIONS = ("fp32", "bf16")
 

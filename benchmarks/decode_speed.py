@@ -40,7 +40,8 @@ def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, args.worker)
     import torch
 
-    from aiayn.evaluate import load_for_inference, translate
+    from aiayn.checkpoint.inference import load_for_inference
+    from aiayn.infer.translate import translate
 
     torch.set_num_threads(args.threads)
     overrides = [f"decode.batch_size={args.batch_size}", *args.set]

@@ -9,7 +9,7 @@ runs/multi30k_de_en/average_last5_step_*); --checkpoint names another. Each engi
 the 1,000 sentences of test_2016_flickr with the run's decode settings (beam 4, alpha 0.6,
 max_len_b 50), --batch-size sentences at a time in length-sorted batches, on --threads threads:
 
-    aiayn          aiayn.evaluate.translate, as `aiayn translate` runs it (fp32)
+    aiayn          aiayn.infer.translate.translate, as `aiayn translate` runs it (fp32)
     ct2 <type>     aiayn.export.ct2_runtime.translate_ct2, as `aiayn translate --engine
                    ctranslate2` runs it, on an export stored as <type> (float32, int16, int8)
 
@@ -63,8 +63,9 @@ def worker(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from aiayn.evaluate import load_for_inference, translate
+    from aiayn.checkpoint.inference import load_for_inference
     from aiayn.export.ct2_runtime import Ct2Model, translate_ct2
+    from aiayn.infer.translate import translate
 
     lines = read_lines(Path(args.src))[: args.limit]
     overrides = [f"decode.beam={args.beam}", f"decode.batch_size={args.batch_size}"]
@@ -231,7 +232,7 @@ def run_worker(args, name: str, model: Path, beam: int) -> dict:
 def report(args, results: dict[tuple[str, int], list[dict]]) -> str:
     import statistics
 
-    from aiayn.evaluate import translation_scores
+    from aiayn.eval.scores import translation_scores
 
     refs = None if args.base else read_lines(Path(args.ref))[: args.limit]
     n = len(read_lines(Path(args.src))[: args.limit])

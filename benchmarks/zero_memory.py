@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from aiayn.config import load_config
-from aiayn.distributed.engine import build_engine
 from aiayn.distributed.env import setup
+from aiayn.engine.interface import build_engine
 from aiayn.model import build_model, count_parameters
 
 STAGES = (0, 1, 2, 3)

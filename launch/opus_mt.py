@@ -28,7 +28,7 @@ from stages import ROOT, Stages, main_guard, run  # launch/stages.py
 
 def parameters(weights: Path) -> int:
     """The model's parameters, a tied matrix once (as `aiayn params` counts)."""
-    from aiayn.evaluate import load_for_inference
+    from aiayn.checkpoint.inference import load_for_inference
 
     _, model, _, _ = load_for_inference(weights, (), "cpu")
     return sum(p.numel() for p in model.parameters())

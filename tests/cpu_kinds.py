@@ -20,7 +20,7 @@ CAPS = {
     # TorchInductor compiles its C++ with: it follows ATEN_CPU_CAPABILITY for its vector width
     # but compiles for -march=native, and AVX2-wide loops built for an AVX-512 target computed
     # nan (measured).
-    # aiayn.precision reads ONEDNN_MAX_CPU_ISA: bf16 capped away is emulated, and
+    # aiayn.engine.precision reads ONEDNN_MAX_CPU_ISA: bf16 capped away is emulated, and
     # train.precision=auto picks fp32, as on such a machine.
     "avx2": {
         "ATEN_CPU_CAPABILITY": "avx2",
@@ -46,7 +46,7 @@ NEEDS = {"avx2": "avx2", "avx512": "avx512f"}
 def cpu_flags() -> set[str]:
     """This machine's vector flags (Linux): which kinds it can compute as, and the report header.
 
-    aiayn.precision.cpu_flags reads the same line, but importing it imports torch, and
+    aiayn.engine.precision.cpu_flags reads the same line, but importing it imports torch, and
     conftest.py asks this before it sets the caps and OMP_NUM_THREADS: libgomp reads its
     thread count when torch loads it, so torch must not be loaded yet."""
     try:

@@ -277,8 +277,9 @@ def cmd_params(args) -> int:
 
 
 def cmd_translate(args) -> int:
-    from aiayn.evaluate import load_for_inference, translate
+    from aiayn.checkpoint.inference import load_for_inference
     from aiayn.export.ct2_runtime import check_engine, translate_ct2
+    from aiayn.infer.translate import translate
 
     check_engine(args.checkpoint, args.engine)
     if args.input and not Path(args.input).is_file():
@@ -312,11 +313,12 @@ def cmd_translate(args) -> int:
 
 def _translate_file(args) -> int:
     """--input to --output in chunks, on every rank of the launcher's group (one process
-    without one), resumable (aiayn/translate_file.py)."""
+    without one), resumable (aiayn/infer/translate_file.py)."""
+    from aiayn.checkpoint.inference import load_for_inference
     from aiayn.distributed.env import setup, teardown
-    from aiayn.evaluate import load_for_inference, translate
+    from aiayn.infer.translate import translate
+    from aiayn.infer.translate_file import translate_file
     from aiayn.metrics import setup_logging
-    from aiayn.translate_file import translate_file
 
     env = setup(args.device)
     setup_logging(None, env.rank)
@@ -340,8 +342,8 @@ def _translate_file(args) -> int:
 
 
 def cmd_evaluate(args) -> int:
-    from aiayn.evaluate import evaluate
-    from aiayn.export.ct2_runtime import check_engine, evaluate_ct2
+    from aiayn.eval.evaluate import evaluate, evaluate_ct2
+    from aiayn.export.ct2_runtime import check_engine
 
     check_engine(args.checkpoint, args.engine)
     if args.engine == "ctranslate2":
@@ -363,10 +365,10 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from aiayn.checkpoint.inference import load_for_inference
     from aiayn.errors import ConfigError
-    from aiayn.evaluate import load_for_inference
     from aiayn.export.ct2_runtime import Ct2Model, check_engine, generate_ct2
-    from aiayn.lm_eval import sample_text
+    from aiayn.infer.generate import sample_text
 
     check_engine(args.checkpoint, args.engine)
     if args.engine == "ctranslate2":
@@ -406,7 +408,7 @@ def cmd_average(args) -> int:
 
 
 def cmd_finish(args) -> int:
-    from aiayn.finish import finish
+    from aiayn.eval.finish import finish
     from aiayn.metrics import setup_logging
 
     setup_logging(None)

@@ -13,8 +13,8 @@ import torch
 
 from aiayn.config import ModelConfig
 from aiayn.data.batch import Batch
+from aiayn.engine.precision import native_bf16
 from aiayn.files import write_atomic
-from aiayn.precision import native_bf16
 
 log = logging.getLogger("aiayn")
 

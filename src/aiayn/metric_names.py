@@ -1,4 +1,4 @@
-"""The validation metrics, by name: computed by evaluate.py and lm_eval.py, logged to
+"""The validation metrics, by name: computed by eval/scores.py and eval/lm_scores.py, logged to
 TensorBoard as valid/<name>, recorded in a checkpoint's manifest under the same tag, and ranked
 by checkpoint.best_metric (config/schema.py). One definition, so the four cannot drift apart."""
 

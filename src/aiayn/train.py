@@ -37,19 +37,19 @@ from aiayn.data.mixed_stream import MixedStream
 from aiayn.data.mixture import as_train, cache_folder, tokenizer_sample
 from aiayn.data.run_splits import with_run_copy
 from aiayn.distributed import faults
-from aiayn.distributed.engine import Engine, build_engine
 from aiayn.distributed.env import DistEnv, setup, teardown, use_timeout
+from aiayn.engine.interface import Engine, build_engine
+from aiayn.engine.precision import resolve_precision
 from aiayn.errors import CheckpointError, DataError, PeerError, TrainingError
-from aiayn.evaluate import Validation
+from aiayn.eval.finish import finish
+from aiayn.eval.validation import Validation
 from aiayn.files import bytes_hashed
-from aiayn.finish import finish
 from aiayn.flops import datasheet_peak, device_peak_flops, raise_kept_peak, training_flops
 from aiayn.loss import batch_loss
 from aiayn.malloc import keep_freed_memory
 from aiayn.metric_names import PREFIX
 from aiayn.metrics import Metrics, ProgressBar, cuda_memory, memory_bytes, setup_logging
 from aiayn.model import build_model, count_parameters, selection
-from aiayn.precision import resolve_precision
 from aiayn.preemption import REQUEUE_EXIT_CODE, Preempted, StopFlag, StopVote
 from aiayn.seeding import seed_everything
 from aiayn.startup import StartupTimes

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from aiayn.config import load_config
-from aiayn.distributed import deepspeed_config, op_builds
-from aiayn.distributed.deepspeed_engine import _join_single_process_group
 from aiayn.distributed.env import DistEnv
+from aiayn.engine import deepspeed_config, op_builds
+from aiayn.engine.deepspeed_engine import _join_single_process_group
 from aiayn.model import build_model
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))

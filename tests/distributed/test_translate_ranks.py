@@ -1,5 +1,5 @@
 """`aiayn translate --input --output` under torchrun: two ranks share the file's chunks and
-write what one process writes, line for line (aiayn/translate_file.py)."""
+write what one process writes, line for line (aiayn/infer/translate_file.py)."""
 
 import re
 import sys

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from aiayn.config import load_config
-from aiayn.distributed.engine import build_engine
 from aiayn.distributed.env import setup, teardown
-from aiayn.evaluate import Validation
+from aiayn.engine.interface import build_engine
+from aiayn.eval.validation import Validation
 from aiayn.metrics import Metrics
 from aiayn.model import build_model
 from aiayn.tokenizer import Tokenizer

@@ -15,8 +15,8 @@ import runpy
 import sys
 from pathlib import Path
 
-from aiayn import evaluate
 from aiayn.checkpoint import manager
+from aiayn.eval import validation
 from aiayn.malloc import AllocatedPeak
 
 rises = {"save": 0, "validation": 0, "whole_model_copy": 0}
@@ -47,7 +47,7 @@ def with_control(method):
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     manager.CheckpointManager.save = measured("save", manager.CheckpointManager.save)
-    evaluate.Validation.run = with_control(measured("validation", evaluate.Validation.run))
+    validation.Validation.run = with_control(measured("validation", validation.Validation.run))
     sys.argv = ["aiayn", *sys.argv[2:]]
     try:
         runpy.run_module("aiayn", run_name="__main__")

@@ -11,9 +11,10 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from aiayn.checkpoint import load_checkpoint, read_manifest
+from aiayn.checkpoint.inference import load_for_inference
 from aiayn.config import load_config
 from aiayn.errors import CheckpointError
-from aiayn.evaluate import load_for_inference, translate
+from aiayn.infer.translate import translate
 from aiayn.train import train
 
 import tiny  # tests/e2e/tiny.py, beside this file
@@ -127,7 +128,8 @@ NO_DEEPSPEED = """
 import json, sys
 sys.modules["deepspeed"] = None  # any import of it raises ImportError
 import torch
-from aiayn.evaluate import load_for_inference, translate
+from aiayn.checkpoint.inference import load_for_inference
+from aiayn.infer.translate import translate
 cfg, model, tok, _ = load_for_inference(sys.argv[1], ["decode.beam=2"])
 print(json.dumps(translate(model, tok, json.loads(sys.argv[2]), cfg.decode, torch.device("cpu"))))
 """

@@ -10,9 +10,9 @@ import pytest
 from small_disk import reported_sizes, resize, small_disk, used_kib  # tests/small_disk.py
 
 from aiayn.checkpoint.failures import size_on_disk
+from aiayn.checkpoint.inference import load_for_inference
 from aiayn.config import load_config
 from aiayn.errors import CheckpointError
-from aiayn.evaluate import load_for_inference
 from aiayn.train import train
 
 import tiny  # tests/e2e/tiny.py, beside this file

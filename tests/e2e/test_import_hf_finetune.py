@@ -15,8 +15,10 @@ from bench_venv import ROOT, require_bench_venv, run_in_bench_venv  # tests/
 from safetensors.torch import load_file
 from test_init_source import kill_at_step, losses, start  # tests/e2e, beside this file
 
-from aiayn.evaluate import evaluate, load_for_inference, translate
+from aiayn.checkpoint.inference import load_for_inference
+from aiayn.eval.evaluate import evaluate
 from aiayn.export import export_model
+from aiayn.infer.translate import translate
 
 BUILDER = ROOT / "tests" / "unit" / "marian_build.py"
 

@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from aiayn.checkpoint import init_source
+from aiayn.checkpoint.inference import load_for_inference
 from aiayn.checkpoint.tools import export, export_module
 from aiayn.config import keys_set, load_config
 from aiayn.errors import CheckpointError, ConfigError, TokenizerError
-from aiayn.evaluate import load_for_inference
 from aiayn.model import build_model, vocab_parameters
 from aiayn.tokenizer import Tokenizer, train_tokenizer
 from aiayn.train import train

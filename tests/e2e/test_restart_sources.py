@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from aiayn.config import load_config
-from aiayn.evaluate import evaluate
+from aiayn.eval.evaluate import evaluate
 from aiayn.train import train
 
 import tiny  # tests/e2e/tiny.py, beside this file

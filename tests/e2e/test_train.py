@@ -14,9 +14,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from aiayn import demo_data
 from aiayn.checkpoint import read_trainer_state
 from aiayn.config import load_config
+from aiayn.engine.precision import resolve_precision
 from aiayn.errors import CheckpointError, TrainingError
-from aiayn.evaluate import evaluate
-from aiayn.precision import resolve_precision
+from aiayn.eval.evaluate import evaluate
 from aiayn.train import train
 
 
@@ -272,7 +272,7 @@ def test_a_running_text_lm_reports_bits_per_character_and_samples_line_breaks(tm
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     # The prompt's line break is kept, and sampling runs to its 60 tokens (eos would have
-    # stopped it): the eos-to-newline decoding itself is test_lm_eval's.
+    # stopped it): the eos-to-newline decoding itself is test_lm_scores'.
     assert proc.stdout.startswith("forty-one\nforty") and len(proc.stdout) > 100
 
 

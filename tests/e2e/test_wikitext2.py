@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from aiayn.config import load_config
-from aiayn.evaluate import split_lines
-from aiayn.lm_eval import count_units
+from aiayn.eval.lm_scores import count_units
+from aiayn.eval.scores import split_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"

@@ -14,9 +14,9 @@ from aiayn.checkpoint import (
     read_manifest,
     resolve_checkpoint,
 )
-from aiayn.checkpoint.format import Weights
 from aiayn.checkpoint.staging import Staging
 from aiayn.config import ModelConfig, load_config
+from aiayn.engine.state import Weights
 from aiayn.errors import CheckpointError, ConfigError, TokenizerError
 
 CONTRACT = {"sha256": "abc", "vocab_size": 50, "pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}

@@ -12,11 +12,11 @@ import torch._dynamo
 import torch.fx.experimental._config
 from torch._dynamo.testing import CompileCounter
 
-from aiayn import parallelize
 from aiayn.config import ModelConfig
 from aiayn.data.batch import Batch, round_width
 from aiayn.data.plan import epoch_rng, pair_plan
-from aiayn.decode import beam_search
+from aiayn.engine import parallelize
+from aiayn.infer.decode import beam_search
 from aiayn.loss import batch_loss
 from aiayn.model import build_model
 

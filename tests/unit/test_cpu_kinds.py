@@ -13,7 +13,7 @@ from cpu_kinds import CAPS, NEEDS, VARIABLES, can_compute_as
 
 PROBE = """
 import json, torch
-from aiayn.precision import resolve_precision
+from aiayn.engine.precision import resolve_precision
 print(json.dumps({"aten": torch.backends.cpu.get_cpu_capability(),
                   "auto": resolve_precision("auto", torch.device("cpu"))}))
 """

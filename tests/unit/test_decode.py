@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.config import ModelConfig
-from aiayn.decode import beam_search, generate, greedy_search, length_penalty
+from aiayn.infer.decode import beam_search, generate, greedy_search, length_penalty
 from aiayn.model import DecoderState, build_model
 
 V, PAD, BOS, EOS = 50, 0, 1, 2
@@ -340,7 +340,7 @@ def test_min_len_keeps_eos_back_until_that_many_tokens_but_not_for_an_empty_sour
 
 
 def test_an_empty_line_is_translated_as_an_empty_line_without_decoding_it(tok):
-    from aiayn.evaluate import translate_batches
+    from aiayn.infer.translate import translate_batches
 
     seen = []
 

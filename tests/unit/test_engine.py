@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from aiayn.config import load_config
-from aiayn.distributed import deepspeed_config
-from aiayn.distributed.ddp_engine import LocalEngine
 from aiayn.distributed.launcher import accelerate_overrides
+from aiayn.engine import deepspeed_config
+from aiayn.engine.ddp_engine import LocalEngine
 from aiayn.errors import ConfigError
 from aiayn.loss import batch_loss
 from aiayn.model import build_model

@@ -13,15 +13,17 @@ import pytest
 import torch
 from export_models import VARIANTS, variant_id, write_model
 
+from aiayn.checkpoint.inference import load_for_inference
 from aiayn.cli import main
-from aiayn.decode import generate, greedy_search
 from aiayn.errors import ExportError
-from aiayn.evaluate import evaluate, load_for_inference, translate
+from aiayn.eval.evaluate import evaluate, evaluate_ct2
 from aiayn.export import export_model
 from aiayn.export.ct2 import METADATA_FILE, build_spec, export_ctranslate2
-from aiayn.export.ct2_runtime import Ct2Model, evaluate_ct2, generate_ct2, translate_ct2
+from aiayn.export.ct2_runtime import Ct2Model, generate_ct2, translate_ct2
 from aiayn.export.source import load_source
-from aiayn.lm_eval import sample_text
+from aiayn.infer.decode import generate, greedy_search
+from aiayn.infer.generate import sample_text
+from aiayn.infer.translate import translate
 
 ct2 = pytest.importorskip("ctranslate2")
 

@@ -16,12 +16,12 @@ from bench_venv import require_bench_venv, run_in_bench_venv  # tests/bench_venv
 from export_models import variant_id, write_model
 from safetensors import safe_open
 
-from aiayn.decode import generate, greedy_search
+from aiayn.checkpoint.inference import load_for_inference
 from aiayn.errors import ExportError
-from aiayn.evaluate import load_for_inference
 from aiayn.export import export_model
 from aiayn.export.bart_layout import marian_permutation as _marian_permutation
 from aiayn.export.source import sinusoid_table
+from aiayn.infer.decode import generate, greedy_search
 
 CHECKER = Path(__file__).with_name("hf_check.py")
 TOL = 1e-4

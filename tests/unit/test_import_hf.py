@@ -20,12 +20,12 @@ from bench_venv import require_bench_venv, run_in_bench_venv  # tests/bench_venv
 from export_models import write_model
 from safetensors.torch import load_file
 
+from aiayn.checkpoint.inference import load_for_inference
 from aiayn.checkpoint.tools import export_paths
-from aiayn.decode import beam_search, greedy_search
 from aiayn.errors import ExportError
-from aiayn.evaluate import load_for_inference
 from aiayn.export import export_model
 from aiayn.export.hf_import import import_hf
+from aiayn.infer.decode import beam_search, greedy_search
 
 BUILDER = Path(__file__).with_name("marian_build.py")
 TOL = 1e-4

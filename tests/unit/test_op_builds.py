@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from aiayn.distributed import op_builds
+from aiayn.engine import op_builds
 from aiayn.errors import TrainingError
 
 

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
+import aiayn.engine.precision
 import aiayn.flops
-import aiayn.precision
+from aiayn.engine.precision import ONEDNN_ISA_VARIABLES, cpu_flags, native_bf16, resolve_precision
 from aiayn.flops import matmul_dtype
-from aiayn.precision import ONEDNN_ISA_VARIABLES, cpu_flags, native_bf16, resolve_precision
 
 from fake_cuda import FakeCuda
 
@@ -73,7 +73,7 @@ def test_mfu_counts_a_bf16_run_against_the_bf16_matmul():
 def test_emulated_bf16_is_measured_against_the_fp32_matmul(monkeypatch, uncapped, flags, measured):
     # Without native bf16 a 2048^3 bf16 multiply takes minutes: the run would wait at start.
     seen = []
-    monkeypatch.setattr(aiayn.precision, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(aiayn.engine.precision, "cpu_flags", lambda: flags)
     monkeypatch.setattr(
         aiayn.flops, "measure_matmul_peak", lambda d, dtype: seen.append(dtype) or 1e9
     )

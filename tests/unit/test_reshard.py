@@ -1,4 +1,4 @@
-"""The topology-independent optimizer state (distributed/reshard.py) without a second process: the
+"""The topology-independent optimizer state (checkpoint/reshard.py) without a second process: the
 torch optimizer's state round-trips through it exactly, and ZeRO partitions cut the way
 DeepSpeed cuts them merge back into whole tensors. Real DeepSpeed shards: tests/distributed."""
 
@@ -8,10 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from aiayn.checkpoint import reshard
 from aiayn.config import load_config
-from aiayn.distributed import reshard
-from aiayn.distributed.ddp_engine import LocalEngine
-from aiayn.distributed.deepspeed_engine import DeepSpeedEngine
+from aiayn.engine import state as engine_state
+from aiayn.engine.ddp_engine import LocalEngine
+from aiayn.engine.deepspeed_engine import DeepSpeedEngine
 from aiayn.errors import CheckpointError
 from aiayn.model import build_model
 
@@ -31,12 +32,12 @@ def engine_after_steps(steps: int) -> LocalEngine:
     return engine
 
 
-def portable_of(engine: LocalEngine) -> reshard.Portable:
+def portable_of(engine: LocalEngine) -> engine_state.Portable:
     """The engine's state as a checkpoint would give it to a new topology."""
-    shapes = {n: p.shape for n, p in reshard.trainable(engine.module)}
+    shapes = {n: p.shape for n, p in engine_state.trainable(engine.module)}
     weights = {
-        (n, reshard.WEIGHT): reshard.Pieces([p.detach().clone().flatten()])
-        for n, p in reshard.trainable(engine.module)
+        (n, engine_state.WEIGHT): reshard.Pieces([p.detach().clone().flatten()])
+        for n, p in engine_state.trainable(engine.module)
     }
     saved = engine.state_dict()
     return reshard._from_torch_optimizer(saved["optimizer"], weights, shapes, saved["scheduler"], 0)
@@ -44,7 +45,7 @@ def portable_of(engine: LocalEngine) -> reshard.Portable:
 
 def test_torch_adam_state_round_trips_exactly_through_the_portable_form():
     source = engine_after_steps(3)
-    names = [n for n, _ in reshard.trainable(source.module)]
+    names = [n for n, _ in engine_state.trainable(source.module)]
     state = portable_of(source)
     assert state.step == 3 and all(state.has_moments(n) for n in names)
     target = engine_after_steps(0)  # another initialisation, no Adam state yet
@@ -57,7 +58,7 @@ def test_torch_adam_state_round_trips_exactly_through_the_portable_form():
             p.grad = g.clone()
         engine.step()
     for (n, p), (_, q) in zip(
-        reshard.trainable(source.module), reshard.trainable(target.module), strict=True
+        engine_state.trainable(source.module), engine_state.trainable(target.module), strict=True
     ):
         assert torch.equal(p, q), n
 
@@ -115,7 +116,7 @@ def test_each_new_rank_reads_its_partition_and_about_1_over_w_of_the_state(old, 
     pieces = reshard._zero3_pieces([reshard.Pieces(g) for g in subgroups], shapes, old)
     total = sum(t.numel() for t in full.values())
     for rank in range(new):
-        state = reshard.Portable(shapes, {(n, "weight"): pieces[n] for n in shapes}, 0, {}, 0)
+        state = engine_state.Portable(shapes, {(n, "weight"): pieces[n] for n in shapes}, 0, {}, 0)
         for name, shape in shapes.items():
             n = math.ceil(shape.numel() / new)
             start, end = rank * n, min((rank + 1) * n, shape.numel())

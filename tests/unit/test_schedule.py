@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from aiayn.config import config_from_dict
-from aiayn.distributed.ddp_engine import LocalEngine
+from aiayn.engine.ddp_engine import LocalEngine
+from aiayn.engine.schedule import learning_rate, noam_lr
 from aiayn.errors import ConfigError
-from aiayn.schedule import learning_rate, noam_lr
 
 
 def test_noam_matches_the_paper_formula():

@@ -1,11 +1,12 @@
-"""aiayn/translate_file.py: chunk cuts at line starts, every line translated once and in order,
-a resumed translation skips the chunks written, and parts of another translation are refused.
+"""aiayn/infer/translate_file.py: chunk cuts at line starts, every line translated once and in
+order, a resumed translation skips the chunks written, and parts of another translation are
+refused.
 (Two ranks under torchrun: tests/distributed/test_translate_ranks.py.)"""
 
 import pytest
 
 from aiayn.errors import DataError
-from aiayn.translate_file import chunk_starts, translate_file
+from aiayn.infer.translate_file import chunk_starts, translate_file
 
 LINES = [f"line {i} " + "x" * (i % 17) for i in range(500)] + ["", "  ", "ünïcødé"]
 

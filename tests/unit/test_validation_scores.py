@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from aiayn.config import config_from_dict
-from aiayn.evaluate import length_batches, rank_shares, translation_scores
+from aiayn.eval.scores import translation_scores
+from aiayn.infer.translate import length_batches, rank_shares
 
 HYPS = [
     "a man rides a red bicycle down the street .",

@@ -1,7 +1,9 @@
 """Checkpoints: the files (format.py), the manager that saves, keeps and restores a run's
-(manager.py), and averaging and export for inference (tools.py)."""
+(manager.py), resuming on another topology (reshard.py), and averaging and export for
+inference (tools.py). Above engine/: an engine hands its state over in engine/state.py's types
+and never imports this package."""
 
-from aiayn.checkpoint.format import (  # first: manager.py and distributed/reshard.py use it
+from aiayn.checkpoint.format import (
     ARCHITECTURE_FIELDS,
     CHECKPOINTS_DIR,
     FORMAT_VERSION,
@@ -18,7 +20,6 @@ from aiayn.checkpoint.format import (  # first: manager.py and distributed/resha
     resolve_checkpoint,
     step_dir_name,
     step_of,
-    weights_snapshot,
 )
 from aiayn.checkpoint.manager import CheckpointManager, Progress
 
@@ -41,5 +42,4 @@ __all__ = [
     "resolve_checkpoint",
     "step_dir_name",
     "step_of",
-    "weights_snapshot",
 ]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,33 +73,6 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu", copy=True).contiguous()
-
-
-def weights_snapshot(
-    module: nn.Module, copy: Callable[[torch.Tensor], torch.Tensor] = host_copy
-) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
-    """A host copy of `module`'s weights for safetensors, each tensor once, and its metadata.
-    `copy` makes each tensor's (checkpoint/staging.py's, for an async save).
-
-    Tied names (the same tensor under several names) keep the first in sorted order, with the
-    others recorded in the metadata, as `safetensors.torch.save_model` does, so `load_model`
-    restores the tie. Unlike save_model this also works when a sharded optimizer keeps the
-    parameters as views of one flat buffer (ZeRO 1/2): each tensor is copied out of it.
-    """
-    state = module.state_dict()
-    groups: dict[tuple, list[str]] = {}
-    for name, t in state.items():
-        groups.setdefault((t.data_ptr(), t.dtype, tuple(t.shape)), []).append(name)
-    tensors, metadata = {}, {}
-    for names in groups.values():
-        keep, *tied = sorted(names)
-        tensors[keep] = copy(state[keep])
-        metadata.update({name: keep for name in tied})
-    return tensors, metadata or None
-
-
 def split_tensors(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     """`state` with each tensor safetensors can hold replaced by {"__tensor__": key}, and
     those tensors by key: the tensors go into a file every rank writes a range of."""
@@ -127,26 +100,6 @@ def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(skeleton, list | tuple):
         return type(skeleton)(join_tensors(v, tensors) for v in skeleton)
     return skeleton
-
-
-@dataclass
-class Weights:
-    """The weights a save writes into model.safetensors, each tensor once (tied names in
-    `metadata`, as weights_snapshot records them): `specs` gives the names, dtypes and shapes
-    (real or meta tensors), and `each(names)` yields the tensors in that order. `transient`:
-    a yielded tensor is gone once the next one is asked for (ZeRO-3 gathers them one at a
-    time, every rank taking part), so whatever a save keeps of it, it copies."""
-
-    specs: dict[str, torch.Tensor]
-    metadata: dict[str, str] | None
-    each: Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]]
-    transient: bool = False
-
-    @classmethod
-    def of(cls, module: nn.Module) -> Weights:
-        """A module whose weights are all here (one process, DDP, ZeRO stages 1 and 2)."""
-        tensors, metadata = weights_snapshot(module, copy=lambda t: t)
-        return cls(tensors, metadata, lambda names: ((n, tensors[n]) for n in names))
 
 
 def read_manifest(ckpt: Path, verify: bool = True) -> dict[str, Any]:
@@ -304,7 +257,7 @@ def load_checkpoint(
 @dataclass(frozen=True)
 class Stored:
     """A tensor of trainer.safetensors left unread (read_trainer_state's `lazy`): resharding
-    reads only the ranges of it that this rank keeps (distributed/reshard.py)."""
+    reads only the ranges of it that this rank keeps (checkpoint/reshard.py)."""
 
     key: str
 

@@ -336,10 +336,11 @@ def load_weights(
 def load_moments(engine, found: Located, cfg) -> None:
     """init.optimizer=keep: Adam's moments and step count from the source's training checkpoint
     into the built engine, read by parameter name as a resume on another topology reads them
-    (distributed/reshard.py: each ZeRO rank its partition); the schedule, the skipped-step
+    (checkpoint/reshard.py: each ZeRO rank its partition); the schedule, the skipped-step
     count and everything else stay this run's. Refused, saying why, where the source has no
     optimizer state or trained another set of parameters."""
-    from aiayn.distributed import reshard
+    from aiayn.checkpoint import reshard
+    from aiayn.engine.state import trainable
 
     if found.kind != "checkpoint":
         raise CheckpointError(
@@ -359,7 +360,7 @@ def load_moments(engine, found: Located, cfg) -> None:
     trainer_state = read_trainer_state(found.checkpoint, lambda key: key.startswith("/engine/"))
     manifest = read_manifest(found.checkpoint, verify=False)
     saved = reshard.Topology.of_checkpoint(manifest, trainer_state)
-    shapes = {name: p.shape for name, p in reshard.trainable(engine.module)}
+    shapes = {name: p.shape for name, p in trainable(engine.module)}
     with reshard.read(found.checkpoint, trainer_state, saved, shapes) as state:
         # this run's fresh schedule, not the source's position in its own
         state.scheduler, state.skipped_steps = engine.scheduler.state_dict(), 0

@@ -4,7 +4,7 @@ The loop says "save at this step" (`save_step`) and "restore" (`restore`); the m
 the state from what it tracks (engine, data loader, RNG streams, counters), writes it
 atomically, and on a restart decides which checkpoint to resume from and how: in the engine's
 own format when the topology is unchanged (bitwise), or resharded by parameter name when it
-changed (distributed/reshard.py). The files themselves are checkpoint/format.py's.
+changed (checkpoint/reshard.py). The files themselves are checkpoint/format.py's.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from aiayn import metric_names
-from aiayn.checkpoint import staging
+from aiayn.checkpoint import reshard, staging
 from aiayn.checkpoint.failures import FailedSaves, Seen, free_bytes, message
 from aiayn.checkpoint.format import (
     CHECKPOINTS_DIR,
@@ -32,7 +32,6 @@ from aiayn.checkpoint.format import (
     TRAINER_FILE,
     TRAINER_TENSORS_FILE,
     checkpoints_in,
-    host_copy,
     latest_valid,
     load_checkpoint,
     read_manifest,
@@ -42,8 +41,8 @@ from aiayn.checkpoint.format import (
 )
 from aiayn.checkpoint.retention import LATEST, Retention, pointed
 from aiayn.checkpoint.tensor_files import TensorFile, slice_bytes, write_slices
-from aiayn.distributed import reshard  # as a module: reshard imports checkpoint.format
 from aiayn.distributed.env import DistEnv
+from aiayn.engine.state import host_copy, trainable
 from aiayn.errors import CheckpointError, TrainingError
 from aiayn.files import fsync_path, sha256_of, size_text, write_atomic
 from aiayn.seeding import load_rng_state, rng_state, seed_everything
@@ -252,7 +251,7 @@ class CheckpointManager:
             log.warning(
                 "checkpoint written by %s, resuming on %s: resharding its state", saved, here
             )
-            shapes = {name: p.shape for name, p in reshard.trainable(engine.module)}
+            shapes = {name: p.shape for name, p in trainable(engine.module)}
             with reshard.read(ckpt, trainer_state, saved, shapes) as state:
                 engine.load_portable(state)
             # Each rank read its share of the state, not the whole of it (ZeRO): say so.

@@ -14,7 +14,7 @@ tokenizer beside it:
     FILE.tokenizer.model      the SentencePiece model
 
 It needs nothing of the trainer (no optimizer state, no DeepSpeed) to load:
-`aiayn.evaluate.load_for_inference(FILE.safetensors)`, or `aiayn translate --checkpoint
+`aiayn.checkpoint.inference.load_for_inference(FILE.safetensors)`, or `aiayn translate --checkpoint
 FILE.safetensors`.
 """
 
@@ -45,8 +45,8 @@ from aiayn.checkpoint.format import (
     resolve_checkpoint,
     step_of,
     tokenizer_file,
-    weights_snapshot,
 )
+from aiayn.engine.state import weights_snapshot
 from aiayn.errors import CheckpointError
 from aiayn.files import fsync_path, sha256_of, write_atomic
 from aiayn.tokenizer import Tokenizer

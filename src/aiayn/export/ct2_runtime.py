@@ -136,14 +136,14 @@ def translate_ct2(
     tokens, and at model.max_len - 1. CTranslate2 takes one length limit per batch, so
     the batch decodes to its longest limit and each hypothesis is cut to its own: exact for
     greedy search, where a prefix does not depend on how far decoding goes on."""
-    from aiayn.evaluate import translate_batches
+    from aiayn.infer.translate import translate_batches
 
     model = _open(model, overrides, device, threads, "seq2seq")
     dec = model.cfg.decode
-    # aiayn.evaluate.translate's limits, whatever the export's table allows: the same output.
+    # aiayn.infer.translate.translate's limits, whatever the export's table allows: the same output.
     max_len = min(model.max_positions, model.cfg.model.max_len)
     tok = model.tok
-    banned = [[tok.id_to_piece(i)] for i in (tok.pad_id, tok.bos_id)]  # as aiayn.decode
+    banned = [[tok.id_to_piece(i)] for i in (tok.pad_id, tok.bos_id)]  # as aiayn.infer.decode
 
     def decode(batch: list[list[int]]) -> list[list[int]]:
         limits = [min(len(ids) + 1 + dec.max_len_b, max_len - 1) for ids in batch]
@@ -180,7 +180,7 @@ def generate_ct2(
     equals the torch engine's output; sampling draws from CTranslate2's own generator
     (seeded), so a sample differs from the torch engine's with the same seed."""
     model = _open(model, overrides, device, threads, "lm")
-    from aiayn.lm_eval import continue_texts
+    from aiayn.infer.generate import continue_texts
 
     require_ctranslate2().set_random_seed(seed)
     greedy = temperature == 0
@@ -219,42 +219,3 @@ def generate_ct2(
         running_text=running_text,
         window=model.cfg.model.max_len,
     )
-
-
-def evaluate_ct2(
-    model_dir: str | Path,
-    split: str = "test",
-    overrides: list[str] = (),
-    *,
-    device: str = "auto",
-    threads: int | None = None,
-) -> dict[str, Any]:
-    """evaluate.evaluate's BLEU of a translation export on a split of the run's data (the
-    hypotheses written to run_dir/eval/SPLIT.DIRNAME.ct2.hyp). An lm's perplexity is scored
-    from its checkpoint (--engine torch)."""
-    from aiayn.data import open_split
-    from aiayn.errors import ConfigError
-    from aiayn.evaluate import translation_scores
-
-    model = Ct2Model(model_dir, overrides, device, threads)
-    if model.kind != "seq2seq":
-        raise ExportError(
-            f"{model.path} is an {model.kind} export: evaluate --engine ctranslate2 measures "
-            "BLEU of translation models; score an lm's perplexity from its checkpoint "
-            "(--engine torch)"
-        )
-    spec = getattr(model.cfg.data, split, None)
-    if spec is None:
-        raise ConfigError(f"data.{split} is not set in the run's config; pass data.{split}=...")
-    pairs = list(open_split(model.cfg.data, spec, "seq2seq"))
-    srcs, refs = [p["src"] for p in pairs], [p["tgt"] for p in pairs]
-    hyps = translate_ct2(model, srcs)
-    result: dict[str, Any] = translation_scores(hyps, refs, model.cfg.decode.bleu_tokenize)
-    result["samples"] = list(zip(srcs[:5], refs[:5], hyps[:5], strict=True))
-    out = Path(model.cfg.run_dir) / "eval" / f"{split}.{model.path.name}.ct2.hyp"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(h + "\n" for h in hyps))
-    result["hypotheses_file"] = str(out)
-    result["checkpoint"] = str(model.path)
-    result["split"] = split
-    return result

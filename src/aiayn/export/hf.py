@@ -97,7 +97,7 @@ def _generation_config(config: dict, max_len: int, min_len: int) -> dict:
     # table's length in all (a translation's start token included).
     keys = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
     out = {k: config[k] for k in keys if k in config}
-    if "decoder_start_token_id" in config:  # translation: as aiayn.decode, never pad or bos,
+    if "decoder_start_token_id" in config:  # translation: as aiayn.infer.decode, never pad or bos,
         banned = {config["pad_token_id"], config["decoder_start_token_id"]}
         out["bad_words_ids"] = [[i] for i in sorted(banned)]
         if min_len:  # and eos not before decode.min_len tokens

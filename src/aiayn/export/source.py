@@ -27,7 +27,7 @@ class ExportSource:
 def load_source(checkpoint: str | Path) -> ExportSource:
     """Read `checkpoint` as `aiayn translate` would (a run_dir's latest valid checkpoint, a step
     or averaged dir, or FILE.safetensors), verified against its tokenizer's contract."""
-    from aiayn.evaluate import load_for_inference
+    from aiayn.checkpoint.inference import load_for_inference
 
     cfg, model, tok, ckpt = load_for_inference(checkpoint, (), "cpu")
     if cfg.model.kind not in ("seq2seq", "lm"):

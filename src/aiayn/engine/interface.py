@@ -2,9 +2,9 @@
 once per accumulation boundary.
 
 The training loop talks to an `Engine` and nothing else, so one process, DDP
-(distributed/ddp_engine.py) and DeepSpeed (distributed/deepspeed_engine.py) take each other's
+(engine/ddp_engine.py) and DeepSpeed (engine/deepspeed_engine.py) take each other's
 place without the loop changing. The engines import what they share from below them
-(precision.autocast, distributed/replicas.py), never this module or each other.
+(precision.autocast, engine/replicas.py), never this module or each other.
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from aiayn.checkpoint.format import Weights
 from aiayn.config import Config
-from aiayn.distributed.ddp_engine import DDPEngine, LocalEngine
 from aiayn.distributed.env import DistEnv
-from aiayn.distributed.reshard import Portable
+from aiayn.engine.ddp_engine import DDPEngine, LocalEngine
+from aiayn.engine.state import Portable, Weights
 
 
 class Engine(Protocol):
@@ -76,7 +75,7 @@ class Engine(Protocol):
         `checkpoint`, saved by an engine of the same topology."""
 
     def load_portable(self, state: Portable) -> None:
-        """Restore from a checkpoint written on another topology (distributed/reshard.py)."""
+        """Restore from a checkpoint written on another topology (checkpoint/reshard.py)."""
 
 
 def build_engine(model: nn.Module, cfg: Config, env: DistEnv, rebuild=None) -> Engine:
@@ -86,7 +85,7 @@ def build_engine(model: nn.Module, cfg: Config, env: DistEnv, rebuild=None) -> E
     """
     if cfg.distributed.backend == "deepspeed":
         # Imported here only because importing deepspeed takes seconds, and it is optional.
-        from aiayn.distributed.deepspeed_engine import DeepSpeedEngine
+        from aiayn.engine.deepspeed_engine import DeepSpeedEngine
 
         return DeepSpeedEngine(model, cfg, env, rebuild)
     if env.distributed:

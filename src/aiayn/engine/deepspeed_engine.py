@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO stages 0-3, with optional CPU offload, as an `Engine` (distributed/engine.py);
+"""DeepSpeed ZeRO stages 0-3, with optional CPU offload, as an `Engine` (engine/interface.py);
 distributed.backend=deepspeed."""
 
 from __future__ import annotations
@@ -15,16 +15,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from aiayn import parallelize
-from aiayn.checkpoint.format import Weights
 from aiayn.config import Config
-from aiayn.distributed import deepspeed_config, op_builds, reshard
 from aiayn.distributed.env import DistEnv
-from aiayn.distributed.replicas import replicas_differ
-from aiayn.distributed.reshard import DEEPSPEED_DIR, Portable
+from aiayn.engine import deepspeed_config, op_builds, parallelize
+from aiayn.engine.optim import clip_gradients, load_schedule, load_torch_adam, paper_schedule
+from aiayn.engine.precision import autocast
+from aiayn.engine.replicas import replicas_differ
+from aiayn.engine.state import DEEPSPEED_DIR, MOMENTS, WEIGHT, Portable, Weights, trainable
 from aiayn.errors import CheckpointError, ConfigError, TrainingError
-from aiayn.optim import clip_gradients, load_schedule, load_torch_adam, paper_schedule
-from aiayn.precision import autocast
 
 
 class DeepSpeedEngine:
@@ -50,7 +48,7 @@ class DeepSpeedEngine:
         parallelize.apply(model, cfg)
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model,
-            model_parameters=[p for _, p in reshard.trainable(model)],
+            model_parameters=[p for _, p in trainable(model)],
             config=self.ds_config,
             lr_scheduler=lambda optimizer: paper_schedule(optimizer, cfg),
             dist_init_required=False,
@@ -68,7 +66,7 @@ class DeepSpeedEngine:
             if not isinstance(self.optimizer, torch.optim.Optimizer):
                 raise TrainingError(
                     f"DeepSpeed wrapped the stage-0 optimizer in {type(self.optimizer).__name__}; "
-                    "aiayn expected a torch optimizer to clip for (distributed/deepspeed_config.py)"
+                    "aiayn expected a torch optimizer to clip for (engine/deepspeed_config.py)"
                 )
 
             # DeepSpeed computes no norm here (and was told not to clip): clip as LocalEngine
@@ -223,7 +221,7 @@ class DeepSpeedEngine:
             raise CheckpointError(f"DeepSpeed could not load the shards in {checkpoint}")
 
     def load_portable(self, state: Portable) -> None:
-        """Restore from a checkpoint written on another topology (distributed/reshard.py).
+        """Restore from a checkpoint written on another topology (checkpoint/reshard.py).
         Each rank reads only the part of the state it keeps: its ZeRO partition of the fp32
         weights and of Adam's moments (and under ZeRO 0-2, the whole weights every rank
         holds)."""
@@ -234,7 +232,7 @@ class DeepSpeedEngine:
                 "distributed.offload_* and with train.precision fp32 or bf16, then change them "
                 "at a later resume on the same topology"
             )
-        params = reshard.trainable(self.module)
+        params = trainable(self.module)
         zero = self.model.optimizer
         if self.zero_stage == 0:  # DeepSpeed runs the torch optimizer on the module itself
             self._load_whole_weights(params, state)
@@ -255,7 +253,7 @@ class DeepSpeedEngine:
                     "step": torch.tensor(
                         float(state.step), device=flat.device if on_device else None
                     ),
-                    **{k: torch.zeros_like(flat) for k in reshard.MOMENTS},
+                    **{k: torch.zeros_like(flat) for k in MOMENTS},
                 }
             if self.zero_stage == 3:
                 self._load_zero3_partitions(params, state)
@@ -273,7 +271,7 @@ class DeepSpeedEngine:
         partition from them."""
         with torch.no_grad():
             for name, p in params:
-                p.data.copy_(state.whole(name, reshard.WEIGHT).to(p.device, p.dtype))
+                p.data.copy_(state.whole(name, WEIGHT).to(p.device, p.dtype))
         if self.zero_stage > 0:
             self.model.optimizer.refresh_fp32_params()
 
@@ -292,7 +290,7 @@ class DeepSpeedEngine:
                 continue  # none of it on this rank, or Adam never stepped it
             start = mapping.lp_fragment_address.start
             end = start + mapping.lp_fragment_address.numel
-            for key in reshard.MOMENTS:
+            for key in MOMENTS:
                 fragment = mapping.get_hp_fragment(key)
                 fragment.copy_(state.read(name, key, start, end).to(fragment.device))
 
@@ -316,9 +314,9 @@ class DeepSpeedEngine:
                     return out
 
                 t = p.ds_tensor
-                t.data.copy_(piece(reshard.WEIGHT).to(t.device, t.dtype))
+                t.data.copy_(piece(WEIGHT).to(t.device, t.dtype))
                 if state.has_moments(name):
-                    for key in reshard.MOMENTS:
+                    for key in MOMENTS:
                         safe_set_local_optimizer_state(p, piece(key).to(self.device), key)
         self.model.optimizer.refresh_fp32_params()
 

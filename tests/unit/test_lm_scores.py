@@ -1,4 +1,4 @@
-"""Scoring a language model on a whole text (lm_eval.py), checked against sums done by hand."""
+"""Scoring a language model on a whole text (eval/lm_scores.py), checked against sums by hand."""
 
 import math
 
@@ -8,7 +8,8 @@ import torch
 
 from aiayn.config import ModelConfig, TokenizerConfig
 from aiayn.data.plan import lm_plan
-from aiayn.lm_eval import count_units, lm_scores, sample_text, text_stream, windows
+from aiayn.eval.lm_scores import count_units, lm_scores, text_stream, windows
+from aiayn.infer.generate import sample_text
 from aiayn.model import build_model
 from aiayn.tokenizer import train_tokenizer
 

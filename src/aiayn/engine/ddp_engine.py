@@ -1,6 +1,6 @@
 """The PyTorch engines of distributed.backend=ddp: one process on one device (`LocalEngine`), or
 DistributedDataParallel across processes (`DDPEngine`), behind the `Engine` interface
-(distributed/engine.py).
+(engine/interface.py).
 """
 
 from __future__ import annotations
@@ -13,21 +13,19 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from aiayn import parallelize
-from aiayn.checkpoint.format import Weights
 from aiayn.config import Config
-from aiayn.distributed import reshard
 from aiayn.distributed.env import DistEnv
-from aiayn.distributed.replicas import replicas_differ
-from aiayn.distributed.reshard import Portable
-from aiayn.optim import (
+from aiayn.engine import parallelize
+from aiayn.engine.optim import (
     build_optimizer,
     clip_gradients,
     load_schedule,
     load_torch_adam,
     paper_schedule,
 )
-from aiayn.precision import autocast
+from aiayn.engine.precision import autocast
+from aiayn.engine.replicas import replicas_differ
+from aiayn.engine.state import WEIGHT, Portable, Weights, trainable
 
 
 class LocalEngine:
@@ -121,10 +119,10 @@ class LocalEngine:
         self.skipped_steps = state.get("skipped_steps", 0)
 
     def load_portable(self, state: Portable) -> None:
-        params = reshard.trainable(self.module)
+        params = trainable(self.module)
         with torch.no_grad():
             for name, p in params:
-                p.copy_(state.whole(name, reshard.WEIGHT))
+                p.copy_(state.whole(name, WEIGHT))
         load_torch_adam(self.optimizer, params, state)
         load_schedule(self.scheduler, state)
         self.skipped_steps = state.skipped_steps

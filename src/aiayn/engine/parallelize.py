@@ -1,7 +1,7 @@
 """Techniques applied to a built model from outside it: activation checkpointing and compile.
 
 Both work on the encoder and decoder layers, the repeated unit, and change them in place, so
-parameter names (which checkpoints and distributed/reshard.py key on) stay the same with or
+parameter names (which checkpoints and checkpoint/reshard.py key on) stay the same with or
 without them. The model's own code knows of neither (torchtitan's apply_ac/apply_compile).
 """
 

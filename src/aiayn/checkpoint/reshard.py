@@ -34,13 +34,10 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from aiayn.checkpoint.format import MODEL_FILE, TRAINER_TENSORS_FILE, Stored
+from aiayn.engine.state import DEEPSPEED_DIR, MOMENTS, WEIGHT, Portable
 from aiayn.errors import CheckpointError
-
-DEEPSPEED_DIR = "deepspeed"  # where every rank's `save_checkpoint` writes (deepspeed_engine.py)
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -77,9 +74,6 @@ class Topology:
         # Checkpoints written before the manifest held the world size saved one RNG state
         # per rank: their number is the world size.
         return cls(backend, stage, manifest.get("world_size", len(trainer_state["rng"])))
-
-
-WEIGHT = "weight"  # the fp32 (master) weights, beside MOMENTS
 
 
 class Pieces:
@@ -123,45 +117,6 @@ class Rows:
         first = start // row
         rows = self.handle.get_slice(self.key)[first : -(-end // row)].reshape(-1)
         return rows[start - first * row : end - first * row].float()
-
-
-@dataclass
-class Portable:
-    """The optimizer state by parameter name: each trainable parameter's fp32 weights and
-    Adam moments (read by element range of the flattened parameter), Adam's step, the schedule
-    and the skipped-step count."""
-
-    shapes: dict[str, torch.Size]  # the trainable parameters
-    tensors: dict[tuple[str, str], Pieces | Rows]  # (name, WEIGHT or a MOMENT) -> where it is
-    step: int  # Adam's step count (bias correction): all parameters step together here
-    scheduler: dict[str, Any]  # the LambdaLR state dict: where the schedule is
-    skipped_steps: int  # fp16 overflow steps, which the schedule did not count
-    bytes_read: int = 0  # what this rank has read of the tensors so far, in their dtypes
-
-    def has_moments(self, name: str) -> bool:
-        """False for a parameter Adam never stepped (no gradient yet): it starts from zeros."""
-        return (name, MOMENTS[0]) in self.tensors
-
-    def read(self, name: str, key: str, start: int = 0, end: int | None = None) -> torch.Tensor:
-        """Elements [start, end) of the flattened tensor, fp32."""
-        source = self.tensors[name, key]
-        end = source.numel if end is None else end
-        out = source.read(start, end)
-        self.bytes_read += out.numel() * source.itemsize
-        return out
-
-    def whole(self, name: str, key: str) -> torch.Tensor:
-        return self.read(name, key).view(self.shapes[name])
-
-    @property
-    def bytes_stored(self) -> int:
-        return sum(source.numel * source.itemsize for source in self.tensors.values())
-
-
-def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(name, parameter) in the order every engine hands them to its optimizer; a tied
-    parameter once, under its first name (as named_parameters and DeepSpeed name it)."""
-    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
 @contextlib.contextmanager

@@ -8,8 +8,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from aiayn.config import Config
-from aiayn.distributed.reshard import MOMENTS, Portable, trainable
-from aiayn.schedule import learning_rate
+from aiayn.engine.schedule import learning_rate
+from aiayn.engine.state import MOMENTS, Portable, trainable
 
 
 def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:

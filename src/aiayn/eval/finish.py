@@ -49,7 +49,7 @@ def chosen(run_dir: Path, k: int, select: str) -> list[Path]:
 
 def finish(run_dir: str | Path, k: int, select: str = "last") -> dict[str, Any]:
     """Average, score, summarise; return the summary (also in RUN/averaged/summary.json)."""
-    from aiayn.evaluate import evaluate  # torch models: imported when a run is finished
+    from aiayn.eval.evaluate import evaluate  # torch models: imported when a run is finished
 
     run_dir = Path(run_dir)
     ckpts = chosen(run_dir, k, select)

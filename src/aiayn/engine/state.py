@@ -1,0 +1,117 @@
+"""The state that engines and checkpoints share, below both: the weights a save writes
+(`Weights`), the optimizer state in a form no engine owns (`Portable`), and the names both
+sides use for them.
+
+An engine yields `Weights` to a save and loads a `Portable` on a resume across topologies;
+the checkpoint package writes the first and reads the second out of any engine's files
+(checkpoint/reshard.py). Neither side imports the other: they meet here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+DEEPSPEED_DIR = "deepspeed"  # where every rank's `save_checkpoint` writes (deepspeed_engine.py)
+MOMENTS = ("exp_avg", "exp_avg_sq")
+WEIGHT = "weight"  # the fp32 (master) weights, beside MOMENTS
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True).contiguous()
+
+
+def weights_snapshot(
+    module: nn.Module, copy: Callable[[torch.Tensor], torch.Tensor] = host_copy
+) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    """A host copy of `module`'s weights for safetensors, each tensor once, and its metadata.
+    `copy` makes each tensor's (checkpoint/staging.py's, for an async save).
+
+    Tied names (the same tensor under several names) keep the first in sorted order, with the
+    others recorded in the metadata, as `safetensors.torch.save_model` does, so `load_model`
+    restores the tie. Unlike save_model this also works when a sharded optimizer keeps the
+    parameters as views of one flat buffer (ZeRO 1/2): each tensor is copied out of it.
+    """
+    state = module.state_dict()
+    groups: dict[tuple, list[str]] = {}
+    for name, t in state.items():
+        groups.setdefault((t.data_ptr(), t.dtype, tuple(t.shape)), []).append(name)
+    tensors, metadata = {}, {}
+    for names in groups.values():
+        keep, *tied = sorted(names)
+        tensors[keep] = copy(state[keep])
+        metadata.update({name: keep for name in tied})
+    return tensors, metadata or None
+
+
+@dataclass
+class Weights:
+    """The weights a save writes into model.safetensors, each tensor once (tied names in
+    `metadata`, as weights_snapshot records them): `specs` gives the names, dtypes and shapes
+    (real or meta tensors), and `each(names)` yields the tensors in that order. `transient`:
+    a yielded tensor is gone once the next one is asked for (ZeRO-3 gathers them one at a
+    time, every rank taking part), so whatever a save keeps of it, it copies."""
+
+    specs: dict[str, torch.Tensor]
+    metadata: dict[str, str] | None
+    each: Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]]
+    transient: bool = False
+
+    @classmethod
+    def of(cls, module: nn.Module) -> Weights:
+        """A module whose weights are all here (one process, DDP, ZeRO stages 1 and 2)."""
+        tensors, metadata = weights_snapshot(module, copy=lambda t: t)
+        return cls(tensors, metadata, lambda names: ((n, tensors[n]) for n in names))
+
+
+class Stretch(Protocol):
+    """A flattened tensor read by element range, wherever it is stored (checkpoint/reshard.py's
+    `Pieces` of ZeRO rank files, `Rows` of a safetensors file)."""
+
+    numel: int
+    itemsize: int
+
+    def read(self, start: int, end: int) -> torch.Tensor: ...
+
+
+@dataclass
+class Portable:
+    """The optimizer state by parameter name: each trainable parameter's fp32 weights and
+    Adam moments (read by element range of the flattened parameter), Adam's step, the schedule
+    and the skipped-step count."""
+
+    shapes: dict[str, torch.Size]  # the trainable parameters
+    tensors: dict[tuple[str, str], Stretch]  # (name, WEIGHT or a MOMENT) -> where it is
+    step: int  # Adam's step count (bias correction): all parameters step together here
+    scheduler: dict[str, Any]  # the LambdaLR state dict: where the schedule is
+    skipped_steps: int  # fp16 overflow steps, which the schedule did not count
+    bytes_read: int = 0  # what this rank has read of the tensors so far, in their dtypes
+
+    def has_moments(self, name: str) -> bool:
+        """False for a parameter Adam never stepped (no gradient yet): it starts from zeros."""
+        return (name, MOMENTS[0]) in self.tensors
+
+    def read(self, name: str, key: str, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Elements [start, end) of the flattened tensor, fp32."""
+        source = self.tensors[name, key]
+        end = source.numel if end is None else end
+        out = source.read(start, end)
+        self.bytes_read += out.numel() * source.itemsize
+        return out
+
+    def whole(self, name: str, key: str) -> torch.Tensor:
+        return self.read(name, key).view(self.shapes[name])
+
+    @property
+    def bytes_stored(self) -> int:
+        return sum(source.numel * source.itemsize for source in self.tensors.values())
+
+
+def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) in the order every engine hands them to its optimizer; a tied
+    parameter once, under its first name (as named_parameters and DeepSpeed name it)."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
