@@ -1,6 +1,6 @@
 """The validation metrics, by name: computed by eval/scores.py and eval/lm_scores.py, logged to
 TensorBoard as valid/<name>, recorded in a checkpoint's manifest under the same tag, and ranked
-by checkpoint.best_metric (config/schema.py). One definition, so the four cannot drift apart."""
+by checkpoint.best_metric (config/run.py). One definition, so the four cannot drift apart."""
 
 LOSS, PPL, ACCURACY = "loss", "ppl", "accuracy"
 BLEU, BLEU_LC = "bleu", "bleu_lc"  # seq2seq, with train.eval_bleu not 0

@@ -16,7 +16,8 @@ from typing import Any, Literal
 import yaml
 
 from aiayn.config.checks import suggest
-from aiayn.config.schema import MODEL_PRESETS, Config
+from aiayn.config.model import MODEL_PRESETS
+from aiayn.config.schema import Config
 from aiayn.errors import ConfigError
 
 

@@ -1,0 +1,178 @@
+"""How the model is trained: the `optim` section (Adam), the `schedule` section (the learning
+rate over the steps) and the `train` section (steps, batches, regularisation, validation,
+precision and kernels)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from aiayn.config.checks import Section, bounded
+
+
+@dataclass
+class OptimConfig(Section):
+    name: Literal["adam", "adamw"] = "adam"
+    """Adam as in §5.3; adamw decouples weight decay."""
+    betas: list[float] = bounded(default_factory=lambda: [0.9, 0.98], low=0, high=1, high_open=True)
+    """Adam beta_1, beta_2 (§5.3)."""
+    eps: float = bounded(1e-9, low=0, low_open=True)
+    """Adam epsilon (§5.3)."""
+    weight_decay: float = bounded(0.0, low=0)
+    """L2 (adam) or decoupled (adamw) weight decay."""
+
+    def validate(self) -> list[str]:
+        if len(self.betas) != 2:
+            return [f"optim.betas must be two numbers (beta_1, beta_2), got {self.betas}"]
+        return []
+
+
+@dataclass
+class ScheduleConfig(Section):
+    kind: Literal["noam", "constant"] = "noam"
+    """noam: factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (§5.3); constant: lr."""
+    warmup: int = bounded(4000, low=1)
+    """Optimizer steps of linear warmup (§5.3)."""
+    factor: float = bounded(1.0, low=0, low_open=True)
+    """Multiplier on the noam rate (the paper uses 1)."""
+    lr: float = bounded(1e-4, low=0, low_open=True)
+    """Learning rate of the constant schedule."""
+    cooldown: int | None = bounded(
+        None, low=0, wrong_type="a share of train.max_steps is schedule.cooldown_fraction"
+    )
+    """The last this many optimizer steps before train.max_steps scale the rate down linearly
+    to 0 (None or 0: none, the paper's schedule to the end). For a run whose length is fixed in
+    advance: a rate that falls to zero ends lower than one cut off while still high. Counted
+    from max_steps: a run that train.max_epochs stops first ends before it."""
+    cooldown_fraction: float | None = bounded(None, low=0, low_open=True, high=1)
+    """The cooldown as a share of train.max_steps instead (0.2: the last 20% of the steps),
+    so that it scales with an override of max_steps (torchtitan's decay_ratio). Rounded to the
+    nearest step, at least 1; the run's config.yaml records the steps as schedule.cooldown.
+    Give one of the two. The key, not the number's form, says which is meant: cooldown_fraction
+    1 is the whole run, cooldown 1 one step, and cooldown 0.2 is refused, not truncated."""
+
+    def cooldown_steps(self, max_steps: int) -> int:
+        """The cooldown in optimizer steps for a run of `max_steps` steps."""
+        if self.cooldown_fraction is None:
+            return self.cooldown or 0
+        # Half up rather than Python's round-half-even, and never 0: a fraction asks for some.
+        return max(1, math.floor(self.cooldown_fraction * max_steps + 0.5))
+
+    def in_steps(self, max_steps: int) -> ScheduleConfig:
+        """This schedule with its cooldown resolved to steps, as a run records it."""
+        cooldown = self.cooldown_steps(max_steps)
+        return dataclasses.replace(self, cooldown=cooldown, cooldown_fraction=None)
+
+    def validate(self) -> list[str]:
+        if self.cooldown is not None and self.cooldown_fraction is not None:
+            return [
+                f"schedule.cooldown ({self.cooldown}) and schedule.cooldown_fraction "
+                f"({self.cooldown_fraction}) are both set: give the cooldown in steps or as a "
+                "fraction of train.max_steps, and set the other to null (an override: "
+                "schedule.cooldown_fraction=null or schedule.cooldown=null)"
+            ]
+        return []
+
+
+@dataclass
+class TrainConfig(Section):
+    max_steps: int = bounded(100_000, low=1)
+    """Optimizer steps to train for."""
+    max_epochs: int | None = bounded(None, low=1)
+    """Stop after this many passes over the training data, if earlier than max_steps."""
+    seed: int = 1
+    """Seeds parameters, dropout and data order."""
+    max_tokens: int = bounded(4096, low=1)
+    """Tokens per micro-batch (padding included), like fairseq --max-tokens."""
+    grad_accum: int = bounded(1, low=1)
+    """Micro-batches per optimizer step; the schedule steps once per optimizer step."""
+    clip_norm: float = bounded(0.0, low=0)
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    label_smoothing: float = bounded(0.1, low=0, high=1, high_open=True)
+    """epsilon_ls of §5.4."""
+    eval_every: int = bounded(1000, low=0)
+    """Validate every this many optimizer steps (0: only at the end)."""
+    eval_batches: int | None = None
+    """Validate on at most this many batches (None: the whole validation split). An lm scores
+    the first this many batches of windows, and then reports no per-character or per-word
+    figure, which needs the whole text."""
+    eval_bleu: int | None = bounded(None, low=0)
+    """seq2seq: the validation sentences translated and scored (BLEU, chrF, TER) at each
+    validation, the first this many; None: the whole dev set, shared out among the ranks;
+    0: none."""
+    patience: int = bounded(0, low=0)
+    """Stop the run after this many validations in a row without an improvement of
+    checkpoint.best_metric (in the direction checkpoint.best_mode gives) by more than
+    patience_delta; 0: never. An equal score or a NaN is no improvement. The run saves, says
+    why and at which step the best was, and exits 0; the count is in the checkpoint, so a
+    resumed run stops where an uninterrupted one would. One metric decides: best_metric."""
+    patience_delta: float = bounded(0.0, low=0)
+    """The least change of best_metric that counts as an improvement for train.patience."""
+    finish: int = bounded(0, low=0)
+    """At the end of the run (max_steps, max_epochs or an early stop), average this many
+    checkpoints into run_dir/averaged and score it on the dev and test sets, with a summary
+    (`aiayn finish`); 0: off."""
+    finish_select: Literal["last", "best"] = "last"
+    """Which checkpoints train.finish averages: the newest, or the best by
+    checkpoint.best_metric."""
+    eval_stride: int | None = bounded(None, low=1)
+    """lm: validation and `aiayn evaluate` score the whole text in windows of data.max_len
+    tokens. None: non-overlapping windows; s: windows advance by s tokens and score their last
+    s, so each token has at least data.max_len - s tokens of context (slower by
+    data.max_len / s)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto picks CUDA when present."""
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
+    """bf16 and fp16 run the forward pass under autocast; weights and optimizer stay fp32.
+    fp16 adds dynamic loss scaling (a step whose gradients overflow is skipped); it is meant
+    for GPUs without bf16. auto: bf16 where the device multiplies bf16 natively (a GPU with
+    bf16; a CPU with AVX512-BF16 or AMX), else fp16 on a GPU with fp16 tensor cores (V100,
+    T4), else fp32 (precision.py)."""
+    loss_scale_init: float = bounded(2.0**16, low=1)
+    """fp16's first loss scale, a power of two (torch's and DeepSpeed's default, 2^16).
+    Dynamic scaling halves it at each overflow, skipping that step (train/loss_scale and
+    train/skipped_steps show it), and doubles it after 2000 (torch) or 1000 (DeepSpeed) steps
+    without one; a smaller start skips fewer of the first steps."""
+    threads: int | None = None
+    """torch intra-op threads on CPU (None: torch's default)."""
+    malloc: Literal["keep", "system"] = "keep"
+    """Training on CPU, keep: freed host memory stays in the process for the next step's
+    tensors instead of going back to the OS and being page-faulted in again (glibc only; faster,
+    see "Measurements behind defaults" in benchmarks/README.md); system: the C library's own
+    policy, which returns memory between steps."""
+    freeze: list[str] = field(default_factory=list)
+    """Parameters not trained, by name glob (fnmatch: * matches dots too), e.g.
+    ["*embed*"] or ["encoder.*"]: they keep their values and get no optimizer state. Each glob
+    must match a parameter of the model (`aiayn.model.selection`); for fine-tuning from
+    init.source above all."""
+    compile: bool = False
+    """torch.compile each encoder and decoder layer (TorchInductor), fusing its norms,
+    residuals, dropout and activations. For GPUs: on a 2-core CPU it was slower
+    (benchmarks/README.md). The first steps compile for a minute or more; batch and sequence
+    sizes are compiled dynamic, so new batch shapes reuse the graphs (parallelize.py), and a
+    layer that would still need more than its budget of graphs stops the run instead of
+    silently running uncompiled."""
+    tf32: bool = True
+    """On CUDA, fp32 matrix multiplies (precision fp32, and the fp32 parts of bf16 and fp16
+    runs) use TF32 tensor cores: 10 mantissa bits in the products, fp32 sums, several times
+    fp32's throughput (torch_runtime.py). No effect on CPU."""
+    deterministic: bool = False
+    """Make GPU kernels deterministic, so that a resumed run repeats the killed one bit for bit
+    on the same GPUs: torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, Inductor's
+    deterministic mode, no cuDNN attention. Costs speed (docs/gpu.md); an operation without a
+    deterministic kernel stops the run with torch's error naming it. On CPU the kernels
+    already are: a run with the same settings on the same machine repeats without it."""
+    attention_kernel: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
+    """On CUDA, the fused kernel attention may use: auto is the memory-efficient kernel, the
+    fastest measured at translation lengths (transformer_big on an H200: 31.5% MFU, against
+    29.0% with flash allowed beside it, 28.2% with cuDNN's, torch's own first choice on
+    Hopper, and 24.9% with flash alone; benchmarks/README.md). Another value allows that kernel
+    alone. Each falls back to torch's math path where it does not apply (flash takes no
+    padding mask). mfu.py --attention-kernels compares them on a GPU. No effect on CPU."""
+    memory_probe: Literal["auto", "always", "never"] = "auto"
+    """Before the first step (of a new or resumed run), one forward and backward pass of the
+    epoch's largest batch, gradients then dropped and no random state moved, so that an
+    out-of-memory error comes in the first minute rather than hours in; it logs the peak
+    memory. auto: on CUDA only (always: on CPU too). Training is the same with it or without."""
