@@ -3,7 +3,7 @@
     torchrun ... benchmarks/_scale_probe.py OUT_DIR train --config ...
 
 Runs `aiayn ARGS...` in this process, counting the bytes it reads from corpus files (every
-line-aligned corpus file is opened through aiayn.data.sources.open_bytes) and how many it
+line-aligned corpus file is opened through aiayn.data.line_files.open_bytes) and how many it
 opens, and at exit writes OUT_DIR/rank<RANK>.json: those two, the bytes sha256_of hashed
 (verifying checkpoints and caches, writing their manifests), the process's read(2) bytes
 (/proc/self/io rchar: imports included), the bytes it wrote while saving a checkpoint (wchar
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from aiayn import files  # noqa: E402
 from aiayn.checkpoint import manager  # noqa: E402
-from aiayn.data import sources  # noqa: E402
+from aiayn.data import line_files  # noqa: E402
 from aiayn.eval import validation  # noqa: E402
 from aiayn.malloc import AllocatedPeak  # noqa: E402
 
@@ -77,7 +77,7 @@ class _Counted:
         return self._fh.seek(offset)
 
 
-open_bytes = sources.open_bytes
+open_bytes = line_files.open_bytes
 
 
 def _counting_open(path: str, digest=None):
@@ -142,7 +142,7 @@ def _report(out: Path, started: float) -> None:
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
-    sources.open_bytes = _counting_open
+    line_files.open_bytes = _counting_open
     manager.CheckpointManager.save = _measured("save", manager.CheckpointManager.save, True)
     validation.Validation.run = _measured("valid", validation.Validation.run)
     atexit.register(_report, out, time.perf_counter())

@@ -18,7 +18,7 @@ import pytest
 
 from aiayn import demo_data
 from aiayn.data.cache import MANIFEST
-from aiayn.data.cache_build import _CHUNK
+from aiayn.data.cache.shares import _CHUNK
 
 import procs  # tests/distributed/procs.py, beside this file
 from processes import kill_tree, wait_until  # tests/processes.py

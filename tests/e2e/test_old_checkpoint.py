@@ -73,7 +73,8 @@ def test_a_checkpoint_of_the_earlier_format_resumes_where_it_left_off(tmp_path, 
     # Exact on any CPU: counts and positions, and the RNG states (dropout draws its masks
     # whatever the values they multiply).
     assert state["data"]["position"] == expected["data"]["position"]
-    # The token cache is now named by its arrays' content, not its corpus's path (data/cache.py).
+    # The token cache is now named by its arrays' content, not its corpus's path
+    # (data/cache/format.py).
     fingerprint, old = (dict(s["data"]["fingerprint"]) for s in (state, expected))
     assert fingerprint.pop("cache") != old.pop("cache") and fingerprint == old
     for count in ("step", "tokens"):  # the fixture's wall_seconds, a time, is no longer saved

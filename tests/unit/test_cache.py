@@ -366,7 +366,9 @@ def test_a_build_split_by_file_resumes_an_unfinished_shard_and_equals_one_reader
     file pairs, rank 1 interrupted inside its shard; the next build redoes that shard only,
     and the merge writes what one rank reading the whole stream writes."""
     from aiayn.data.cache import fingerprint
-    from aiayn.data.cache_build import _build_parts, _merge, _open_share, _start_build
+    from aiayn.data.cache.build import _start_build
+    from aiayn.data.cache.merge import merge
+    from aiayn.data.cache.shares import build_parts, open_share
 
     split = tmp_path / "split"
     split.mkdir()
@@ -380,18 +382,18 @@ def test_a_build_split_by_file_resumes_an_unfinished_shard_and_equals_one_reader
     work = root.with_name("train.partial")
     shares = []
     for r in range(3):
-        _open_share(cfg, "train", r, 3, shares)
+        open_share(cfg, "train", r, 3, shares)
     _start_build(cfg, "train", tok, root, work, False, shares[0])
-    built = [_build_parts(cfg, tok, share, work) for share in shares]
+    built = [build_parts(cfg, tok, share, work) for share in shares]
     assert [b["read"] for b in built] == [
         sum(len((split / f"part{i}.en").read_text().splitlines()) for i in shards)
         for shards in ([0, 3], [1], [2])
     ]
     (work / "shard_000001.json").unlink()  # rank 1 killed before its shard's note
     (work / "shard_000001_part_00000000.npz").write_bytes(b"torn")
-    again = [_build_parts(cfg, tok, share, work) for share in shares]
+    again = [build_parts(cfg, tok, share, work) for share in shares]
     assert [b["read"] for b in again] == [0, built[1]["read"], 0]  # only the unfinished one
-    _merge(work, root, again, fingerprint(cfg, "train", tok), cfg)
+    merge(work, root, again, fingerprint(cfg, "train", tok), cfg)
     assert cache_bytes(root) == cache_bytes(one.root) and not work.exists()
 
 
@@ -400,31 +402,26 @@ def _build_by_turns(cfg: Config, tok, world: int, interrupt: int | None = None) 
     are gathered between, as ensure_cache's collective does); `interrupt` loses that piece's
     note and tears its part, then builds again. Returns each rank's last build."""
     from aiayn.data.cache import fingerprint
-    from aiayn.data.cache_build import (
-        _build_parts,
-        _gather_scans,
-        _merge,
-        _open_share,
-        _scan_ranges,
-        _start_build,
-    )
+    from aiayn.data.cache.build import _start_build
+    from aiayn.data.cache.merge import merge
+    from aiayn.data.cache.shares import build_parts, gather_scans, open_share, scan_ranges
 
     root = cache_dir(cfg, "train")
     work = root.with_name("train.partial")
     shares: list = []
     for r in range(world):
-        _open_share(cfg, "train", r, world, shares)
+        open_share(cfg, "train", r, world, shares)
     assert len(shares[0].pieces) >= world
     for again in range(1 + (interrupt is not None)):
         _start_build(cfg, "train", tok, root, work, False, shares[0])
-        scans = _gather_scans([_scan_ranges(share, work) for share in shares])
+        scans = gather_scans([scan_ranges(share, work) for share in shares])
         for share in shares:
             share.scans = scans
-        built = [_build_parts(cfg, tok, share, work) for share in shares]
+        built = [build_parts(cfg, tok, share, work) for share in shares]
         if again == 0 and interrupt is not None:
             (work / f"shard_{interrupt:06d}.json").unlink()
             (work / f"shard_{interrupt:06d}_part_00000000.npz").write_bytes(b"torn")
-    _merge(work, root, built, fingerprint(cfg, "train", tok), cfg)
+    merge(work, root, built, fingerprint(cfg, "train", tok), cfg)
     return built
 
 
@@ -551,14 +548,15 @@ def test_the_check_hashes_each_file_in_the_read_that_checks_it(tmp_path, corpus,
     included: the sha256 is the file's own (a touched file is then compared with it)."""
     import gzip
 
-    from aiayn.data import cache_build
+    from aiayn.data.cache import merge, shares
     from aiayn.files import sha256_of
 
     def arrays_only(path, *args):
         assert "data" not in Path(path).parts, f"{path} read again to hash it"
         return sha256_of(path, *args)
 
-    monkeypatch.setattr(cache_build, "sha256_of", arrays_only)
+    for module in (shares, merge):  # where the build hashes files
+        monkeypatch.setattr(module, "sha256_of", arrays_only)
 
     data = tmp_path / "data"
     data.mkdir()

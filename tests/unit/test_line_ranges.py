@@ -1,4 +1,4 @@
-"""Byte ranges of line-aligned files (data/line_ranges.py): cut anywhere, at any number of
+"""Byte ranges of line-aligned files (data/cache/line_ranges.py): cut anywhere, at any number of
 pieces, they give the lines one reader gives, in order, and count what `_scan` counts."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from aiayn.data import sources
-from aiayn.data.line_ranges import LineFiles
+from aiayn.data import line_files
+from aiayn.data.cache.line_ranges import LineFiles
 from aiayn.errors import DataError
 
 
@@ -35,7 +35,7 @@ def test_pieces_read_what_one_reader_reads_for_any_cut(tmp_path, seed):
         pieces = pairs.pieces(world)
         assert len(pieces) >= world
         scans = [pairs.scan(p) for p in pieces]
-        counts = [sources._scan(path)[0] for path in groups[0]]
+        counts = [line_files._scan(path)[0] for path in groups[0]]
         assert [
             sum(s["lines"][f] for p, s in zip(pieces, scans, strict=True) if p.group == 0)
             for f in (0, 1)
@@ -46,10 +46,10 @@ def test_pieces_read_what_one_reader_reads_for_any_cut(tmp_path, seed):
             continue
         pairs.check_aligned(pieces, scans)
         got = [r for s in range(len(pieces)) for r in pairs.records(s, pieces, scans, [0])]
-        assert got == list(sources._parallel_examples(groups, strict=False)), (trial, world)
+        assert got == list(line_files._parallel_examples(groups, strict=False)), (trial, world)
 
         text = LineFiles([groups[0][:1]], parallel=False, strict=False)
         pieces = text.pieces(world)
         scans = [text.scan(p) for p in pieces]
         got = [r for s in range(len(pieces)) for r in text.records(s, pieces, scans, [0])]
-        assert got == list(sources._text_examples(groups[0][:1], strict=False)), (trial, world)
+        assert got == list(line_files._text_examples(groups[0][:1], strict=False)), (trial, world)

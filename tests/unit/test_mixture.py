@@ -321,7 +321,7 @@ def loader_of(kind: str, tmp_path: Path, corpora, mtok, rank: int, world: int):
 def test_batches_read_together_are_the_batches_read_one_at_a_time(
     tmp_path, corpora, mtok, kind, count, world
 ):
-    """A rank reads and pads its next `count` batches at once (data/cache_rows.py): the
+    """A rank reads and pads its next `count` batches at once (data/cache/rows.py): the
     batches do not depend on how many are read together, each holds its plan rows in the
     plan's order (a mixture's rows are read source by source and put back), and each tensor
     is a contiguous view whose Batch.keep is what target_positions finds."""

@@ -102,7 +102,7 @@ def padded_rows(
 ) -> torch.Tensor:
     """(B, L) int64 tensor of rows flat[start[i]:start[i] + length[i]], right-padded, optionally
     bos-prefixed and eos-suffixed: the streaming loader's batches (the token caches' are made
-    by data/cache_rows.py). L is the widest row rounded up by round_width(multiple, limit)."""
+    by data/cache/rows.py). L is the widest row rounded up by round_width(multiple, limit)."""
     off = int(bos is not None)
     width = int(round_width(int(length.max()) + off + int(eos is not None), multiple, limit))
     pos = np.arange(width)[None, :] - off  # position of each column inside the ids

@@ -7,7 +7,7 @@ under a second for millions of examples; while training, the next epoch's plan i
 background thread (numpy releases the GIL), so the epoch boundary does not stall the loop. The
 batches themselves are made a few ahead in another thread (prefetch.py), pinned when they are
 bound for a GPU, so that neither reading nor the copy waits on the loop; a rank's next batches
-of the epoch are read from the memory maps and padded together (cache_rows.py).
+of the epoch are read from the memory maps and padded together (cache/rows.py).
 
 Position: (epoch, global batches of that epoch the group has consumed), a count that may run
 past the epoch's end into the next ones. It is the group's, not the rank's, so a checkpoint from
@@ -28,7 +28,7 @@ import torch
 from aiayn.config import DataConfig
 from aiayn.data.batch import Batch, round_width, target_positions
 from aiayn.data.cache import TokenCache
-from aiayn.data.cache_rows import (
+from aiayn.data.cache.rows import (
     RowsRead,
     Specials,
     cache_arrays,
@@ -305,7 +305,7 @@ class CachedLoader:
     # ---- one batch ----------------------------------------------------------------------------
 
     def _make_batch(self, plan: Plan | LmPlan, k: int, count: int | None = None) -> Batch:
-        """Global batch k of the plan, from the rows read with it (cache_rows.py): on a miss,
+        """Global batch k of the plan, from the rows read with it (cache/rows.py): on a miss,
         this rank's batches k, k + W, ... of the epoch are read, `count` of them (by default
         read_count's)."""
         if self.kind == "lm":

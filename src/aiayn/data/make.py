@@ -25,7 +25,7 @@ def make_loader(
     pin_memory: bool = False,
 ) -> BatchLoader | CachedLoader:
     """The loader of one split as a run config describes it: from its token cache if one is
-    given (data/cache.py), from the caches of data.sources if a list is (a mixture,
+    given (data/cache/format.py), from the caches of data.sources if a list is (a mixture,
     data/mixed_loader.py), else streamed and tokenised as it goes (a mixture's sources:
     data/mixed_stream.py). pin_memory where the batches go to a GPU."""
     common = dict(

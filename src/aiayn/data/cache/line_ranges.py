@@ -25,7 +25,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiayn.data import sources
+# line_files.open_bytes is looked up at each call: benchmarks/_scale_probe.py replaces it to
+# count the corpus bytes a rank reads.
+from aiayn.data import line_files
+from aiayn.data.source import Source
 from aiayn.errors import DataError
 from aiayn.files import count_hashed
 
@@ -52,7 +55,7 @@ class LineFiles:
         self.sizes = [[Path(f).stat().st_size for f in group] for group in groups]
 
     @classmethod
-    def of(cls, source: sources.Source, data_format: str, strict: bool) -> LineFiles | None:
+    def of(cls, source: Source, data_format: str, strict: bool) -> LineFiles | None:
         """The source's files, where they can be cut: parallel or text files, none gzip."""
         groups = source.shard_files
         if data_format not in ("parallel", "text") or not groups:
@@ -113,7 +116,7 @@ class LineFiles:
         src = _lines(group[0], self._range(piece, 0)[0], 0, count)
         if not self.parallel:
             for i, line in enumerate(src):
-                text = sources.decode_line(line, group[0], first + i + 1, self.strict, False)
+                text = line_files.decode_line(line, group[0], first + i + 1, self.strict, False)
                 if text is None:
                     skipped[0] += 1
                 else:
@@ -125,10 +128,10 @@ class LineFiles:
         at = self._range(Piece(piece.group, k, piece.of), 1)[0]
         tgt = _lines(group[1], at, first - starts[k], count)
         for i, (bs, bt) in enumerate(zip(src, tgt, strict=True)):
-            text = sources.decode_line(bs, group[0], first + i + 1, self.strict)
+            text = line_files.decode_line(bs, group[0], first + i + 1, self.strict)
             other = None
             if text is not None:
-                other = sources.decode_line(bt, group[1], first + i + 1, self.strict)
+                other = line_files.decode_line(bt, group[1], first + i + 1, self.strict)
             if text is None or other is None:
                 skipped[0] += 1
             else:
@@ -142,7 +145,7 @@ def _scan_range(path: str, start: int, end: int) -> tuple[int, str]:
     digest = hashlib.sha256()
     lo = max(start - 1, 0)
     breaks, last = 0, b""
-    with sources.open_bytes(path) as fh:
+    with line_files.open_bytes(path) as fh:
         fh.seek(lo)
         left, head = end - lo, start > 0
         while left > 0:
@@ -164,7 +167,7 @@ def _scan_range(path: str, start: int, end: int) -> tuple[int, str]:
 
 def _lines(path: str, start: int, skip: int, count: int) -> Iterator[bytes]:
     """`count` lines (with their breaks) from the skip-th line starting at or after `start`."""
-    with sources.open_bytes(path) as fh:
+    with line_files.open_bytes(path) as fh:
         if start > 0:
             fh.seek(start - 1)
             fh.readline()  # the line holding byte start - 1: only its break, if one starts here

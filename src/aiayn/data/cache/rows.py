@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from aiayn.data.batch import Batch, round_width
-from aiayn.data.cache import TokenCache
+from aiayn.data.cache.format import TokenCache
 
 READ_TOKENS = 2**17
 """Padded tokens of the batches read together: 32 batches of 4,096 tokens, 5 of 25,000, one

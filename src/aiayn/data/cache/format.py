@@ -1,4 +1,5 @@
-"""The token cache: a split tokenised once into memory-mapped arrays with a length index.
+"""What a token cache is on disk, and opening one: a split tokenised once into memory-mapped
+arrays with a length index.
 
 Layout of `<data.cache_dir>/<split>/` (fairseq's and Megatron's design: flat token arrays and
 offsets, read with numpy memory maps):
@@ -17,7 +18,7 @@ array's size and sha256. Opening checks all of it: a cache built from other data
 tokenizer is refused with the differing fields named, and a truncated or altered array is
 refused before training reads it.
 
-Building one is data/cache_build.py's.
+Building one is data/cache/build.py's; reading batches out of one, data/cache/rows.py's.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def open_cache(root: Path, expected: dict | None, verify: bool = True) -> TokenC
     """Open the cache at root, refusing one that does not fit `expected` or is damaged.
 
     expected=None skips the comparison, for a rank that another rank has compared for (a
-    start: data/cache_build.py). An `expected` whose corpus files are gone (None) compares
+    start: data/cache/build.py). An `expected` whose corpus files are gone (None) compares
     everything else: once built, the cache stands for its corpus, and a run whose corpus was
     moved away resumes from it."""
     manifest = _read_manifest(root)

@@ -1,0 +1,139 @@
+"""Building a token cache (data/cache/format.py) once, on every rank at a time.
+
+Every rank calls ensure_cache, and the ranks go through the build in collective steps: each
+opens its share of the source (data/cache/shares.py) and they compare how they share it; rank
+0 starts the work directory; the ranks scan their byte ranges, where the files were cut, and
+gather the counts; each tokenises its share into part files (data/cache/parts.py); rank 0
+merges the parts in corpus order (data/cache/merge.py): the cache does not depend on the number
+of ranks. A step that fails on any rank fails on all of them, together. An interrupted build
+keeps its finished parts (and shards) in `<split>.partial/` and the next build reuses them if
+they were made from the same fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from aiayn.config import Config
+from aiayn.data.cache.format import MANIFEST, TokenCache, cache_dir, fingerprint, open_cache
+from aiayn.data.cache.merge import log_built, merge
+from aiayn.data.cache.parts import read_text
+from aiayn.data.cache.shares import Share, build_parts, gather_scans, open_share, scan_ranges
+from aiayn.errors import AiaynError, DataError
+from aiayn.files import write_atomic
+from aiayn.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+Sync = Callable[[object], list]
+"""Every rank calls it with a value and gets every rank's value, in rank order (DistEnv.gather)."""
+
+
+def ensure_cache(
+    cfg: Config,
+    split: str,
+    tok: Tokenizer,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    sync: Sync | None = None,
+    rebuild: bool = False,
+    folder: str | None = None,
+) -> TokenCache:
+    """Open the cache of `split`, building it first if it is missing (or if rebuild). It
+    lives in the folder `folder` of the cache directory (default: the split's name; a source of
+    a mixture has its own, mixture.cache_folder).
+
+    Every rank calls it; the ranks share the tokenising and rank 0 writes the result. An
+    existing cache that does not fit the config is refused, never silently replaced. Rank 0
+    alone verifies an existing cache's checksums (every rank hashing every array would read
+    the cache once per rank); the others check its manifest and sizes, and all stop together
+    if any rank finds it wrong.
+    """
+    sync = sync or (lambda value: [value])
+    root = cache_dir(cfg, folder or split)
+    work = root.parent / f"{root.name}.partial"
+    if not rebuild and sync((root / MANIFEST).is_file())[0]:  # as rank 0 sees it, for all
+        # Rank 0 compares the corpus (file sizes and times) and verifies for all.
+        opened: list[TokenCache] = []
+        _all_ok(
+            sync,
+            lambda: opened.append(
+                open_cache(root, fingerprint(cfg, split, tok), verify=True)
+                if rank == 0
+                else open_cache(root, None, verify=False)
+            ),
+        )
+        if rank == 0 and work.is_dir():  # killed after the manifest, before the clean-up
+            shutil.rmtree(work, ignore_errors=True)
+        return opened[0]
+    expected = fingerprint(cfg, split, tok)
+    started = time.perf_counter()
+    shares: list[Share] = []
+    layouts = _all_ok(sync, lambda: open_share(cfg, split, rank, world_size, shares))
+    if len(set(layouts)) > 1:  # the ranks would go different ways and wait for each other
+        raise DataError(
+            f"the ranks see different corpus files for {split} (rank 0 would read {layouts[0]}, "
+            f"rank {next(r for r, x in enumerate(layouts) if x != layouts[0])} "
+            f"{next(x for x in layouts if x != layouts[0])}): every rank must see the same "
+            "corpus: put it on storage all nodes share"
+        )
+    share = shares[0]
+    _all_ok(
+        sync,
+        lambda: _start_build(cfg, split, tok, root, work, rebuild, share) if rank == 0 else None,
+    )
+    if share.pieces:
+        share.scans = gather_scans(_all_ok(sync, lambda: scan_ranges(share, work)))
+    built = _all_ok(sync, lambda: build_parts(cfg, tok, share, work))
+    _all_ok(sync, lambda: merge(work, root, built, expected, cfg) if rank == 0 else None)
+    cache = open_cache(root, expected, verify=False)  # just written and hashed
+    if rank == 0:
+        log_built(cache, time.perf_counter() - started, world_size, max(b["read"] for b in built))
+    return cache
+
+
+def _all_ok(sync: Sync, step: Callable[[], object]) -> list:
+    """Run `step` on every rank; if it failed on any, raise there and on every other rank (a
+    rank that raised alone would leave the others waiting at the next collective)."""
+    try:
+        result, error = step(), None
+    except AiaynError as exc:
+        result, error = None, str(exc)
+    outcomes = sync((result, error))
+    errors = [(r, e) for r, (_, e) in enumerate(outcomes) if e is not None]
+    if errors:
+        rank, msg = errors[0]
+        raise DataError(msg if len(outcomes) == 1 else f"preparing the data, rank {rank}: {msg}")
+    return [r for r, _ in outcomes]
+
+
+def _start_build(
+    cfg: Config, split: str, tok: Tokenizer, root: Path, work: Path, rebuild: bool, share: Share
+) -> None:
+    """Invalidate the old cache (its manifest goes first) and make the work directory.
+
+    The work directory is stamped with the corpus files' sizes and modification times: parts
+    left by a build of other files or settings are not reused. The files' sha256 come later,
+    each from the rank that reads the file (`merge`), so that no rank reads the whole corpus
+    to hash it. A second stamp says how the ranks share the reading: byte ranges depend on the
+    number of ranks, so the shards of a build at another world size are not reused."""
+    if rebuild and (root / MANIFEST).exists():
+        log.info("rebuilding the token cache %s", root)
+        (root / MANIFEST).unlink()
+    stamp = json.dumps(fingerprint(cfg, split, tok), indent=1, sort_keys=True)
+    if work.is_dir() and read_text(work / "build.json") != stamp:
+        log.info("%s was left by a build from other settings: starting over", work)
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    if not (work / "build.json").is_file():
+        write_atomic(work / "build.json", stamp.encode())
+    if read_text(work / "layout.json") != share.layout:
+        for path in work.glob("shard_*"):
+            path.unlink()
+        write_atomic(work / "layout.json", share.layout.encode())

@@ -1,0 +1,177 @@
+"""Records with fields: tsv, jsonl and parquet files read by `datasets`' builders, and Hub
+datasets streamed over the network.
+
+A record's fields are found where data.src_field/tgt_field (or text_field/label_field) say,
+dots reaching into nested records, and normalised as data/source.py describes. Opening reads
+the first record, so that an empty corpus or a field that is not there fails before training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aiayn.config import DataConfig
+from aiayn.data.source import Source, expand_files
+from aiayn.errors import DataError
+
+if TYPE_CHECKING:
+    from datasets import IterableDataset
+
+# `datasets` is imported where a stream is made, not here: it takes about 0.5 s, and a run
+# that reads its token cache (a restart, most of all) makes no stream.
+
+
+class HubSource(Source):
+    """A Hub dataset: its records arrive over the network as they are read, so a network
+    error can come at any record (hub_errors)."""
+
+    def records(self, ds: IterableDataset) -> Iterator[dict]:
+        with hub_errors(self.name):
+            yield from super().records(ds)
+
+
+@contextmanager
+def hub_errors(name: str) -> Iterator[None]:
+    """A Hub or network error reading `name` as a DataError: one line that says what to check,
+    exit 2. As an exception it would count as a fault: restarted in place, and blaming the
+    node that met it, when any node would meet it (slurm/train.sbatch's node exclusion)."""
+    try:
+        yield
+    except (OSError, RuntimeError, ValueError) as exc:  # requests' and huggingface_hub's
+        script = "script" in str(exc)  # datasets 4 refusing a repository's loading script
+        if isinstance(exc, RuntimeError | ValueError) and not script:
+            raise  # not the Hub's: a bug, to be seen whole
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        hint = (
+            "datasets 4 and later load no dataset scripts: use a script-free (parquet) "
+            "repository or a local copy"
+            if script
+            else "check data.hub_name, hub_config and the split, and the network; a node "
+            "without internet needs HF_HUB_OFFLINE=1 and the dataset in the Hub cache, or a "
+            "local copy (data.format jsonl or parquet), or the token cache built elsewhere"
+        )
+        text = f"{type(exc).__name__}: {first}"[:300]
+        raise DataError(f"could not read the Hub dataset {name} ({text}): {hint}") from None
+
+
+def _string_features(types: dict[str, str]):
+    from datasets import Features, Value
+
+    return Features({column: Value(t) for column, t in types.items()})
+
+
+def record_source(cfg: DataConfig, split: str, kind: str) -> Source:
+    """`split` of a Hub dataset, or of tsv, jsonl or parquet files (a path or a glob)."""
+    if cfg.format == "hub":
+        name = f"{cfg.hub_name} ({cfg.hub_config or 'default'}, split {split})"
+
+        def make() -> IterableDataset:
+            import datasets
+
+            pinned = {"revision": cfg.hub_revision} if cfg.hub_revision else {}
+            with hub_errors(name):
+                return datasets.load_dataset(
+                    cfg.hub_name, cfg.hub_config, split=split, streaming=True, **pinned
+                )
+
+        return HubSource(name, make, _normalizer(cfg, kind, name))
+    files = expand_files(split)
+    name = ", ".join(files)
+    if all(Path(f).stat().st_size == 0 for f in files):  # datasets fails obscurely on these
+        raise DataError(f"corpus {name} is empty: it holds no records")
+    if cfg.format == "tsv":
+        # No header, no quoting (a '"' is text, not a quote), and no NA guessing ("NA" is text).
+        columns = {"seq2seq": ["src", "tgt"], "lm": ["text"], "classifier": ["text", "label"]}[kind]
+        types = {"src": "string", "tgt": "string", "text": "string", "label": "int64"}
+        kw = dict(
+            delimiter="\t",
+            header=None,
+            names=columns,
+            quoting=3,
+            na_filter=False,
+            features=_string_features({c: types[c] for c in columns}),
+        )
+        fields = {"seq2seq": ("src", "tgt"), "lm": ("text",), "classifier": ("text", "label")}
+        normalize = _field_reader(kind, [[f] for f in fields[kind]], name)
+        builder = "csv"
+    else:
+        kw, normalize = {}, _normalizer(cfg, kind, name)
+        builder = {"jsonl": "json", "parquet": "parquet"}[cfg.format]
+
+    def make() -> IterableDataset:
+        import datasets
+
+        return datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kw)
+
+    return Source(name, make, normalize, shard_files=[[f] for f in files])
+
+
+def _normalizer(cfg: DataConfig, kind: str, name: str) -> Callable[[dict], dict]:
+    if kind == "seq2seq":
+        # WMT-style hub records nest both sides under "translation"; find them there by default.
+        paths = [
+            [field] if field else [lang, f"translation.{lang}"]
+            for field, lang in ((cfg.src_field, cfg.src_lang), (cfg.tgt_field, cfg.tgt_lang))
+        ]
+    elif kind == "lm":
+        paths = [[cfg.text_field]]
+    else:
+        paths = [[cfg.text_field], [cfg.label_field]]
+    return _field_reader(kind, paths, name)
+
+
+def _field_reader(kind: str, paths: list[list[str]], name: str) -> Callable[[dict], dict]:
+    keys = {"seq2seq": ("src", "tgt"), "lm": ("text",), "classifier": ("text", "label")}[kind]
+
+    def normalize(rec: dict) -> dict:
+        out = {
+            key: _get(rec, candidates, name) for key, candidates in zip(keys, paths, strict=True)
+        }
+        for key in keys:
+            if key == "label":
+                out[key] = _label(out[key], name)
+            else:
+                out[key] = "" if out[key] is None else str(out[key]).strip()
+        return out
+
+    return normalize
+
+
+def _get(rec: dict, candidates: list[str], name: str):
+    for path in candidates:
+        if path in rec:  # a key that itself holds a dot
+            return rec[path]
+        node = rec
+        for part in path.split("."):
+            if not (isinstance(node, dict) and part in node):
+                break
+            node = node[part]
+        else:
+            return node
+    raise DataError(
+        f"{name}: a record has no field {' or '.join(candidates)} (it has {sorted(rec)}); set "
+        "data.src_field/tgt_field (dots reach into nested records: translation.de) or "
+        "data.text_field/label_field"
+    )
+
+
+def _label(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise DataError(f"{name}: label {value!r} is not an integer class; check data.label_field")
+    try:
+        return int(value)
+    except ValueError:
+        raise DataError(
+            f"{name}: label {value!r} is not an integer class; map labels to 0..num_classes-1"
+        ) from None
+
+
+def check_first_record(source: Source) -> None:
+    """Fail at open, not mid-run: an empty corpus, or fields that are not where config says."""
+    first = next(iter(source.dataset()), None)
+    if first is None:
+        raise DataError(f"corpus {source.name} is empty: it holds no records")
+    source.normalize(first)
