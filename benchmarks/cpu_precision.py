@@ -30,7 +30,7 @@ from _common import (
 from throughput import synthetic_batches
 
 from aiayn.engine.precision import CPU_BF16_FLAGS, cpu_flags, resolve_precision
-from aiayn.flops import matmul_dtype, measure_matmul_peak
+from aiayn.train.flops import matmul_dtype, measure_matmul_peak
 
 PRECISIONS = ("fp32", "bf16")
 

@@ -43,8 +43,8 @@ from _common import (
 from aiayn import demo_data
 from aiayn.config import Config, load_config
 from aiayn.data import ensure_cache, make_loader
+from aiayn.data.prepare import prepare_tokenizer
 from aiayn.malloc import keep_freed_memory
-from aiayn.train import prepare_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"

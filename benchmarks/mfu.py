@@ -10,9 +10,9 @@ fused Adam and the warmup schedule) steps through padded batches of similar-leng
 made as throughput.py makes them. Warm-up steps (which compile, for train.compile=true) are
 excluded; the table gives the median, min and max over repeats of target tokens/s and MFU.
 
-MFU counts the matrix multiplies that aiayn executes (aiayn.flops.training_flops: padded
+MFU counts the matrix multiplies that aiayn executes (aiayn.train.flops.training_flops: padded
 shapes, the output projection on non-pad targets only) against the device's dense peak in the
-run's arithmetic, as the trainer's train/mfu does (aiayn.flops.datasheet_peak): the vendor's
+run's arithmetic, as the trainer's train/mfu does (aiayn.train.flops.datasheet_peak): the vendor's
 data sheet on a known GPU (bf16 989 TFLOP/s, TF32 for fp32 495 TFLOP/s on an H100 or H200
 SXM), else a matrix multiply measured here. The measured peak is printed too, so the table
 also gives the fraction of what this device's matmul reaches.
@@ -32,8 +32,8 @@ import torch
 from _common import AiaynTrainer, fmt, machine, markdown_table, run_config, summary
 from throughput import synthetic_batches
 
-from aiayn.flops import datasheet_peak, matmul_dtype, measure_matmul_peak, training_flops
 from aiayn.torch_runtime import use_attention_kernel, use_tf32
+from aiayn.train.flops import datasheet_peak, matmul_dtype, measure_matmul_peak, training_flops
 
 
 def sync(device: torch.device) -> None:

@@ -8,7 +8,7 @@ padded batches of similar-length sentences, the same thread count, label-smoothe
 cross-entropy and Adam. Warm-up steps are excluded; each repeat times every trainer once, in
 rotated order, and the table gives the median, min and max over repeats of target tokens/s
 (non-pad tokens of tgt_out). Achieved GFLOP/s counts the matrix multiplies of forward and
-backward that each trainer executes (aiayn.flops.training_flops; the peers also project their
+backward that each trainer executes (aiayn.train.flops.training_flops; the peers also project their
 padding to the vocabulary, which aiayn skips) and is shown as a fraction of an fp32 2048^3
 matrix-multiply peak measured in the same run.
 
@@ -50,12 +50,12 @@ from torch import nn
 from aiayn.config import ModelConfig
 from aiayn.data.batch import Batch, padded_rows
 from aiayn.data.plan import budget_bounds
-from aiayn.flops import measure_matmul_peak, training_flops
 from aiayn.malloc import keep_freed_memory
 from aiayn.tokenizer import BOS_ID as BOS
 from aiayn.tokenizer import EOS_ID as EOS
 from aiayn.tokenizer import PAD_ID as PAD
 from aiayn.tokenizer import UNK_ID
+from aiayn.train.flops import measure_matmul_peak, training_flops
 
 FIRST_PIECE = max(PAD, UNK_ID, BOS, EOS) + 1  # the first id that is not a special token
 

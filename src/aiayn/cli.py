@@ -209,9 +209,9 @@ def cmd_train(args) -> int:
 
 def cmd_tokenizer(args) -> int:
     from aiayn.config import load_config
+    from aiayn.data.prepare import prepare_tokenizer
     from aiayn.errors import TokenizerError
     from aiayn.metrics import setup_logging
-    from aiayn.train import prepare_tokenizer
 
     setup_logging(None)
     cfg = load_config(args.config, args.overrides)
@@ -230,9 +230,9 @@ def cmd_data(args) -> int:
 
     from aiayn.config import load_config
     from aiayn.data.hub_revision import pin_hub_revision
+    from aiayn.data.prepare import prepare_data
     from aiayn.distributed.env import setup, teardown
     from aiayn.metrics import setup_logging
-    from aiayn.train import prepare_data
 
     cfg = load_config(args.config, args.overrides)
     cfg.data.cache = True

@@ -15,12 +15,13 @@ import sys
 
 import torch
 
-from aiayn import cli, train
+from aiayn import cli
 from aiayn.errors import TrainingError
+from aiayn.train import loop
 
 
 def inject(kind: str, step: int) -> None:
-    original = train._train_step
+    original = loop._train_step
 
     def faulty_step(run, micro, window, n_tokens):
         if run.progress.step + 1 == step:
@@ -35,7 +36,7 @@ def inject(kind: str, step: int) -> None:
                 raise TrainingError(f"injected error a person must fix, at step {step}")
         return original(run, micro, window, n_tokens)
 
-    train._train_step = faulty_step
+    loop._train_step = faulty_step
 
 
 if __name__ == "__main__":

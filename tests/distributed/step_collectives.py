@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for syncs.py
 
-from aiayn import train as train_module  # noqa: E402
 from aiayn.config import load_config  # noqa: E402
+from aiayn.train import loop as train_module  # noqa: E402
 
 from syncs import SyncCounter  # noqa: E402
 

@@ -18,14 +18,14 @@ import torch
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from aiayn.checkpoint import init_source
 from aiayn.checkpoint.inference import load_for_inference
+from aiayn.checkpoint.load import load_weights
 from aiayn.checkpoint.tools import export, export_module
 from aiayn.config import keys_set, load_config
 from aiayn.errors import CheckpointError, ConfigError, TokenizerError
 from aiayn.model import build_model, vocab_parameters
 from aiayn.tokenizer import Tokenizer, train_tokenizer
-from aiayn.train import train
+from aiayn.train import init_source, train
 
 import tiny  # tests/e2e/tiny.py, beside this file
 from processes import kill_tree, logged, wait_until  # tests/processes.py
@@ -178,7 +178,7 @@ def test_an_export_as_the_source_gives_its_logits_bitwise(source, tmp_path):
     merged, _ = init_source.with_source(cfg, record, frozenset())
     tok = Tokenizer(found.tokenizer)
     model = build_model(merged.model, tok.vocab_size, tok.pad_id)
-    init_source.load_weights(model, found)
+    load_weights(model, found)
     _, exported, _, _ = load_for_inference(weights, (), "cpu")
     src = torch.tensor([tok.encode(["three hundred four"])[0] + [tok.eos_id]])
     tgt = torch.tensor([[tok.bos_id] + tok.encode(["drei"])[0]])
@@ -252,7 +252,7 @@ def test_excluded_parameters_start_fresh_and_frozen_ones_stay_the_sources(
     fresh = build_model(merged.model, tok.vocab_size, tok.pad_id).state_dict()
     torch.manual_seed(3)
     model = build_model(merged.model, tok.vocab_size, tok.pad_id)
-    left = init_source.load_weights(model, found, ["decoder.*"])["fresh"]
+    left = load_weights(model, found, ["decoder.*"])["fresh"]
     trained = load_file(found.weights)
     got = model.state_dict()
     decoder = [k for k in got if k.startswith("decoder.")]
@@ -262,7 +262,7 @@ def test_excluded_parameters_start_fresh_and_frozen_ones_stay_the_sources(
     assert all(torch.equal(got[k], fresh[k]) for k in decoder)
     assert all(torch.equal(got[k], trained[k]) for k in trained if not k.startswith("decoder."))
     with pytest.raises(ConfigError, match=r"init.exclude: 'decodr.\*' names no parameter"):
-        init_source.load_weights(model, found, ["decodr.*"])
+        load_weights(model, found, ["decodr.*"])
 
     # train.freeze: the encoder ends where the source left it; the decoder trains.
     run_dir = tmp_path / "frozen"
@@ -310,7 +310,7 @@ def test_remap_copies_the_rows_of_shared_pieces_by_string(numbers, tmp_path, sha
     fresh = build_model(merged.model, t_tok.vocab_size, t_tok.pad_id)
     torch.manual_seed(2)
     model = build_model(merged.model, t_tok.vocab_size, t_tok.pad_id)
-    counts = init_source.load_weights(model, found, remap=(s_tok, t_tok))
+    counts = load_weights(model, found, remap=(s_tok, t_tok))
 
     by_piece = {s_tok.sp.id_to_piece(i): i for i in range(s_tok.vocab_size)}
     kept = new = 0

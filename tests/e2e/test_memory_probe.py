@@ -4,11 +4,10 @@ is the same with the probe as without it."""
 import torch
 from safetensors.torch import load_file
 
-from aiayn import memory_probe
 from aiayn.config import load_config
 from aiayn.data import ensure_cache, make_loader
 from aiayn.tokenizer import Tokenizer
-from aiayn.train import train
+from aiayn.train import memory_probe, train
 
 from tiny import overrides
 

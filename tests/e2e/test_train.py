@@ -97,7 +97,7 @@ def test_resume_after_a_stop_gives_bitwise_identical_weights(tmp_path, numbers):
 
 
 def test_a_non_finite_loss_stops_the_run_and_is_never_checkpointed(tmp_path, numbers, monkeypatch):
-    import aiayn.train as train_module
+    import aiayn.train.loop as train_module
 
     real = train_module.batch_loss
     calls = {"n": 0}

@@ -519,8 +519,8 @@ def test_a_node_local_cache_dir_names_its_variable_and_nodes_must_agree(
     """data.cache_dir expands this node's variables (an unset one is named); cache_scope=node
     needs a cache_dir; a node whose copy holds other tokens than rank 0's stops every rank."""
     from aiayn.config import load_config
+    from aiayn.data.prepare import _same_tokens_on_every_node
     from aiayn.errors import ConfigError
-    from aiayn.train import _same_tokens_on_every_node
 
     monkeypatch.setenv("NODE_DISK", str(tmp_path / "disk"))
     cfg = s2s(tmp_path / "run", corpus / "train", cache_dir="$NODE_DISK/cache")

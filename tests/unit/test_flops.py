@@ -1,4 +1,4 @@
-"""aiayn.flops: the FLOP count behind MFU, and the peaks it is measured against."""
+"""aiayn.train.flops: the FLOP count behind MFU, and the peaks it is measured against."""
 
 import json
 import math
@@ -8,17 +8,17 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-import aiayn.flops
+import aiayn.train.flops
 from aiayn.config import load_config
-from aiayn.flops import (
+from aiayn.loss import batch_loss
+from aiayn.model import build_model
+from aiayn.train.flops import (
     datasheet_gpu_peak,
     datasheet_peak,
     device_peak_flops,
     measure_matmul_peak,
     training_flops,
 )
-from aiayn.loss import batch_loss
-from aiayn.model import build_model
 
 from batches import padded_batch
 from fake_cuda import FakeCuda
@@ -111,7 +111,7 @@ def test_a_measured_peak_is_kept_for_the_restarts_of_the_run(tmp_path, monkeypat
     another kind of device, or another thread count, measures its own."""
     measured = []
     monkeypatch.setattr(
-        aiayn.flops, "measure_matmul_peak", lambda d, dtype: measured.append(dtype) or 1e9 + 1
+        aiayn.train.flops, "measure_matmul_peak", lambda d, dtype: measured.append(dtype) or 1e9 + 1
     )
     cpu, kept = torch.device("cpu"), tmp_path / "peak_flops.json"
     assert device_peak_flops(cpu, "fp32", None, kept=kept, keep=False) == 1e9 + 1
@@ -134,7 +134,7 @@ def test_a_measured_peak_that_training_outruns_is_raised_so_mfu_never_exceeds_1(
     restarts. A data sheet's or a configured peak stays as it is."""
     from types import SimpleNamespace
 
-    from aiayn.train import _peak
+    from aiayn.train.report import mfu_peak
 
     kept = tmp_path / "peak_flops.json"
     kept.write_text(json.dumps({"device": "cpu", "flops": 1e11}))
@@ -142,7 +142,7 @@ def test_a_measured_peak_that_training_outruns_is_raised_so_mfu_never_exceeds_1(
     run = SimpleNamespace(
         peak_measured=True, peak_flops=1e11, env=env, cfg=SimpleNamespace(run_dir=tmp_path)
     )
-    assert _peak(run, 1.5e11) == 1e11  # 0.75e11 per rank: below the peak
-    assert _peak(run, 3e11) == 1.5e11 and json.loads(kept.read_text())["flops"] == 1.5e11
+    assert mfu_peak(run, 1.5e11) == 1e11  # 0.75e11 per rank: below the peak
+    assert mfu_peak(run, 3e11) == 1.5e11 and json.loads(kept.read_text())["flops"] == 1.5e11
     run.peak_measured, run.peak_flops = False, 1e11
-    assert _peak(run, 3e11) == 1e11
+    assert mfu_peak(run, 3e11) == 1e11

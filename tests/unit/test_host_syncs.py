@@ -6,10 +6,10 @@ import itertools
 import pytest
 import torch
 
-from aiayn import train as train_module
 from aiayn.config import load_config
 from aiayn.data import ensure_cache, make_loader
 from aiayn.model.transformer import _project
+from aiayn.train import loop as train_module
 
 from syncs import SyncCounter  # tests/syncs.py
 

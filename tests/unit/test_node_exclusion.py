@@ -160,6 +160,6 @@ def test_the_command_line_resolves_the_run_dir_from_the_config(tmp_path, capsys)
 def test_a_collective_that_failed_is_told_from_other_runtime_errors(text, collective):
     """A collective that failed becomes a PeerError (a peer died or stalled, which a restart
     fixes), whatever gloo's words for it; another RuntimeError is this rank's own."""
-    from aiayn.train import _is_collective_failure
+    from aiayn.train.peers import is_collective_failure
 
-    assert _is_collective_failure(RuntimeError(text)) is collective
+    assert is_collective_failure(RuntimeError(text)) is collective

@@ -2,9 +2,9 @@ import pytest
 import torch
 
 import aiayn.engine.precision
-import aiayn.flops
+import aiayn.train.flops
 from aiayn.engine.precision import ONEDNN_ISA_VARIABLES, cpu_flags, native_bf16, resolve_precision
-from aiayn.flops import matmul_dtype
+from aiayn.train.flops import matmul_dtype
 
 from fake_cuda import FakeCuda
 
@@ -75,9 +75,9 @@ def test_emulated_bf16_is_measured_against_the_fp32_matmul(monkeypatch, uncapped
     seen = []
     monkeypatch.setattr(aiayn.engine.precision, "cpu_flags", lambda: flags)
     monkeypatch.setattr(
-        aiayn.flops, "measure_matmul_peak", lambda d, dtype: seen.append(dtype) or 1e9
+        aiayn.train.flops, "measure_matmul_peak", lambda d, dtype: seen.append(dtype) or 1e9
     )
-    assert aiayn.flops.device_peak_flops(CPU, "bf16", None) == 1e9
+    assert aiayn.train.flops.device_peak_flops(CPU, "bf16", None) == 1e9
     assert seen == [measured]
 
 

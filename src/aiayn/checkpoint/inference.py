@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from aiayn.checkpoint.format import check_architecture
-from aiayn.checkpoint.init_source import load_weights, locate
+from aiayn.checkpoint.load import load_weights
+from aiayn.checkpoint.locate import locate
 from aiayn.config import Config, apply_override, config_from_dict
 from aiayn.model import build_model
 from aiayn.tokenizer import Tokenizer, check_contract

@@ -1,11 +1,14 @@
-"""Starting a run from a trained model (`init.source`): finding the source, recording it in the
-run directory, the architecture and tokenizer it brings, and its weights.
+"""Starting a run from a trained model (`init.source`), at run start: resolving the source
+and recording it in the run directory, the architecture and tokenizer it brings, and loading its
+weights into the new model (checkpoint/locate.py finds a source's files, checkpoint/load.py
+reads its weights and moments).
 
 What a source can be, read as `aiayn translate` reads a checkpoint (`locate`): a run directory
 (its latest valid checkpoint, or RUN/best, RUN/latest, RUN/averaged), a step directory, an
-averaged model, or a FILE.safetensors from `aiayn export`.
+averaged model, a FILE.safetensors from `aiayn export`, or a Hugging Face MarianMT model,
+imported once into the run.
 
-Restarts never re-initialise, by this order (train.py applies it):
+Restarts never re-initialise, by this order (`starting_point` applies it):
 1. The run has a valid checkpoint of its own: it resumes that, bitwise; the source is not read
    (a run directory whose checkpoints were started from another source, or from none, is
    refused, naming both).
@@ -25,24 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, load_model
-from torch import nn
-
-from aiayn.checkpoint.format import (
-    ARCHITECTURE_FIELDS,
-    MANIFEST_FILE,
-    MODEL_FILE,
-    TRAINER_FILE,
-    read_manifest,
-    read_trainer_state,
-    resolve_checkpoint,
-    tokenizer_file,
-)
+from aiayn.checkpoint.format import ARCHITECTURE_FIELDS, read_manifest
+from aiayn.checkpoint.load import load_weights
+from aiayn.checkpoint.locate import Located, fingerprint, locate
+from aiayn.config import Config
+from aiayn.distributed.env import DistEnv
 from aiayn.errors import CheckpointError, ConfigError
-from aiayn.files import sha256_of, write_atomic
-from aiayn.model import selection, vocab_parameters
+from aiayn.export.hf_import import import_hf, is_hf_model
+from aiayn.files import write_atomic
 from aiayn.tokenizer import Tokenizer, check_contract
 
 log = logging.getLogger(__name__)
@@ -57,58 +50,7 @@ SETTINGS = {
 }
 
 
-@dataclass(frozen=True)
-class Located:
-    """A trained model's files: what load_for_inference and init.source both read."""
-
-    weights: Path  # model.safetensors of a checkpoint directory, or the exported file
-    checkpoint: Path  # the checkpoint directory, or the exported file
-    config: dict[str, Any]  # the run config it was trained with, as a dict
-    contract: dict[str, Any]  # its tokenizer's (Tokenizer.contract)
-    tokenizer: Path | None  # a copy of its SentencePiece model, where one is found
-    kind: str  # checkpoint | averaged | export
-    step: int
-    where: str  # for messages: the file the config and contract came from
-
-
-def locate(path: str | Path) -> Located:
-    """The model at `path`: a run_dir (its latest valid checkpoint), a pointer (RUN/best,
-    RUN/latest), a step or averaged directory, or FILE.safetensors from `aiayn export`;
-    checkpoint directories verified against their manifest's checksums."""
-    from aiayn.checkpoint.tools import export_paths, read_export
-
-    path = Path(path)
-    if path.suffix == ".safetensors" and path.is_file():
-        raw, tokenizer, contract = read_export(path)
-        with safe_open(path, framework="pt") as fh:
-            step = int((fh.metadata() or {}).get("aiayn_step", 0))
-        _, config_file, _ = export_paths(path)
-        return Located(path, path, raw, contract, tokenizer, "export", step, str(config_file))
-    ckpt = resolve_checkpoint(path)  # verified
-    manifest = read_manifest(ckpt, verify=False)
-    kind = "checkpoint" if TRAINER_FILE in manifest["files"] else "averaged"
-    tokenizer = tokenizer_file(ckpt, manifest)
-    return Located(
-        ckpt / MODEL_FILE,
-        ckpt,
-        manifest["config"],
-        manifest["tokenizer"],
-        tokenizer,
-        kind,
-        int(manifest["step"]),
-        f"{ckpt}/{MANIFEST_FILE}",
-    )
-
-
 # ---- the record ---------------------------------------------------------------------------
-
-
-def fingerprint(found: Located) -> str:
-    """sha256 of what pins the source's weights: a checkpoint's manifest (which holds every
-    file's checksum), or the exported file itself."""
-    return sha256_of(
-        found.checkpoint / MANIFEST_FILE if found.checkpoint.is_dir() else found.weights
-    )
 
 
 def describe(given: str, found: Located) -> dict[str, Any]:
@@ -183,8 +125,6 @@ def resolve(given: str, run_dir: Path) -> tuple[Located, dict[str, Any]]:
 def _imported(given: str, run_dir: Path) -> Path | None:
     """A Hugging Face MarianMT directory (or hub name) imported once into the run (as `aiayn
     import-hf` does), which is then the source the record pins; None for aiayn's own."""
-    from aiayn.export.hf_import import import_hf, is_hf_model
-
     if not is_hf_model(given):
         return None
     out = run_dir / "init_source" / "imported.safetensors"
@@ -299,122 +239,6 @@ def bring_tokenizer(cfg, found: Located, record: dict[str, Any]) -> None:
     check_contract(record["tokenizer_contract"], Tokenizer(path), where=where)
 
 
-def load_weights(
-    model: nn.Module,
-    found: Located,
-    exclude: list[str] = (),
-    remap: tuple[Tokenizer, Tokenizer] | None = None,
-) -> dict[str, int]:
-    """The source's weights into `model` (built from the merged config, not yet wrapped by an
-    engine, so that DDP ranks start identical and ZeRO-3 partitions them), except the
-    parameters init.exclude names, which keep the values the model was initialised with.
-    `remap` (the source's tokenizer, this run's): init.vocab=remap, below. Returns counts for
-    the log and the record: values left fresh, and with remap the pieces kept and new."""
-    fresh = {}
-    if exclude:
-        chosen = selection.matching(model, list(exclude), "init.exclude")
-        fresh = {p: p.detach().clone() for p in model.parameters() if id(p) in chosen}
-    counts = {"fresh": sum(v.numel() for v in fresh.values())}
-    if remap is None:
-        try:
-            missing, unexpected = load_model(model, str(found.weights), strict=False)
-        except RuntimeError as exc:  # shapes
-            raise CheckpointError(f"{found.weights} does not fit this model: {exc}") from None
-        if missing or unexpected:
-            raise CheckpointError(
-                f"{found.weights} does not fit this model: missing {sorted(missing)[:5]}, "
-                f"unexpected {sorted(unexpected)[:5]}"
-            )
-    else:
-        counts |= _load_remapped(model, found, *remap)
-    with torch.no_grad():
-        for param, value in fresh.items():
-            param.copy_(value)
-    return counts
-
-
-def load_moments(engine, found: Located, cfg) -> None:
-    """init.optimizer=keep: Adam's moments and step count from the source's training checkpoint
-    into the built engine, read by parameter name as a resume on another topology reads them
-    (checkpoint/reshard.py: each ZeRO rank its partition); the schedule, the skipped-step
-    count and everything else stay this run's. Refused, saying why, where the source has no
-    optimizer state or trained another set of parameters."""
-    from aiayn.checkpoint import reshard
-    from aiayn.engine.state import trainable
-
-    if found.kind != "checkpoint":
-        raise CheckpointError(
-            f"init.optimizer=keep takes Adam's moments from a training checkpoint, and "
-            f"{found.checkpoint} is an {'export' if found.kind == 'export' else 'averaged model'}"
-            ", which holds weights only: name one of the run's checkpoints, or set "
-            "init.optimizer=reset"
-        )
-    source_cfg = found.config.get("train", {})
-    theirs, ours = list(source_cfg.get("freeze", [])), list(cfg.train.freeze)
-    if theirs != ours:
-        raise CheckpointError(
-            f"init.optimizer=keep continues the source's Adam state parameter by parameter, but "
-            f"the source trained with train.freeze={theirs} and this run has {ours}: the sets "
-            "of trained parameters differ. Use the same train.freeze, or init.optimizer=reset"
-        )
-    trainer_state = read_trainer_state(found.checkpoint, lambda key: key.startswith("/engine/"))
-    manifest = read_manifest(found.checkpoint, verify=False)
-    saved = reshard.Topology.of_checkpoint(manifest, trainer_state)
-    shapes = {name: p.shape for name, p in trainable(engine.module)}
-    with reshard.read(found.checkpoint, trainer_state, saved, shapes) as state:
-        # this run's fresh schedule, not the source's position in its own
-        state.scheduler, state.skipped_steps = engine.scheduler.state_dict(), 0
-        engine.load_portable(state)
-
-
-def piece_map(source: Tokenizer, tok: Tokenizer) -> list[int | None]:
-    """For each id of `tok`, the source's id of the same piece string (the four specials by
-    role: aiayn fixes their ids), or None where the source has no such piece."""
-    ids = {source.id_to_piece(i): i for i in range(source.vocab_size)}
-    specials = {tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id}
-    return [j if j in specials else ids.get(tok.id_to_piece(j)) for j in range(tok.vocab_size)]
-
-
-def _load_remapped(model: nn.Module, found: Located, source: Tokenizer, tok: Tokenizer) -> dict:
-    """init.vocab=remap: every tensor as stored, except the vocabulary matrices, whose rows are
-    taken by piece (piece_map); rows of pieces the source lacks keep the model's own init."""
-    stored = load_file(found.weights)
-    rows = {id(p) for p in vocab_parameters(model)}
-    mapping = piece_map(source, tok)
-    ours = torch.tensor([j for j, i in enumerate(mapping) if i is not None])
-    theirs = torch.tensor([i for i in mapping if i is not None])
-    names = selection.names_by_parameter(model)
-    params = {id(p): p for p in model.parameters()}
-    used = set()
-    with torch.no_grad():
-        for pid, group in names.items():
-            key = next((n for n in group if n in stored), None)
-            if key is None:
-                raise CheckpointError(f"{found.weights} does not fit this model: no {group[0]}")
-            used.add(key)
-            param, value = params[pid], stored[key]
-            if pid in rows and value.shape[1:] == param.shape[1:]:
-                param[ours] = value[theirs].to(param.dtype)
-            elif value.shape == param.shape:
-                param.copy_(value)
-            else:
-                raise CheckpointError(
-                    f"{found.weights} does not fit this model: {key} is {tuple(value.shape)} "
-                    f"there, {tuple(param.shape)} here"
-                )
-        for name, buffer in model.named_buffers():
-            if name in stored:
-                used.add(name)
-                buffer.copy_(stored[name])
-    unexpected = sorted(set(stored) - used)
-    if unexpected:
-        raise CheckpointError(
-            f"{found.weights} does not fit this model: unexpected {unexpected[:5]}"
-        )
-    kept = len(theirs)
-    return {"pieces_kept": kept, "pieces_new": tok.vocab_size - kept}
-
-
 def log_start(record: dict[str, Any], notes: list[str]) -> None:
     log.info(
         "init.source=%s: the weights of %s (%s, step %d, sha256 %s); step, schedule, "
@@ -434,3 +258,67 @@ def summary(record: dict[str, Any]) -> dict[str, Any]:
     checkpoint's manifest and TensorBoard's hparams keep."""
     drop = ("model", "tokenizer", "tokenizer_contract", "config")
     return {k: v for k, v in record.items() if k not in drop}
+
+
+@dataclass
+class Start:
+    """Where a run with init.source starts: the source's files (None when the run resumes its
+    own checkpoint) and what every checkpoint records of it."""
+
+    found: Located | None
+    provenance: dict
+
+
+def starting_point(
+    cfg: Config, explicit: frozenset[str] | None, resume_from: Path | None, env: DistEnv
+) -> tuple[Config, Start]:
+    """init.source's part of a start, in the order this module's docstring gives: the
+    config with the source's model and tokenizer, and what to load."""
+    given, run_dir = cfg.init.source, Path(cfg.run_dir)
+    if resume_from is not None:  # the run's own checkpoint wins; the source is not read
+        manifest = read_manifest(resume_from, verify=False)  # verified by resume_point
+        check_resumed(given, manifest, resume_from)
+        saved = {"given": given, **manifest["config"]}
+        cfg, _ = with_source(cfg, saved, explicit)
+        log.info(
+            "init.source=%s not loaded: the run resumes its own checkpoint %s", given, resume_from
+        )
+        return cfg, Start(None, manifest["init"])
+
+    def resolved():
+        found, record = resolve(given, run_dir)
+        merged, notes = with_source(cfg, record, explicit)
+        if cfg.init.vocab == "same":
+            bring_tokenizer(merged, found, record)
+        elif found.tokenizer is None:
+            raise CheckpointError(
+                f"init.vocab=remap maps pieces by string, but the tokenizer {given} was "
+                "trained with is not found beside it or at its config's tokenizer.path"
+            )
+        return found, record, merged, notes
+
+    # Rank 0 resolves, records and copies the tokenizer; every rank gets its answer.
+    found, record, cfg, notes = env.decide(resolved)
+    if env.is_main:
+        log_start(record, notes)
+    return cfg, Start(found, summary(record))
+
+
+def load_source(model, start: Start, cfg: Config, tok: Tokenizer, env: DistEnv) -> None:
+    """init.source's weights into the plain model, and what that did in the log and record."""
+    remap = (Tokenizer(start.found.tokenizer), tok) if cfg.init.vocab == "remap" else None
+    counts = load_weights(model, start.found, cfg.init.exclude, remap)
+    start.provenance |= {"exclude": list(cfg.init.exclude), "vocab": cfg.init.vocab, **counts}
+    if not env.is_main:
+        return
+    if cfg.init.exclude:
+        log.info("init.exclude: %s values left freshly initialised", f"{counts['fresh']:,}")
+    if remap is not None:
+        log.info(
+            "init.vocab=remap: %d of this tokenizer's %d pieces taken from the source's %d by "
+            "string (the 4 specials by role), %d new",
+            counts["pieces_kept"],
+            tok.vocab_size,
+            remap[0].vocab_size,
+            counts["pieces_new"],
+        )
