@@ -51,6 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aiayn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    _training_commands(sub)
+    _inference_commands(sub)
+    _checkpoint_commands(sub)
+    _demo_data_command(sub)
+    return parser
+
+
+def _training_commands(sub) -> None:
+    """train, and what prepares for it: tokenizer, data, params."""
     p = sub.add_parser("train", help="train (resumes from run_dir's latest checkpoint)")
     _add_config(p)
 
@@ -72,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.add_argument("--vocab-size", type=int, help="vocabulary size (default: the tokenizer's)")
 
+
+def _inference_commands(sub) -> None:
+    """translate, evaluate, generate: a trained model at work."""
     p = sub.add_parser("translate", help="translate lines from stdin or a file")
     _add_checkpoint(p)
     p.add_argument("--input", help="source file (default stdin)")
@@ -102,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
 
+
+def _checkpoint_commands(sub) -> None:
+    """average, finish, export, import-hf: checkpoints made into others."""
     p = sub.add_parser("average", help="average checkpoints into a new one (§6.1)")
     p.add_argument("checkpoints", nargs="+", help="run dirs and/or checkpoint step dirs")
     p.add_argument("--last", type=int, help="the newest K of them (default: all)")
@@ -154,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="FILE.safetensors (as aiayn export writes)")
     p.add_argument("--revision", help="hub names only: the commit, tag or branch to download")
 
+
+def _demo_data_command(sub) -> None:
     p = sub.add_parser("demo-data", help="write a generated demo corpus")
     p.add_argument("kind", choices=["numbers", "lm", "classify"])
     p.add_argument("--out", required=True, help="output directory")
@@ -166,7 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="numbers: the lengths of the numbers above 999 (default 4 5 6)",
     )
     p.add_argument("--n-train", type=int, help="numbers: training pairs (default 40,000)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

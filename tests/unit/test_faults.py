@@ -5,8 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from aiayn.cli import build_parser
 from aiayn.distributed import faults
-from aiayn.distributed.run import _message, exit_code, run_dir_of
+from aiayn.distributed.run import _message, _train_arguments, exit_code, run_dir_of
 from aiayn.distributed.run import main as run_main
 from aiayn.errors import ConfigError
 
@@ -58,6 +59,16 @@ def test_the_run_dir_comes_from_the_training_command(tmp_path):
     assert run_dir_of(["other.py", "--config", str(config)]) is None
     with pytest.raises(ConfigError, match="not found"):
         run_dir_of(["aiayn", "train", "--config", str(tmp_path / "missing.yaml")])
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--config", "c.yaml"], ["--config", "c.yaml", "a.b=1", "c=2"], ["x=1", "--config", "c.yaml"]],
+)
+def test_the_launcher_reads_a_training_command_as_aiayn_train_does(args):
+    ours = _train_arguments().parse_args(args)
+    theirs = build_parser().parse_args(["train", *args])
+    assert (ours.config, ours.overrides) == (theirs.config, theirs.overrides)
 
 
 def test_the_launcher_refuses_a_negative_restart_count_in_one_line(capsys):

@@ -21,6 +21,7 @@ torchrun's, in this process only.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -121,15 +122,23 @@ def run_dir_of(command: list[str]) -> Path | None:
     """The run directory of an `aiayn train` command: torchrun's `-m aiayn train --config C
     [overrides]`, or a script that wraps aiayn's CLI and passes it arguments ending in
     `train --config C [overrides]`; None for another command."""
-    from aiayn.cli import build_parser
     from aiayn.config import load_config
     from aiayn.distributed.launcher import accelerate_overrides
 
     starts = [i for i in range(len(command) - 1) if command[i : i + 2] == ["train", "--config"]]
     if not starts:
         return None
-    args = build_parser().parse_args(command[starts[0] :])
+    args = _train_arguments().parse_args(command[starts[0] + 1 :])
     return Path(load_config(args.config, accelerate_overrides(os.environ) + args.overrides).run_dir)
+
+
+def _train_arguments() -> argparse.ArgumentParser:
+    """The arguments of `aiayn train` (cli.py's train command takes these and no others): the
+    launcher sits below the command line and reads them itself."""
+    parser = argparse.ArgumentParser(prog="aiayn train")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("overrides", nargs="*")
+    return parser
 
 
 def exit_code(failures: dict) -> int:

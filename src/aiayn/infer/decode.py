@@ -150,14 +150,8 @@ def beam_search(
         for step in range(int(limits.max()) + 1):
             n, W = scores.shape
             logits = model.decode(last, memory, src_mask, state)[:, -1]  # (n * W, V)
-            logp = torch.log_softmax(logits.float(), dim=-1)  # (n * W, V)
-            logp = _banned(logp, pad_id, bos_id, eos_id)
-            if step < min_len:
-                logp = _no_early_eos(logp, step, minimums.repeat_interleave(W), eos_id)
             at_limit = step >= limits  # (n,)
-            if bool(at_limit.any()):
-                rows_at_limit = at_limit.repeat_interleave(W)  # (n * W,)
-                logp[rows_at_limit] = _only_eos(logp[rows_at_limit], eos_id)
+            logp = _step_logp(logits, step, W, minimums, at_limit, min_len, pad_id, bos_id, eos_id)
             V = logp.size(-1)
             cand = (scores.view(-1, 1) + logp).view(n, W * V)  # (n, W * V)
             # 2K candidates: even if K of them end in eos, K live ones remain.
@@ -187,6 +181,20 @@ def beam_search(
             history = torch.cat([history[rows], last], dim=1)  # (n' * K, t + 1)
             state.reorder(rows)
     return [hyps[0][1] for hyps in finished]
+
+
+def _step_logp(logits, step, W, minimums, at_limit, min_len, pad_id, bos_id, eos_id):
+    """A beam step's log-probabilities (n * W, V) of its W rows per sentence: pad and bos
+    banned, eos held back before min_len tokens, and only eos where a sentence is at its
+    length limit."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (n * W, V)
+    logp = _banned(logp, pad_id, bos_id, eos_id)
+    if step < min_len:
+        logp = _no_early_eos(logp, step, minimums.repeat_interleave(W), eos_id)
+    if bool(at_limit.any()):
+        rows_at_limit = at_limit.repeat_interleave(W)  # (n * W,)
+        logp[rows_at_limit] = _only_eos(logp[rows_at_limit], eos_id)
+    return logp
 
 
 def _banned(scores: torch.Tensor, pad_id: int, bos_id: int, eos_id: int) -> torch.Tensor:
