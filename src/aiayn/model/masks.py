@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from aiayn.engine import optim  # noqa: F401  (an upward import, to show the test fail)
-
 
 def padding_mask(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
     """(B, S) ids -> (B, 1, 1, S): True where the key is a real token (not padding)."""
