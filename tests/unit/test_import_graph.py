@@ -143,7 +143,8 @@ def test_the_layer_check_finds_an_upward_import_and_a_package_cycle():
     graph["aiayn.engine.optim"] = graph["aiayn.engine.optim"] | {"aiayn.loss"}
     graph["aiayn.loss"] = graph["aiayn.loss"] | {"aiayn.engine.state"}
     assert cycles(graph) == []
-    assert ["engine", "loss"] in cycles(package_graph(graph, KNOWN_UPWARD))
+    found = cycles(package_graph(graph, KNOWN_UPWARD))
+    assert any({"engine", "loss"} <= set(component) for component in found)
 
 
 def test_the_cycle_finder_finds_a_cycle_through_three_modules():
