@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-import aiayn.checkpoint.manager
+import aiayn.checkpoint.writer
 from aiayn.checkpoint import (
     CheckpointManager,
     load_checkpoint,
@@ -247,7 +247,7 @@ def test_async_saves_reuse_their_host_buffers_and_each_writes_its_own_state(tmp_
         weights.append(model.emb.weight.detach().clone())
         state = {"engine": {"exp_avg": moments, "step": step}, "note": ["kept", step]}
         paths.append(manager.save(step, Unsharded(model), state, meta))
-        buffers = [id(b) for b in manager._staging._buffers]
+        buffers = [id(b) for b in manager._writer._staging._buffers]
         if step == 1:
             first_buffers = buffers
         with torch.no_grad():
@@ -293,7 +293,7 @@ def test_a_failed_background_write_is_reported_and_keeps_the_previous_checkpoint
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("aiayn.checkpoint.manager.write_slices", disk_full)
+    monkeypatch.setattr("aiayn.checkpoint.writer.write_slices", disk_full)
     save(manager, 2)  # returns at once; the write fails in the background
     with pytest.raises(CheckpointError, match="step 2 was not written: no space left on device"):
         manager.wait()  # the newest save failed: a run ending here must not report success
@@ -313,15 +313,15 @@ def test_failed_saves_are_retried_until_max_failed_saves_in_a_row(tmp_path, monk
             fh.write(b"part of it")  # what fitted, before the disk filled
         raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
 
-    monkeypatch.setattr("aiayn.checkpoint.manager.torch.save", disk_full)
+    monkeypatch.setattr("aiayn.checkpoint.writer.torch.save", disk_full)
     assert save(manager, 2) is None
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", first.name]
     assert manager.failures.steps == [2]
-    monkeypatch.setattr("aiayn.checkpoint.manager.torch.save", real_save)
+    monkeypatch.setattr("aiayn.checkpoint.writer.torch.save", real_save)
     third = save(manager, 3)
     assert manager.latest() == third and manager.failures.steps == []
-    monkeypatch.setattr("aiayn.checkpoint.manager.torch.save", disk_full)
+    monkeypatch.setattr("aiayn.checkpoint.writer.torch.save", disk_full)
     assert save(manager, 4) is None
     with pytest.raises(CheckpointError, match=r"2 checkpoint saves in a row failed \(steps 4, 5;"):
         save(manager, 5)
@@ -334,14 +334,14 @@ def test_a_checkpoint_whose_pointer_could_not_be_written_is_removed(tmp_path, mo
     (its write failed) would be resumed from instead of the previous checkpoint."""
     manager = CheckpointManager(tmp_path, 1, 5, is_writer=True)
     first = save(manager, 1)
-    real = aiayn.checkpoint.manager.write_atomic
+    real = aiayn.checkpoint.writer.write_atomic
 
     def full_for_latest(path, data):
         if path.name == "latest":
             raise OSError(28, "No space left on device", str(path))
         real(path, data)
 
-    monkeypatch.setattr("aiayn.checkpoint.manager.write_atomic", full_for_latest)
+    monkeypatch.setattr("aiayn.checkpoint.writer.write_atomic", full_for_latest)
     assert save(manager, 2) is None
     assert manager.latest() == first
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", first.name]

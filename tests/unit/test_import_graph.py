@@ -131,7 +131,7 @@ def test_the_reader_sees_imports_inside_functions_and_from_packages():
     # build_engine imports the DeepSpeed engine inside the function (deepspeed is slow to load).
     assert "aiayn.engine.deepspeed_engine" in graph["aiayn.engine.interface"]
     # `from aiayn.checkpoint import reshard` is an import of the module reshard.
-    assert "aiayn.checkpoint.reshard" in graph["aiayn.checkpoint.manager"]
+    assert "aiayn.checkpoint.reshard" in graph["aiayn.checkpoint.resume"]
 
 
 def test_the_layer_check_finds_an_upward_import_and_a_package_cycle():

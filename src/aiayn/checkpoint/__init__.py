@@ -1,7 +1,7 @@
 """Checkpoints: the files (format.py), the manager that saves, keeps and restores a run's
-(manager.py), resuming on another topology (reshard.py), and averaging and export for
-inference (tools.py). Above engine/: an engine hands its state over in engine/state.py's types
-and never imports this package."""
+(manager.py; it writes them with writer.py and resumes with resume.py), resuming on another
+topology (reshard.py), and averaging and export for inference (tools.py). Above engine/: an
+engine hands its state over in engine/state.py's types and never imports this package."""
 
 from aiayn.checkpoint.format import (
     ARCHITECTURE_FIELDS,

@@ -2,7 +2,7 @@
 run stops trying (checkpoint.max_failed_saves).
 
 A failed save loses nothing: the partial directory is removed and `latest` still names the
-previous checkpoint (checkpoint/manager.py). Training goes on and tries again at the next due
+previous checkpoint (checkpoint/writer.py). Training goes on and tries again at the next due
 save, because the usual cause, a full disk, is often fixed while the run goes on (a person or a
 cleanup job frees space), and stopping would idle every GPU of the job until someone restarts
 it. Going on without checkpoints puts work at risk, so it is bounded: after max_failed_saves

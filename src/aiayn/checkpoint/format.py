@@ -15,7 +15,7 @@ written before hold the tensors in trainer.pt and one sha256 per file: they load
     run_dir/checkpoints/latest   name of the newest complete checkpoint
 
 A checkpoint is written into a hidden temporary directory, flushed and fsynced, then renamed
-into place; only then does `latest` move (checkpoint/manager.py). A crash at any moment leaves
+into place; only then does `latest` move (checkpoint/writer.py). A crash at any moment leaves
 the previous checkpoint loadable, and a directory without a valid manifest is never loaded.
 """
 

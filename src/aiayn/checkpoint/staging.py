@@ -9,9 +9,9 @@ them beside the next step's forward and backward, and the next update waits for 
 (`guard`, which train.py calls before every optimizer step). The writer thread waits for them
 before it reads (`wait`).
 
-Reusing the buffers is safe because a save first waits for the previous write
-(CheckpointManager._join): nothing reads last save's copies when this one overwrites them. On a
-CPU the copies are plain copies, done when `copy` returns.
+Reusing the buffers is safe because a save first waits for the previous write (Writer._join,
+checkpoint/writer.py): nothing reads last save's copies when this one overwrites them. On a CPU
+the copies are plain copies, done when `copy` returns.
 """
 
 from __future__ import annotations

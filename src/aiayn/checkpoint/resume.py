@@ -1,0 +1,149 @@
+"""Resuming a run: which checkpoint it starts from, and restoring the run's state from it.
+
+`resume_point` chooses the checkpoint (checkpoint.resume): rank 0 verifies it and every rank
+gets the same verdict. `load_state` and `restore_rng` restore what a training checkpoint holds
+into the run the manager tracks (checkpoint/manager.py's Tracked): the weights and engine state
+in the engine's own format when the topology is unchanged (bitwise), or resharded by parameter
+name when it changed (checkpoint/reshard.py); the data position; the RNG streams.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from aiayn.checkpoint import reshard
+from aiayn.checkpoint.format import (
+    checkpoints_in,
+    latest_valid,
+    load_checkpoint,
+    read_manifest,
+    read_stored,
+)
+from aiayn.distributed.env import DistEnv
+from aiayn.engine.state import trainable
+from aiayn.errors import CheckpointError
+from aiayn.files import size_text
+from aiayn.seeding import load_rng_state, seed_everything
+from aiayn.startup import StartupTimes
+
+log = logging.getLogger(__name__)
+
+
+def resume_point(root: Path, resume: str, env: DistEnv | None = None) -> Path | None:
+    """The checkpoint in `root` (a run's checkpoints/) a run starts from: None for a new run
+    (checkpoint.resume).
+
+    Rank 0 alone lists the checkpoints and verifies their checksums, and every rank gets
+    its verdict: the same checkpoint to resume from, or the same error. Verifying on every
+    rank would read the whole checkpoint, every ZeRO shard, once per rank from shared
+    storage, and let ranks that see the directory differently pick different steps. Each
+    rank then checks that it sees that checkpoint's files at their recorded sizes (no
+    hashing): ranks whose run_dir is not the same storage stop together, saying so."""
+    if env is None or not env.distributed:
+        return _choose(root, resume)
+    name = env.decide(lambda: _chosen_name(root, resume))
+    ckpt = None if name is None else root / name
+    problem = None
+    if ckpt is not None:
+        try:
+            read_manifest(ckpt, verify=False)
+        except CheckpointError as exc:
+            problem = str(exc)
+    if not env.sum([float(problem is not None)])[0]:
+        return ckpt
+    # Only when some rank failed: which, and why (a gather is O(W) on every rank).
+    problems = [(rank, p) for rank, p in enumerate(env.gather(problem)) if p is not None]
+    rank, what = problems[0]
+    raise CheckpointError(
+        f"rank 0 verified {name} to resume from, but {len(problems)} rank(s) cannot "
+        f"read it (rank {rank}: {what}). Every rank must see the same run_dir: put it "
+        "on storage all nodes share"
+    )
+
+
+def _chosen_name(root: Path, resume: str) -> str | None:
+    try:
+        chosen = _choose(root, resume)
+    except OSError as exc:  # storage rank 0 cannot read: every rank stops with its message
+        raise CheckpointError(str(exc)) from None
+    return None if chosen is None else chosen.name
+
+
+def _choose(root: Path, resume: str) -> Path | None:
+    existing = checkpoints_in(root)
+    if resume == "never":
+        if existing:
+            raise CheckpointError(
+                f"{root.parent} already holds checkpoints ({existing[-1].name}) and "
+                "checkpoint.resume=never: choose a new run_dir, or delete the old run first"
+            )
+        return None
+    latest = latest_valid(root)
+    if existing and latest is None:
+        raise CheckpointError(
+            f"{root} holds checkpoints but none is valid; move them away to start over"
+        )
+    return latest
+
+
+def load_state(run: Any, ckpt: Path, startup: StartupTimes) -> dict[str, Any]:
+    """Every rank loads `ckpt` (found by `resume_point`, which verified its checksums) into
+    `run` (a manager.Tracked): weights, engine state and the data position, timed apart in
+    `startup`. Returns the trainer state, for its counters and RNG states."""
+    with startup.phase("checkpoint load"):
+        # The engine's tensors (Adam's moments) stay unread until it is known whether they
+        # are loaded whole or resharded, when each rank reads only its part.
+        trainer_state, manifest = load_checkpoint(
+            ckpt,
+            None,
+            expect_model=run.cfg.model,
+            tokenizer=run.tok,
+            verify=False,
+            lazy=lambda key: key.startswith("/engine/"),
+        )
+        _load_engine(run, ckpt, trainer_state, manifest)
+    with startup.phase("data position"):
+        run.loader.load_state_dict(trainer_state["data"])  # the position of all ranks
+    return trainer_state
+
+
+def _load_engine(run: Any, ckpt: Path, trainer_state: dict, manifest: dict) -> None:
+    """Weights and engine state: in the engine's own format when the topology is
+    unchanged (bitwise), else resharded by parameter name."""
+    cfg, env, engine = run.cfg, run.env, run.engine
+    saved = reshard.Topology.of_checkpoint(manifest, trainer_state)
+    here = reshard.Topology.of(cfg, env.world_size)
+    if saved.same_layout(here):  # the engine reads its own format: a bitwise resume
+        if engine.loads_weights:
+            load_checkpoint(ckpt, engine.module, verify=False, with_trainer_state=False)
+        engine.load_state_dict(read_stored(trainer_state["engine"], ckpt), ckpt)
+    else:  # weights and optimizer state resharded by parameter name
+        log.warning("checkpoint written by %s, resuming on %s: resharding its state", saved, here)
+        shapes = {name: p.shape for name, p in trainable(engine.module)}
+        with reshard.read(ckpt, trainer_state, saved, shapes) as state:
+            engine.load_portable(state)
+        # Each rank read its share of the state, not the whole of it (ZeRO): say so.
+        busiest = env.max([float(state.bytes_read)])[0] if env.distributed else state.bytes_read
+        log.info(
+            "resharding read %s of the checkpoint's %s of weights and optimizer state on the "
+            "busiest rank",
+            size_text(busiest),
+            size_text(state.bytes_stored),
+        )
+
+
+def restore_rng(run: Any, rngs: list, step: int) -> None:
+    """This rank's dropout stream from the checkpoint's RNG states (`rngs`, in rank order);
+    on another world size, fresh distinct streams derived from the step resumed at."""
+    env = run.env
+    if len(rngs) == env.world_size:
+        load_rng_state(rngs[env.rank])
+    else:  # another world size: fresh, distinct streams, derived from the step
+        log.warning(
+            "checkpoint has RNG states of %d ranks, this run has %d: dropout reseeded",
+            len(rngs),
+            env.world_size,
+        )
+        seed_everything(run.cfg.train.seed + 1_000_003 * env.rank + step)
