@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from aiayn.config import Config, config_from_dict  # noqa: E402
 from aiayn.data.batch import Batch  # noqa: E402
 from aiayn.engine.ddp_engine import LocalEngine  # noqa: E402
-from aiayn.loss import batch_loss  # noqa: E402
+from aiayn.engine.loss import batch_loss  # noqa: E402
 from aiayn.model import build_model  # noqa: E402
 from aiayn.tokenizer import PAD_ID as PAD  # noqa: E402
 

@@ -28,11 +28,11 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from aiayn import files  # noqa: E402
 from aiayn.checkpoint import manager  # noqa: E402
 from aiayn.data import line_files  # noqa: E402
 from aiayn.eval import validation  # noqa: E402
-from aiayn.malloc import AllocatedPeak  # noqa: E402
+from aiayn.runtime import durable  # noqa: E402
+from aiayn.runtime.malloc import AllocatedPeak  # noqa: E402
 
 counts = {
     "corpus_bytes": 0,
@@ -98,12 +98,12 @@ def _io() -> dict[str, int]:
 
 def _measured(name: str, method, counts_writes: bool = False):
     """`method`, wrapped to record how far this rank's allocated host memory (malloc's bytes
-    in use, sampled every millisecond: aiayn.malloc.AllocatedPeak) and, on a GPU, its CUDA
+    in use, sampled every millisecond: aiayn.runtime.malloc.AllocatedPeak) and, on a GPU, its CUDA
     memory allocated rose above where they were when the call began, as NAME_peak_growth and
     NAME_cuda_growth (the largest over the run's calls); with counts_writes, also its write(2)
     bytes (a synchronous save's files are all written before it returns; gloo's sockets count
     too). Resident memory is not the measure: freed blocks stay resident and are reused
-    (aiayn/malloc.py), and after a malloc_trim their re-use reads as a rise."""
+    (aiayn/runtime/malloc.py), and after a malloc_trim their re-use reads as a rise."""
 
     def wrapped(self, *args, **kwargs):
         before = _io().get("wchar", 0)
@@ -131,7 +131,7 @@ def _report(out: Path, started: float) -> None:
     io = _io()
     report = {
         **counts,
-        "hashed_bytes": files.bytes_hashed(),
+        "hashed_bytes": durable.bytes_hashed(),
         "rchar": io.get("rchar"),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "seconds": time.perf_counter() - started,

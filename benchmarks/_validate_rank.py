@@ -20,7 +20,7 @@ from aiayn.data.run_splits import copied_split  # noqa: E402
 from aiayn.distributed.env import setup, teardown  # noqa: E402
 from aiayn.engine.ddp_engine import LocalEngine  # noqa: E402
 from aiayn.eval.validation import Validation
-from aiayn.metrics import Metrics  # noqa: E402
+from aiayn.train.monitor import Metrics  # noqa: E402
 
 
 def main(checkpoint: str, out: str, *overrides: str) -> None:

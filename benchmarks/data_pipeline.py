@@ -17,7 +17,7 @@ The corpus is Multi30k (configs/multi30k_de_en.yaml) when ../shared/data/multi30
 else the generated numbers corpus (written under runs/bench/). The tokenizer (joint BPE) is
 trained once and cached under runs/bench/. data.shuffle_buffer defaults to 2000 here, smaller
 than the config's, so that several chunks are read and tokenised inside every timed window.
-The process keeps freed host memory, as `aiayn train` does on CPU (aiayn/malloc.py).
+The process keeps freed host memory, as `aiayn train` does on CPU (aiayn/runtime/malloc.py).
 """
 
 from __future__ import annotations
@@ -40,11 +40,10 @@ from _common import (
     time_steps,
 )
 
-from aiayn import demo_data
 from aiayn.config import Config, load_config
-from aiayn.data import ensure_cache, make_loader
+from aiayn.data import demo, ensure_cache, make_loader
 from aiayn.data.prepare import prepare_tokenizer
-from aiayn.malloc import keep_freed_memory
+from aiayn.runtime.malloc import keep_freed_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
@@ -63,7 +62,7 @@ def bench_config(args) -> tuple[Config, str]:
             "tokenizer.path=" + str(ROOT / "runs/bench/multi30k_bpe8k.model"),
         ]
         return load_config(ROOT / "configs/multi30k_de_en.yaml", over), "Multi30k de-en train"
-    numbers = demo_data.write_numbers(ROOT / "runs/bench/numbers")
+    numbers = demo.write_numbers(ROOT / "runs/bench/numbers")
     over += [
         f"data.train={numbers / 'train'}",
         f"data.cache_dir={ROOT / 'runs/bench/cache_numbers'}",

@@ -11,7 +11,7 @@ itself (exit 0; a preemption: exit 75, then the same command again, as a schedul
 would) with final weights and Adam moments bitwise equal to the uninterrupted run's. Steps lost
 are the steps done before the fault that the restart had to redo (S - 1 minus the step of the
 checkpoint it resumed from: below checkpoint.every_steps). Time to resume is from the fault to
-the end of the first step after it (rank 0's start-up line in train.log, aiayn/startup.py);
+the end of the first step after it (rank 0's start-up line in train.log, aiayn/runtime/startup.py);
 for a preemption, from the requeued job's start.
 """
 

@@ -4,12 +4,12 @@
 
 - loss: label-smoothed cross-entropy over (N, V) logits, forward and backward, plus the argmax
   the trainer logs accuracy from: F.cross_entropy(label_smoothing=0.1) + argmax against
-  aiayn.loss.smoothed_cross_entropy (which returns whether each row's argmax is its target).
+  aiayn.engine.loss.smoothed_cross_entropy (which returns whether each row's argmax is its target).
 - dropout: p = 0.1 on a (N, d_model) activation: F.dropout against aiayn.model.dropout.Dropout.
 
 Interleaved repeats; the table gives the median milliseconds per call with min and max. Both
 contenders run under the allocator policy training uses on CPU (`--malloc keep`, see
-aiayn/malloc.py); `--malloc system` leaves glibc's default.
+aiayn/runtime/malloc.py); `--malloc system` leaves glibc's default.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from _common import fmt, interleaved, machine, markdown_table, set_threads, summary
 
-from aiayn.loss import smoothed_cross_entropy
-from aiayn.malloc import keep_freed_memory
+from aiayn.engine.loss import smoothed_cross_entropy
 from aiayn.model.dropout import Dropout
+from aiayn.runtime.malloc import keep_freed_memory
 
 
 def _ms(fn, calls: int) -> float:

@@ -32,7 +32,7 @@ import torch
 from _common import AiaynTrainer, fmt, machine, markdown_table, run_config, summary
 from throughput import synthetic_batches
 
-from aiayn.torch_runtime import use_attention_kernel, use_tf32
+from aiayn.runtime.torch_settings import use_attention_kernel, use_tf32
 from aiayn.train.flops import datasheet_peak, matmul_dtype, measure_matmul_peak, training_flops
 
 

@@ -25,11 +25,10 @@ from pathlib import Path
 
 from _common import fmt, interleaved, machine, markdown_table, summary
 
-from aiayn import demo_data
 from aiayn.config import TokenizerConfig, config_from_dict
-from aiayn.data import ensure_cache, make_loader
+from aiayn.data import demo, ensure_cache, make_loader
 from aiayn.data.mixture import as_train, cache_folder
-from aiayn.malloc import keep_freed_memory
+from aiayn.runtime.malloc import keep_freed_memory
 from aiayn.tokenizer import Tokenizer, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +46,7 @@ def corpus_lines(numbers: bool) -> tuple[dict[str, list[str]], str]:
             s: gzip.open(MULTI30K / f"train.{s}.gz", "rt").read().splitlines() for s in ("de", "en")
         }
         return {"src": read["de"], "tgt": read["en"]}, "Multi30k de-en train"
-    d = demo_data.write_numbers(OUT / "numbers")
+    d = demo.write_numbers(OUT / "numbers")
     read = {s: (d / f"train.{s}").read_text().splitlines() for s in ("en", "de")}
     return {"src": read["en"], "tgt": read["de"]}, "generated numbers en-de train"
 

@@ -3,7 +3,7 @@
 Each case trains under the launcher with one restart allowed (`--max-restarts=1`), saves a
 checkpoint, trains on, and at a moment T one training worker gets SIGKILL. The launcher
 restarts the group, which resumes from the latest checkpoint; the figure is T to the moment
-rank 0's start-up line (aiayn/startup.py), written when its first step after the restart
+rank 0's start-up line (aiayn/runtime/startup.py), written when its first step after the restart
 ends, appears in train.log. The line's split is shown beside it, with "restart" the rest:
 the launcher noticing the death, stopping the other ranks and starting new processes.
 

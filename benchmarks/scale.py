@@ -45,9 +45,9 @@ SAVED = re.compile(r"saved \S+ in ([\d.]+)s")
 
 
 def make_corpus(root: Path, pairs: int, n_files: int) -> Path:
-    from aiayn import demo_data
+    from aiayn.data import demo
 
-    corpus = demo_data.write_numbers(root / "numbers", n_train=pairs, n_valid=200, n_test=50)
+    corpus = demo.write_numbers(root / "numbers", n_train=pairs, n_valid=200, n_test=50)
     for lang in ("en", "de"):
         lines = (corpus / f"train.{lang}").read_text().splitlines(keepends=True)
         size = -(-len(lines) // n_files)

@@ -13,11 +13,11 @@ padding to the vocabulary, which aiayn skips) and is shown as a fraction of an f
 matrix-multiply peak measured in the same run.
 
 Each trainer runs in a process of its own, as it would for a user, with the allocator policy of
-its own entry point: aiayn keeps freed host memory (train.malloc: keep, aiayn/malloc.py), the
-peers run with glibc's default. Two more rows swap the policies (aiayn with glibc's default,
-MarianMT with aiayn's), so the table shows both the comparison a user sees and the
-like-for-like one; the last column compares every row with MarianMT given aiayn's policy.
-`--no-malloc-rows` leaves those two out (fewer processes: each holds its own model).
+its own entry point: aiayn keeps freed host memory (train.malloc: keep,
+aiayn/runtime/malloc.py), the peers run with glibc's default. Two more rows swap the policies
+(aiayn with glibc's default, MarianMT with aiayn's), so the table shows both the comparison a
+user sees and the like-for-like one; the last column compares every row with MarianMT given
+aiayn's policy. `--no-malloc-rows` leaves those two out (fewer processes: each holds its own model).
 
 The peers are optional (`pip install .[bench]`); a missing one gives a "skipped" row.
 """
@@ -50,7 +50,7 @@ from torch import nn
 from aiayn.config import ModelConfig
 from aiayn.data.batch import Batch, padded_rows
 from aiayn.data.plan import budget_bounds
-from aiayn.malloc import keep_freed_memory
+from aiayn.runtime.malloc import keep_freed_memory
 from aiayn.tokenizer import BOS_ID as BOS
 from aiayn.tokenizer import EOS_ID as EOS
 from aiayn.tokenizer import PAD_ID as PAD

@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from aiayn import startup
 from aiayn.errors import AiaynError
+from aiayn.runtime import startup
 
 CONFIG_HELP = "YAML run config (configs/*.yaml)"
 OVERRIDES_HELP = "dotted overrides, e.g. train.max_steps=200 model.dropout=0"
@@ -200,7 +200,7 @@ def cmd_train(args) -> int:
 
     from aiayn.config import keys_set, load_config
     from aiayn.distributed.launcher import accelerate_overrides
-    from aiayn.preemption import REQUEUE_EXIT_CODE, Preempted
+    from aiayn.distributed.preemption import REQUEUE_EXIT_CODE, Preempted
     from aiayn.train import train
 
     launcher = accelerate_overrides(os.environ)
@@ -227,7 +227,7 @@ def cmd_tokenizer(args) -> int:
     from aiayn.config import load_config
     from aiayn.data.prepare import prepare_tokenizer
     from aiayn.errors import TokenizerError
-    from aiayn.metrics import setup_logging
+    from aiayn.train.monitor import setup_logging
 
     setup_logging(None)
     cfg = load_config(args.config, args.overrides)
@@ -248,7 +248,7 @@ def cmd_data(args) -> int:
     from aiayn.data.hub_revision import pin_hub_revision
     from aiayn.data.prepare import prepare_data
     from aiayn.distributed.env import setup, teardown
-    from aiayn.metrics import setup_logging
+    from aiayn.train.monitor import setup_logging
 
     cfg = load_config(args.config, args.overrides)
     cfg.data.cache = True
@@ -334,7 +334,7 @@ def _translate_file(args) -> int:
     from aiayn.distributed.env import setup, teardown
     from aiayn.infer.translate import translate
     from aiayn.infer.translate_file import translate_file
-    from aiayn.metrics import setup_logging
+    from aiayn.train.monitor import setup_logging
 
     env = setup(args.device)
     setup_logging(None, env.rank)
@@ -415,7 +415,7 @@ def cmd_generate(args) -> int:
 
 def cmd_average(args) -> int:
     from aiayn.checkpoint.tools import average
-    from aiayn.metrics import setup_logging
+    from aiayn.train.monitor import setup_logging
 
     setup_logging(None)
     out = average(args.checkpoints, args.output, args.last)
@@ -425,7 +425,7 @@ def cmd_average(args) -> int:
 
 def cmd_finish(args) -> int:
     from aiayn.eval.finish import finish
-    from aiayn.metrics import setup_logging
+    from aiayn.train.monitor import setup_logging
 
     setup_logging(None)
     summary = finish(args.run_dir, args.last or args.best, "last" if args.last else "best")
@@ -436,7 +436,7 @@ def cmd_finish(args) -> int:
 def cmd_export(args) -> int:
     from aiayn.checkpoint.tools import export_paths
     from aiayn.export import export_model
-    from aiayn.metrics import setup_logging
+    from aiayn.train.monitor import setup_logging
 
     setup_logging(None)
     out = export_model(
@@ -469,7 +469,7 @@ def cmd_import_hf(args) -> int:
 
     from aiayn.checkpoint.tools import read_export
     from aiayn.export.hf_import import import_hf
-    from aiayn.metrics import setup_logging
+    from aiayn.train.monitor import setup_logging
 
     setup_logging(None)
     start = time.perf_counter()
@@ -486,12 +486,12 @@ def cmd_import_hf(args) -> int:
 
 
 def cmd_demo_data(args) -> int:
-    from aiayn import demo_data
+    from aiayn.data import demo
 
     writer = {
-        "numbers": demo_data.write_numbers,
-        "lm": demo_data.write_lm,
-        "classify": demo_data.write_classify,
+        "numbers": demo.write_numbers,
+        "lm": demo.write_lm,
+        "classify": demo.write_classify,
     }[args.kind]
     extra = {"digits": tuple(args.digits)} if args.digits else {}
     if args.n_train:

@@ -14,7 +14,7 @@ import torch
 from aiayn.config import load_config
 from aiayn.distributed import env as dist_env
 from aiayn.engine.interface import build_engine
-from aiayn.loss import batch_loss
+from aiayn.engine.loss import batch_loss
 from aiayn.model import build_model
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))

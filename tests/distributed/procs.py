@@ -10,9 +10,8 @@ import torch
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from aiayn import demo_data
 from aiayn.config import load_config
-from aiayn.data import sample_sentences
+from aiayn.data import demo, sample_sentences
 from aiayn.tokenizer import train_tokenizer
 
 STEPS = 20
@@ -29,7 +28,7 @@ def make_setup(root: Path) -> tuple[Path, Path]:
     Every run reads one token cache, built by the first (the build, by one rank and by two, and
     killed: test_prepare.py), and is given a peak instead of measuring one (MFU:
     tests/unit/test_flops.py): each saves a rank 0.6 s of start-up, in some 60 launches."""
-    corpus = demo_data.write_numbers(root / "numbers", n_train=EXAMPLES, n_valid=100, n_test=50)
+    corpus = demo.write_numbers(root / "numbers", n_train=EXAMPLES, n_valid=100, n_test=50)
     config = root / "run.yaml"
     config.write_text(
         f"""

@@ -14,7 +14,7 @@ from pathlib import Path
 from aiayn.checkpoint import CheckpointManager
 from aiayn.distributed.env import setup, teardown
 from aiayn.errors import CheckpointError
-from aiayn.files import bytes_hashed
+from aiayn.runtime.durable import bytes_hashed
 
 
 def main(out: str, *run_dirs: str) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from aiayn import demo_data
+from aiayn.data import demo
 
 from procs import free_port  # tests/distributed/procs.py, beside this file
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    return demo_data.write_numbers(tmp_path_factory.mktemp("numbers"), 500, 20, 10)
+    return demo.write_numbers(tmp_path_factory.mktemp("numbers"), 500, 20, 10)
 
 
 # (script, its leading arguments, environment, processes it starts, what its command line says)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from aiayn import demo_data
 from aiayn.config import TokenizerConfig
+from aiayn.data import demo
 from aiayn.tokenizer import train_tokenizer
 
 from procs import ENV, run, torchrun  # tests/distributed/procs.py
@@ -30,7 +30,7 @@ EPOCH = 200  # examples: big 100, bt 50, small 50 (1.25 passes)
 def config(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("mixture")
     corpora = {
-        name: demo_data.write_numbers(root / name, n_train=n, n_valid=4, n_test=2, seed=i + 1)
+        name: demo.write_numbers(root / name, n_train=n, n_valid=4, n_test=2, seed=i + 1)
         for i, (name, n) in enumerate(SIZES.items())
     }
     sents = [

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from aiayn import demo_data
+from aiayn.data import demo
 from aiayn.data.cache import MANIFEST
 from aiayn.data.cache.shares import _CHUNK
 
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.distributed
 def big(tmp_path_factory, setup) -> tuple[Path, Path]:
     """A corpus of several cache chunks, so that both ranks tokenise, and its config."""
     root, config = setup
-    corpus = demo_data.write_numbers(
+    corpus = demo.write_numbers(
         tmp_path_factory.mktemp("big"), n_train=int(2.5 * _CHUNK), n_valid=10, n_test=10
     )
     return corpus, config

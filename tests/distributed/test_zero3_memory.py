@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from aiayn.malloc import allocated
+from aiayn.runtime.malloc import allocated
 
 from procs import aiayn, run, torchrun
 

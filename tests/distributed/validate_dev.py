@@ -18,9 +18,9 @@ from aiayn.config import load_config
 from aiayn.distributed.env import setup, teardown
 from aiayn.engine.interface import build_engine
 from aiayn.eval.validation import Validation
-from aiayn.metrics import Metrics
 from aiayn.model import build_model
 from aiayn.tokenizer import Tokenizer
+from aiayn.train.monitor import Metrics
 
 
 def watch_gathered(module: torch.nn.Module) -> list[float]:

@@ -1,6 +1,6 @@
 """Run by test_zero3_memory.py under torchrun: `aiayn train ARGS...` in this process, its
 checkpoint saves and validations wrapped to record how far this rank's allocated host memory
-rose during each (aiayn.malloc.AllocatedPeak: malloc's bytes in use, sampled every
+rose during each (aiayn.runtime.malloc.AllocatedPeak: malloc's bytes in use, sampled every
 millisecond), and after the first validation, as the control, how far it rises while the
 engine builds a gathered whole-model copy (`engine.full_module()`, what a ZeRO-3 validation
 used before): the instrument must see a whole model where there is one. Each rank writes
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from aiayn.checkpoint import manager
 from aiayn.eval import validation
-from aiayn.malloc import AllocatedPeak
+from aiayn.runtime.malloc import AllocatedPeak
 
 rises = {"save": 0, "validation": 0, "whole_model_copy": 0}
 

@@ -1,13 +1,13 @@
 import pytest
 import torch
 
-from aiayn import demo_data
+from aiayn.data import demo
 
 
 @pytest.fixture(scope="session")
 def numbers(tmp_path_factory):
     """A small English -> German numbers corpus (2000 / 100 / 50 pairs), made once."""
-    return demo_data.write_numbers(tmp_path_factory.mktemp("numbers"), 2000, 100, 50)
+    return demo.write_numbers(tmp_path_factory.mktemp("numbers"), 2000, 100, 50)
 
 
 THREADS = torch.get_num_threads()  # the default, before any test sets it

@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from aiayn import demo_data
 from aiayn.config import load_config
-from aiayn.data import BatchLoader, make_loader
+from aiayn.data import BatchLoader, demo, make_loader
 from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer
 from aiayn.train import train
@@ -21,8 +20,8 @@ TAG = "<bt>"
 def corpora(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mixture")
     return {
-        "news": demo_data.write_numbers(root / "news", 300, 20, 10, seed=1),
-        "bt": demo_data.write_numbers(root / "bt", 100, 20, 10, seed=2),
+        "news": demo.write_numbers(root / "news", 300, 20, 10, seed=1),
+        "bt": demo.write_numbers(root / "bt", 100, 20, 10, seed=2),
     }
 
 

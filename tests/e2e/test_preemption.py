@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from aiayn.config import load_config
-from aiayn.preemption import REQUEUE_EXIT_CODE
+from aiayn.distributed.preemption import REQUEUE_EXIT_CODE
 from aiayn.train import train
 
 import tiny  # tests/e2e/tiny.py, beside this file

@@ -3,7 +3,7 @@
 import re
 
 from aiayn.config import load_config
-from aiayn.startup import PHASES
+from aiayn.runtime.startup import PHASES
 from aiayn.train import train
 
 import tiny  # tests/e2e/tiny.py, beside this file

@@ -11,9 +11,9 @@ import yaml
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from aiayn import demo_data
 from aiayn.checkpoint import read_trainer_state
 from aiayn.config import load_config
+from aiayn.data import demo
 from aiayn.engine.precision import resolve_precision
 from aiayn.errors import CheckpointError, TrainingError
 from aiayn.eval.evaluate import evaluate
@@ -22,7 +22,7 @@ from aiayn.train import train
 
 @pytest.fixture(scope="module")
 def numbers(tmp_path_factory):  # larger than conftest's: these runs must learn visibly
-    return demo_data.write_numbers(
+    return demo.write_numbers(
         tmp_path_factory.mktemp("numbers"), n_train=3000, n_valid=200, n_test=100
     )
 
@@ -195,7 +195,7 @@ def small_model(*overrides):
 
 
 def test_the_language_model_learns_to_count(tmp_path):
-    corpus = demo_data.write_lm(tmp_path / "lm", n_train=1500, n_valid=50, n_test=50)
+    corpus = demo.write_lm(tmp_path / "lm", n_train=1500, n_valid=50, n_test=50)
     cfg = load_config(
         None,
         small_model(
@@ -233,7 +233,7 @@ def test_a_running_text_lm_reports_bits_per_character_and_samples_line_breaks(tm
     """data.lm_order stream with data.unit characters: validation and `aiayn evaluate` score
     every character of the text (line breaks included) and agree; generation keeps going
     through line breaks and prints them."""
-    corpus = demo_data.write_lm(tmp_path / "lm", n_train=400, n_valid=20, n_test=20)
+    corpus = demo.write_lm(tmp_path / "lm", n_train=400, n_valid=20, n_test=20)
     text = [line for line in (corpus / "valid.txt").read_text().split("\n")[:-1]]
     text[3:3] = ["", ""]  # empty lines are line breaks too
     (corpus / "valid_text.txt").write_text("".join(line + "\n" for line in text))
@@ -277,7 +277,7 @@ def test_a_running_text_lm_reports_bits_per_character_and_samples_line_breaks(tm
 
 
 def test_the_classifier_learns_parity_and_reports_accuracy(tmp_path):
-    corpus = demo_data.write_classify(tmp_path / "cls", n_train=3000, n_valid=200, n_test=200)
+    corpus = demo.write_classify(tmp_path / "cls", n_train=3000, n_valid=200, n_test=200)
     cfg = load_config(
         None,
         small_model(

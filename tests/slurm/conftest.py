@@ -3,9 +3,8 @@ import shutil
 import pytest
 from jobs import DEMO, describe, submit  # tests/slurm/jobs.py
 
-from aiayn import demo_data
 from aiayn.config import load_config
-from aiayn.data import sample_sentences
+from aiayn.data import demo, sample_sentences
 from aiayn.tokenizer import train_tokenizer
 
 from minicluster import MiniCluster, why_unavailable  # tests/slurm/minicluster.py
@@ -31,7 +30,7 @@ def slurm():
 def corpus(tmp_path_factory):
     """The demo corpus (smaller) and its tokenizer, trained once so no job races to write it."""
     root = tmp_path_factory.mktemp("sbatch")
-    data = demo_data.write_numbers(root / "numbers", n_train=3000, n_valid=50, n_test=10)
+    data = demo.write_numbers(root / "numbers", n_train=3000, n_valid=50, n_test=10)
     tokenizer = root / "spm.model"
     cfg = load_config(DEMO, [f"data.train={data}/train", f"tokenizer.path={tokenizer}"])
     train_tokenizer(cfg.tokenizer, sample_sentences(cfg.data, "seq2seq", 5000, 1), tokenizer)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from aiayn.config import TokenizerConfig
-from aiayn.demo_data import write_lm, write_numbers
+from aiayn.data.demo import write_lm, write_numbers
 from aiayn.tokenizer import train_tokenizer
 
 

@@ -17,8 +17,8 @@ from batch_checks import check_pair_rows, lines, roundtrip, same, take
 from aiayn.config import Config, DataConfig, ModelConfig, TokenizerConfig, TrainConfig
 from aiayn.data import CachedLoader, ensure_cache, make_loader, plan
 from aiayn.data.cache import MANIFEST, cache_dir
+from aiayn.data.demo import write_classify
 from aiayn.data.plan import budget_bounds, pair_plan, sorted_bounds
-from aiayn.demo_data import write_classify
 from aiayn.errors import DataError
 from aiayn.tokenizer import EOS_ID, PAD_ID, train_tokenizer
 
@@ -549,7 +549,7 @@ def test_the_check_hashes_each_file_in_the_read_that_checks_it(tmp_path, corpus,
     import gzip
 
     from aiayn.data.cache import merge, shares
-    from aiayn.files import sha256_of
+    from aiayn.runtime.durable import sha256_of
 
     def arrays_only(path, *args):
         assert "data" not in Path(path).parts, f"{path} read again to hash it"

@@ -16,8 +16,8 @@ from aiayn.config import ModelConfig
 from aiayn.data.batch import Batch, round_width
 from aiayn.data.plan import epoch_rng, pair_plan
 from aiayn.engine import parallelize
+from aiayn.engine.loss import batch_loss
 from aiayn.infer.decode import beam_search
-from aiayn.loss import batch_loss
 from aiayn.model import build_model
 
 PAD, BOS, EOS, VOCAB = 0, 1, 2, 40

@@ -21,7 +21,7 @@ from batch_checks import check_pair_rows, lines, roundtrip, same, take
 
 from aiayn.config import DataConfig
 from aiayn.data import Batch, BatchLoader, StepBatches, open_split, sample_sentences
-from aiayn.demo_data import write_classify
+from aiayn.data.demo import write_classify
 from aiayn.errors import DataError
 from aiayn.tokenizer import EOS_ID, PAD_ID
 

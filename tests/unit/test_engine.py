@@ -10,8 +10,8 @@ from aiayn.config import load_config
 from aiayn.distributed.launcher import accelerate_overrides
 from aiayn.engine import deepspeed_config
 from aiayn.engine.ddp_engine import LocalEngine
+from aiayn.engine.loss import batch_loss
 from aiayn.errors import ConfigError
-from aiayn.loss import batch_loss
 from aiayn.model import build_model
 from aiayn.model.layers import FeedForward
 from aiayn.model.transformer import DecoderState

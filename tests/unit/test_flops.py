@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import aiayn.train.flops
 from aiayn.config import load_config
-from aiayn.loss import batch_loss
+from aiayn.engine.loss import batch_loss
 from aiayn.model import build_model
 from aiayn.train.flops import (
     datasheet_gpu_peak,

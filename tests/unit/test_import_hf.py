@@ -257,8 +257,8 @@ def test_the_contract_and_the_cache_key_cover_both_models_and_the_vocabulary(mar
     from aiayn.config import load_config
     from aiayn.data.cache import fingerprint
     from aiayn.errors import TokenizerError
-    from aiayn.marian_vocab import write_bundle
     from aiayn.tokenizer import Tokenizer, check_contract
+    from aiayn.tokenizer.marian import write_bundle
 
     _, _, imported = marian["swish-tied"]
     tok = Tokenizer(export_paths(imported)[2])

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.config import ModelConfig
-from aiayn.loss import batch_loss, smoothed_cross_entropy
+from aiayn.engine.loss import batch_loss, smoothed_cross_entropy
 from aiayn.model import build_model
 
 from batches import PAD, padded_batch

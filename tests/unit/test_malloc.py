@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from aiayn import malloc
+from aiayn.runtime import malloc
 
 pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only"
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 _PROBE = """
 import json, sys
 import torch
-from aiayn.malloc import keep_freed_memory, mallinfo
+from aiayn.runtime.malloc import keep_freed_memory, mallinfo
 
 applied = keep_freed_memory() if sys.argv[1] == "keep" else None
 out = {"applied": applied}

@@ -17,6 +17,7 @@ from aiayn.config import Config, DataConfig, ModelConfig, SourceConfig, Tokenize
 from aiayn.data import CachedLoader, ensure_cache, make_loader
 from aiayn.data.batch import target_positions
 from aiayn.data.cache import cache_dir
+from aiayn.data.demo import write_numbers
 from aiayn.data.mixed_loader import MixedLoader
 from aiayn.data.mixed_stream import MixedStream
 from aiayn.data.mixture import (
@@ -33,7 +34,6 @@ from aiayn.data.mixture import (
     take as take_items,
 )
 from aiayn.data.plan import epoch_rng, pair_plan
-from aiayn.demo_data import write_numbers
 from aiayn.errors import DataError
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
 

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from aiayn.seeding import load_rng_state, rng_state
+from aiayn.runtime.seeding import load_rng_state, rng_state
 
 from fake_cuda import FakeCuda
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from aiayn.startup import PHASES, StartupTimes, process_created
+from aiayn.runtime.startup import PHASES, StartupTimes, process_created
 
 
 def test_timed_phases_and_the_rest_add_up_to_the_time_since_creation():
@@ -35,7 +35,7 @@ def test_an_unknown_phase_is_refused():
 
 
 def test_a_new_process_was_created_moments_before_its_first_line():
-    code = "import time; t = time.time(); from aiayn.startup import process_created as c; "
+    code = "import time; t = time.time(); from aiayn.runtime.startup import process_created as c; "
     code += "print(t - c())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert 0 <= float(out.stdout) < 5  # the interpreter's start: milliseconds, on a busy machine

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from aiayn.config import TokenizerConfig
-from aiayn.demo_data import english_number, german_number
+from aiayn.data.demo import english_number, german_number
 from aiayn.errors import TokenizerError
 from aiayn.tokenizer import (
     BOS_ID,
@@ -117,7 +117,7 @@ def test_a_file_that_is_not_a_model_is_refused(tmp_path):
 def test_default_options_pass_nothing_new_to_sentencepiece():
     """An option passed at its default value still changes the model's bytes: tokenizers
     trained before normalization / char / <unk> existed must keep their sha256."""
-    from aiayn.tokenizer import _non_default_options
+    from aiayn.tokenizer.spm import _non_default_options
 
     assert _non_default_options(TokenizerConfig()) == {}
     char = TokenizerConfig(type="char", normalization="identity", remove_extra_whitespaces=False)

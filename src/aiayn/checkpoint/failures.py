@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from aiayn.errors import CheckpointError
-from aiayn.files import size_text
+from aiayn.runtime.durable import size_text
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from aiayn.checkpoint.tensor_files import DTYPES
 from aiayn.errors import CheckpointError
-from aiayn.files import checksums_match, sha256_of
+from aiayn.runtime.durable import checksums_match, sha256_of
 from aiayn.tokenizer import check_contract
 
 log = logging.getLogger(__name__)

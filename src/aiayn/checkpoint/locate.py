@@ -18,7 +18,7 @@ from aiayn.checkpoint.format import (
     resolve_checkpoint,
     tokenizer_file,
 )
-from aiayn.files import sha256_of
+from aiayn.runtime.durable import sha256_of
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from aiayn.checkpoint.retention import Retention
 from aiayn.checkpoint.writer import Marks, Writer, latest_named
 from aiayn.distributed.env import DistEnv
 from aiayn.errors import TrainingError
-from aiayn.seeding import rng_state
-from aiayn.startup import StartupTimes
+from aiayn.runtime.seeding import rng_state
+from aiayn.runtime.startup import StartupTimes
 
 log = logging.getLogger(__name__)
 

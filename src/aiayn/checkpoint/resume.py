@@ -24,9 +24,9 @@ from aiayn.checkpoint.format import (
 from aiayn.distributed.env import DistEnv
 from aiayn.engine.state import trainable
 from aiayn.errors import CheckpointError
-from aiayn.files import size_text
-from aiayn.seeding import load_rng_state, seed_everything
-from aiayn.startup import StartupTimes
+from aiayn.runtime.durable import size_text
+from aiayn.runtime.seeding import load_rng_state, seed_everything
+from aiayn.runtime.startup import StartupTimes
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiayn.checkpoint.format import BEST, LATEST, MANIFEST_FILE, step_of
-from aiayn.files import write_atomic
+from aiayn.runtime.durable import write_atomic
 
 
 @dataclass

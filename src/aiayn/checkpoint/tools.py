@@ -48,7 +48,7 @@ from aiayn.checkpoint.format import (
 )
 from aiayn.engine.state import weights_snapshot
 from aiayn.errors import CheckpointError
-from aiayn.files import fsync_path, sha256_of, write_atomic
+from aiayn.runtime.durable import fsync_path, sha256_of, write_atomic
 from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger("aiayn")

@@ -45,7 +45,7 @@ from aiayn.checkpoint.retention import LATEST, Retention, pointed
 from aiayn.checkpoint.tensor_files import TensorFile, slice_bytes, write_slices
 from aiayn.engine.state import host_copy
 from aiayn.errors import CheckpointError
-from aiayn.files import fsync_path, sha256_of, write_atomic
+from aiayn.runtime.durable import fsync_path, sha256_of, write_atomic
 
 log = logging.getLogger(__name__)
 

@@ -157,7 +157,7 @@ class TrainConfig(Section):
     tf32: bool = True
     """On CUDA, fp32 matrix multiplies (precision fp32, and the fp32 parts of bf16 and fp16
     runs) use TF32 tensor cores: 10 mantissa bits in the products, fp32 sums, several times
-    fp32's throughput (torch_runtime.py). No effect on CPU."""
+    fp32's throughput (runtime/torch_settings.py). No effect on CPU."""
     deterministic: bool = False
     """Make GPU kernels deterministic, so that a resumed run repeats the killed one bit for bit
     on the same GPUs: torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, Inductor's

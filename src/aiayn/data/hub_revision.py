@@ -17,7 +17,7 @@ from pathlib import Path
 
 from aiayn.config import Config
 from aiayn.errors import DataError
-from aiayn.files import write_atomic
+from aiayn.runtime.durable import write_atomic
 
 log = logging.getLogger(__name__)
 

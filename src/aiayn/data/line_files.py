@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from aiayn.config import DataConfig
 from aiayn.data.source import Source, expand_files
 from aiayn.errors import DataError
-from aiayn.files import count_hashed
+from aiayn.runtime.durable import count_hashed
 
 if TYPE_CHECKING:
     from datasets import IterableDataset

@@ -20,7 +20,7 @@ from pathlib import Path
 from aiayn.config import Config
 from aiayn.data.sources import open_split, source_identity
 from aiayn.errors import AiaynError, DataError
-from aiayn.files import write_atomic
+from aiayn.runtime.durable import write_atomic
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from aiayn.config import DistributedConfig
 from aiayn.errors import AiaynError, ConfigError
-from aiayn.torch_runtime import use_expandable_segments
+from aiayn.runtime.torch_settings import use_expandable_segments
 
 T = TypeVar("T")
 

@@ -24,8 +24,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from aiayn.distributed.preemption import REQUEUE_EXIT_CODE
 from aiayn.errors import AiaynError
-from aiayn.preemption import REQUEUE_EXIT_CODE
 
 FAULTS_FILE = "faults.jsonl"
 LAUNCHER_ENV = "AIAYN_LAUNCHER"  # set by aiayn.distributed.run: whose policy restarts a worker

@@ -24,7 +24,7 @@ from aiayn.distributed.faults import (
 )
 from aiayn.distributed.faults import read as read_faults
 from aiayn.errors import AiaynError
-from aiayn.files import write_atomic
+from aiayn.runtime.durable import write_atomic
 
 EXCLUDED_FILE = "excluded_nodes"  # one node name a line: nodes this run's jobs avoid
 FAILURES_FILE = "slurm_failures.jsonl"  # one line per failed Slurm job attempt

@@ -33,8 +33,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher import api as launcher_api
 
 from aiayn.distributed import faults
+from aiayn.distributed.preemption import REQUEUE_EXIT_CODE
 from aiayn.errors import AiaynError
-from aiayn.preemption import REQUEUE_EXIT_CODE
 
 PREFIX = "aiayn.distributed.run"
 # What torchrun says for a worker that left no error file: nothing its exit code does not.

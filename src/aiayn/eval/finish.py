@@ -20,7 +20,7 @@ from aiayn.checkpoint.retention import Retention
 from aiayn.checkpoint.tools import average
 from aiayn.config import config_from_dict
 from aiayn.errors import CheckpointError
-from aiayn.files import write_atomic
+from aiayn.runtime.durable import write_atomic
 
 log = logging.getLogger("aiayn")
 AVERAGED, SUMMARY = "averaged", "summary.json"

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from aiayn.data.batch import Batch
-from aiayn.loss import batch_loss, grad_free
+from aiayn.engine.loss import batch_loss, grad_free
 from aiayn.metric_names import ACCURACY, BPC, LOSS, PPL, WORD_PPL
 from aiayn.tokenizer import Tokenizer
 

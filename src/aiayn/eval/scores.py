@@ -15,8 +15,8 @@ from torch import nn
 from aiayn.config import Config
 from aiayn.data import open_split
 from aiayn.data.batch import Batch
+from aiayn.engine.loss import batch_loss, grad_free
 from aiayn.eval.lm_scores import lm_scores
-from aiayn.loss import batch_loss, grad_free
 from aiayn.metric_names import ACCURACY, BLEU, BLEU_LC, CHRF, LOSS, PPL, TER
 from aiayn.tokenizer import Tokenizer
 

@@ -16,11 +16,11 @@ from aiayn.config import Config
 from aiayn.data import make_loader, open_split
 from aiayn.data.batch import Batch
 from aiayn.eval.scores import score_lines, split_lines, translation_scores, validation_metrics
-from aiayn.files import write_atomic
 from aiayn.infer.generate import sample_text
 from aiayn.infer.lockstep import Lockstep
 from aiayn.infer.translate import decoder, encode_sources, length_batches, rank_shares
 from aiayn.metric_names import PREFIX, SECONDS, TRANSLATION
+from aiayn.runtime.durable import write_atomic
 from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger("aiayn")

@@ -47,7 +47,7 @@ import torch
 
 from aiayn.errors import ExportError
 from aiayn.export.source import ExportSource, load_source, sinusoid_table
-from aiayn.files import atomic_directory
+from aiayn.runtime.durable import atomic_directory
 
 log = logging.getLogger("aiayn")
 

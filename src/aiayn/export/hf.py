@@ -40,7 +40,7 @@ from aiayn.export.bart_layout import (
     to_theirs,
 )
 from aiayn.export.source import ExportSource, load_source, sinusoid_table
-from aiayn.files import atomic_directory
+from aiayn.runtime.durable import atomic_directory
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,8 @@ def _dec(m) -> int:
 
 def _marian_rows(tok) -> torch.Tensor:
     """The aiayn row of each Marian id: an imported vocabulary's own order (its pad row from
-    aiayn's bos, the decoder start that training moves; see aiayn.marian_vocab), else aiayn's."""
+    aiayn's bos, the decoder start that training moves; see aiayn.tokenizer.marian), else
+    aiayn's."""
     if tok.bundle is None:
         return torch.arange(tok.vocab_size)
     rows = torch.empty(len(tok.bundle.vocab), dtype=torch.long)

@@ -9,7 +9,7 @@ swish, attention_bias, output_bias for final_logits_bias, positions sinusoidal_c
 Marian's [sin | cos] table). What it cannot compute exactly is refused, one line per key.
 
 The names, the sinusoid permutation (export/bart_layout.py) and the vocabulary's ids
-(aiayn.marian_vocab) are the ones the HF export writes with, read the other way. A directory
+(aiayn.tokenizer.marian) are the ones the HF export writes with, read the other way. A directory
 that `aiayn export --format hf` wrote (config.json's "aiayn" entry) comes back bitwise: its
 layout is restored and its tokenizer is its own SentencePiece model again.
 """
@@ -35,10 +35,10 @@ from aiayn.export.bart_layout import (
     permute_residual,
     to_ours,
 )
-from aiayn.marian_vocab import Bundle, write_bundle
 from aiayn.model import build_model
 from aiayn.model.positions import SinusoidalPositions
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from aiayn.tokenizer.marian import Bundle, write_bundle
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from aiayn.loss import grad_free
+from aiayn.engine.loss import grad_free
 from aiayn.model import DecoderOnlyLM, DecoderState, Seq2SeqTransformer
 
 
@@ -201,7 +201,7 @@ def _banned(scores: torch.Tensor, pad_id: int, bos_id: int, eos_id: int) -> torc
     """Scores (rows, V) with pad and bos impossible (unless one is also eos, which ends an
     output): neither is ever an output. A trained
     model all but never picks them; an imported Marian model's bos is a copy of its pad row
-    (aiayn.marian_vocab), which Marian's generate bans too. After the log-softmax, as there,
+    (aiayn.tokenizer.marian), which Marian's generate bans too. After the log-softmax, as there,
     so a beam's scores are still log-probabilities of the whole vocabulary."""
     scores[:, [i for i in (pad_id, bos_id) if i != eos_id]] = float("-inf")
     return scores

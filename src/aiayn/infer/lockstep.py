@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from aiayn.loss import grad_free
+from aiayn.engine.loss import grad_free
 
 
 class Lockstep:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from aiayn.errors import DataError
-from aiayn.files import fsync_path, write_atomic
+from aiayn.runtime.durable import fsync_path, write_atomic
 
 log = logging.getLogger(__name__)
 

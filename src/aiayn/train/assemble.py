@@ -22,19 +22,19 @@ from aiayn.data.hub_revision import pin_hub_revision
 from aiayn.data.prepare import prepare_data
 from aiayn.distributed import faults
 from aiayn.distributed.env import DistEnv, setup, use_timeout
+from aiayn.distributed.preemption import StopFlag
 from aiayn.engine import Engine, build_engine
 from aiayn.engine.precision import resolve_precision
-from aiayn.malloc import keep_freed_memory
-from aiayn.metrics import Metrics, setup_logging
 from aiayn.model import build_model, count_parameters, selection
-from aiayn.preemption import StopFlag
-from aiayn.seeding import seed_everything
-from aiayn.startup import StartupTimes
+from aiayn.runtime.malloc import keep_freed_memory
+from aiayn.runtime.seeding import seed_everything
+from aiayn.runtime.startup import StartupTimes
+from aiayn.runtime.torch_settings import configure
 from aiayn.tokenizer import Tokenizer
-from aiayn.torch_runtime import configure
 from aiayn.train import memory_probe
 from aiayn.train.flops import datasheet_peak, device_peak_flops
 from aiayn.train.init_source import Start, load_source, starting_point
+from aiayn.train.monitor import Metrics, setup_logging
 from aiayn.train.report import log_checksums
 from aiayn.train.run import Run
 

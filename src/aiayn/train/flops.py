@@ -14,7 +14,7 @@ import torch
 from aiayn.config import ModelConfig
 from aiayn.data.batch import Batch
 from aiayn.engine.precision import native_bf16
-from aiayn.files import write_atomic
+from aiayn.runtime.durable import write_atomic
 
 log = logging.getLogger("aiayn")
 

@@ -35,7 +35,7 @@ from aiayn.config import Config
 from aiayn.distributed.env import DistEnv
 from aiayn.errors import CheckpointError, ConfigError
 from aiayn.export.hf_import import import_hf, is_hf_model
-from aiayn.files import write_atomic
+from aiayn.runtime.durable import write_atomic
 from aiayn.tokenizer import Tokenizer, check_contract
 
 log = logging.getLogger(__name__)

@@ -18,16 +18,16 @@ import torch
 from aiayn.config import Config
 from aiayn.data import StepBatches
 from aiayn.distributed.env import teardown
+from aiayn.distributed.preemption import REQUEUE_EXIT_CODE, Preempted, StopFlag
+from aiayn.engine.loss import batch_loss
 from aiayn.errors import TrainingError
 from aiayn.eval.finish import finish
-from aiayn.loss import batch_loss
-from aiayn.metrics import ProgressBar
-from aiayn.preemption import REQUEUE_EXIT_CODE, Preempted, StopFlag
-from aiayn.startup import StartupTimes
+from aiayn.runtime.startup import StartupTimes
 from aiayn.train.assemble import assemble
 from aiayn.train.dev_sets import DevSets
 from aiayn.train.early_stop import EarlyStopping
 from aiayn.train.flops import training_flops
+from aiayn.train.monitor import ProgressBar
 from aiayn.train.peers import is_collective_failure, peer_error
 from aiayn.train.report import Window, log_data, log_startup, log_window, record_ids
 from aiayn.train.run import Run

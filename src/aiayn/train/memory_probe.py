@@ -16,8 +16,8 @@ import time
 import torch
 
 from aiayn.data.batch import Batch
+from aiayn.engine.loss import batch_loss
 from aiayn.errors import TrainingError
-from aiayn.loss import batch_loss
 
 log = logging.getLogger("aiayn")
 

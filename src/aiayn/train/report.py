@@ -19,9 +19,9 @@ from aiayn.data.mixed_loader import MixedLoader
 from aiayn.data.mixed_stream import MixedStream
 from aiayn.distributed.env import DistEnv
 from aiayn.errors import TrainingError
-from aiayn.files import bytes_hashed
-from aiayn.metrics import cuda_memory, memory_bytes
+from aiayn.runtime.durable import bytes_hashed
 from aiayn.train.flops import raise_kept_peak
+from aiayn.train.monitor import cuda_memory, memory_bytes
 from aiayn.train.run import Run
 
 log = logging.getLogger("aiayn")
@@ -64,7 +64,7 @@ def log_checksums(env: DistEnv) -> None:
 
 def log_startup(run: Run, first_batch_wait: float) -> None:
     """The start-up line, once this process's first step is over: on a restart, the time a
-    fault cost from this process's creation on (aiayn/startup.py)."""
+    fault cost from this process's creation on (aiayn/runtime/startup.py)."""
     if run.env.device.type == "cuda":
         torch.cuda.synchronize(run.env.device)  # once: the first step has run, not only queued
     line, split = run.startup.first_step_done(first_batch_wait)

@@ -9,11 +9,11 @@ from aiayn.checkpoint import CheckpointManager, Progress
 from aiayn.config import Config
 from aiayn.data import BatchLoader, CachedLoader
 from aiayn.distributed.env import DistEnv
+from aiayn.distributed.preemption import StopFlag, StopVote
 from aiayn.engine import Engine
-from aiayn.metrics import Metrics
-from aiayn.preemption import StopFlag, StopVote
-from aiayn.startup import StartupTimes
+from aiayn.runtime.startup import StartupTimes
 from aiayn.tokenizer import Tokenizer
+from aiayn.train.monitor import Metrics
 
 
 @dataclass

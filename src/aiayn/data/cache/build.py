@@ -25,7 +25,7 @@ from aiayn.data.cache.merge import log_built, merge
 from aiayn.data.cache.parts import read_text
 from aiayn.data.cache.shares import Share, build_parts, gather_scans, open_share, scan_ranges
 from aiayn.errors import AiaynError, DataError
-from aiayn.files import write_atomic
+from aiayn.runtime.durable import write_atomic
 from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ import numpy as np
 from aiayn.config import Config
 from aiayn.data.sources import read_fields, source_files
 from aiayn.errors import DataError
-from aiayn.files import checksums_match, sha256_of
+from aiayn.runtime.durable import checksums_match, sha256_of
 from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

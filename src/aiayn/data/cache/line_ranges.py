@@ -30,7 +30,7 @@ from pathlib import Path
 from aiayn.data import line_files
 from aiayn.data.source import Source
 from aiayn.errors import DataError
-from aiayn.files import count_hashed
+from aiayn.runtime.durable import count_hashed
 
 _BLOCK = 1 << 22
 

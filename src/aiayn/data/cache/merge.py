@@ -21,7 +21,7 @@ from aiayn.config import Config
 from aiayn.data.cache.format import CACHE_VERSION, MANIFEST, TokenCache
 from aiayn.data.cache.parts import part_name, read_text, shard_name, shard_part_name
 from aiayn.errors import DataError
-from aiayn.files import fsync_path, sha256_of, write_atomic
+from aiayn.runtime.durable import fsync_path, sha256_of, write_atomic
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from aiayn.data.cache.parts import (
 )
 from aiayn.data.prefetch import prefetch
 from aiayn.data.sources import Source, open_split
-from aiayn.files import sha256_of, write_atomic
+from aiayn.runtime.durable import sha256_of, write_atomic
 from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

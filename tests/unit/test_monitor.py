@@ -2,7 +2,7 @@
 
 import torch
 
-from aiayn.metrics import cuda_memory
+from aiayn.train.monitor import cuda_memory
 
 from fake_cuda import FakeCuda
 

@@ -2,7 +2,7 @@
 
 One joint source+target vocabulary (§3.4 shares it between the languages, which lets the model
 tie its embeddings); an imported Marian model brings two models and one table instead
-(aiayn.marian_vocab). The special ids are fixed so that every model and every data path agrees
+(aiayn.tokenizer.marian). The special ids are fixed so that every model and every data path agrees
 on them without reading the tokenizer: pad 0, unk 1, bos 2, eos 3.
 """
 
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from aiayn import marian_vocab
 from aiayn.config import TokenizerConfig
 from aiayn.errors import TokenizerError
+from aiayn.tokenizer import marian
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
@@ -34,7 +34,7 @@ _TRAIN_THREADS = 4
 
 class Tokenizer:
     """A loaded SentencePiece model with aiayn's fixed special ids, or an imported Marian
-    vocabulary (aiayn.marian_vocab): a source and a target model whose pieces map through one
+    vocabulary (aiayn.tokenizer.marian): a source and a target model whose pieces map through one
     table. Every caller reads ids, pieces and text through the methods below, which take the
     side (source or target) a text is on."""
 
@@ -50,8 +50,8 @@ class Tokenizer:
         self.sha256 = hashlib.sha256(data).hexdigest()
         self.bundle = None
         self._ids: dict[str, int] | None = None  # piece -> id where the pieces are not spm's
-        if data.startswith(marian_vocab.MAGIC):
-            self.bundle = marian_vocab.read_bundle(data, str(self.path))
+        if data.startswith(marian.MAGIC):
+            self.bundle = marian.read_bundle(data, str(self.path))
             self.sp = self._load(self.bundle.source_spm, "source.spm")
             self.target_sp = self._load(self.bundle.target_spm, "target.spm")
             self._pieces = self.bundle.pieces()
@@ -101,7 +101,7 @@ class Tokenizer:
         # As MarianTokenizer: a leading >>xx<< language code split off, the rest segmented into
         # piece strings, each looked up in the joint vocabulary, so a piece this side's model
         # does not know (an unknown character) still finds the other side's id.
-        split = [marian_vocab.language_code(t) for t in texts]
+        split = [marian.language_code(t) for t in texts]
         codes = [code for code, _ in split]
         pieces = sp.encode([rest for _, rest in split], out_type=str, num_threads=threads)
         ids, unk = self._ids, self.unk_id

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from aiayn.demo_data import english_number, german_number, write_classify, write_lm, write_numbers
+from aiayn.data.demo import english_number, german_number, write_classify, write_lm, write_numbers
 
 KNOWN = [
     (0, "zero", "null"),

@@ -8,7 +8,7 @@ import torch
 import torch._inductor.config as inductor
 
 from aiayn.config import Config
-from aiayn.torch_runtime import configure, use_expandable_segments
+from aiayn.runtime.torch_settings import configure, use_expandable_segments
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
 
