@@ -7,6 +7,7 @@ The graph is read from the source with `ast`, imports inside functions included:
 import breaks a cycle at load time only, not in the design."""
 
 import ast
+import re
 from pathlib import Path
 
 import aiayn
@@ -170,3 +171,20 @@ def test_no_module_imports_from_a_layer_above_its_own():
 
 def test_no_package_is_in_an_import_cycle():
     assert cycles(package_graph(import_graph(), KNOWN_UPWARD)) == []
+
+
+def test_the_development_guide_lists_every_package_in_layer_order():
+    """docs/development.md's layout: one line per package or top-level module, each one there
+    is, none that is not, from the bottom layer up."""
+    guide = (SRC.parents[1] / "docs" / "development.md").read_text()
+    block = guide.split("## Layout", 1)[1].split("```", 2)[1]
+    listed = [m.group(1) for m in re.finditer(r"^  (\w+)(?:/|\.py)\s", block, re.MULTILINE)]
+    present = {p.stem for p in SRC.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
+    assert sorted(listed) == sorted(present - {"__init__", "__main__"})
+    assert [RANK[layer_name(name)] for name in listed] == sorted(
+        RANK[layer_name(n)] for n in listed
+    )
+
+
+def layer_name(name: str) -> str:
+    return next(layer for layer, members in LAYERS if name in members)
