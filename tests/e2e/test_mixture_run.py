@@ -9,7 +9,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from aiayn import demo_data
 from aiayn.config import load_config
-from aiayn.data import BatchLoader, make_loader
+from aiayn.data import StreamLoader, make_loader
 from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer
 from aiayn.train import train
@@ -80,7 +80,7 @@ def test_a_mixture_run_scores_each_sources_dev_set_and_shows_each_source(tmp_pat
     tag = tok.sp.piece_to_id(TAG)
     assert tag != tok.unk_id
     valid = make_loader(cfg, cfg.data.valid, tok, train=False)
-    assert type(valid) is BatchLoader  # not a mixture: no tags
+    assert type(valid) is StreamLoader  # not a mixture: no tags
     assert all((b.src[:, 0] != tag).all() and b.sources is None for b in valid)
 
 

@@ -76,7 +76,7 @@ class Tracked:
     cfg: Any  # Config
     tok: Any  # Tokenizer
     engine: Any  # distributed.engine.Engine
-    loader: Any  # BatchLoader | CachedLoader
+    loader: Any  # aiayn.data.Loader (data/loader_protocol.py)
     env: Any  # DistEnv
     init: dict[str, Any] | None = None  # where the run started from (init.source), recorded
 
