@@ -15,7 +15,7 @@ import torch
 from batch_checks import check_pair_rows, lines, roundtrip, same, take
 
 from aiayn.config import Config, DataConfig, ModelConfig, TokenizerConfig, TrainConfig
-from aiayn.data import CachedLoader, ensure_cache, make_loader, plan
+from aiayn.data import CacheLoader, ensure_cache, make_loader, plan
 from aiayn.data.cache import MANIFEST, cache_dir
 from aiayn.data.demo import write_classify
 from aiayn.data.plan import budget_bounds, pair_plan, sorted_bounds
@@ -45,7 +45,7 @@ def lm(run_dir: Path, corpus: Path, **data) -> Config:
     )
 
 
-def cached(cfg: Config, tok, train=True, rank=0, world_size=1) -> CachedLoader:
+def cached(cfg: Config, tok, train=True, rank=0, world_size=1) -> CacheLoader:
     cache = ensure_cache(cfg, "train", tok)
     return make_loader(
         cfg, cfg.data.train, tok, train=train, rank=rank, world_size=world_size, cache=cache

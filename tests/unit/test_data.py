@@ -1,4 +1,4 @@
-"""Streaming sources and the BatchLoader: content, budget, shuffling, ranks, exact resume, and
+"""Streaming sources and the StreamLoader: content, budget, shuffling, ranks, exact resume, and
 the errors a bad corpus gives."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from batch_checks import check_pair_rows, lines, roundtrip, same, take
 
 from aiayn.config import DataConfig
-from aiayn.data import Batch, BatchLoader, StepBatches, open_split, sample_sentences
+from aiayn.data import Batch, StepBatches, StreamLoader, open_split, sample_sentences
 from aiayn.data.demo import write_classify
 from aiayn.errors import DataError
 from aiayn.tokenizer import EOS_ID, PAD_ID
@@ -38,13 +38,13 @@ def lm_cfg(corpus: Path, **kw) -> DataConfig:
     return DataConfig(format="text", train=str(corpus / "train.txt"), **kw)
 
 
-def loader(cfg, tok, kind="seq2seq", max_tokens=200, seed=1, train=True, **kw) -> BatchLoader:
-    return BatchLoader(
+def loader(cfg, tok, kind="seq2seq", max_tokens=200, seed=1, train=True, **kw) -> StreamLoader:
+    return StreamLoader(
         cfg, cfg.train, tok, kind=kind, max_tokens=max_tokens, seed=seed, train=train, **kw
     )
 
 
-def with_epochs(ld: BatchLoader, n: int) -> list[tuple[int, Batch]]:
+def with_epochs(ld: StreamLoader, n: int) -> list[tuple[int, Batch]]:
     it = iter(ld)
     return [(ld.epoch, b) for b in (next(it) for _ in range(n))]
 

@@ -14,12 +14,12 @@ import torch
 from batch_checks import roundtrip, same, take
 
 from aiayn.config import Config, DataConfig, ModelConfig, SourceConfig, TokenizerConfig, TrainConfig
-from aiayn.data import CachedLoader, ensure_cache, make_loader
+from aiayn.data import CacheLoader, Loader, StreamLoader, ensure_cache, make_loader
 from aiayn.data.batch import target_positions
 from aiayn.data.cache import cache_dir
 from aiayn.data.demo import write_numbers
-from aiayn.data.mixed_loader import MixedLoader
-from aiayn.data.mixed_stream import MixedStream
+from aiayn.data.mixed_cache_loader import MixedCacheLoader
+from aiayn.data.mixed_stream_loader import MixedStreamLoader
 from aiayn.data.mixture import (
     Mixture,
     as_train,
@@ -79,7 +79,7 @@ def mixed_cfg(run_dir: Path, corpora, weights=(2, 1, 1), tag=TAG, **data) -> Con
     )
 
 
-def mixed(cfg: Config, tok, rank=0, world_size=1) -> MixedLoader:
+def mixed(cfg: Config, tok, rank=0, world_size=1) -> MixedCacheLoader:
     caches = [
         ensure_cache(as_train(cfg, s), "train", tok, folder=cache_folder(s))
         for s in cfg.data.sources
@@ -359,6 +359,34 @@ def test_a_tokenizer_trained_for_a_mixture_holds_every_tag_and_each_sources_text
     assert c_text & set(sentences)
 
 
+def test_the_four_loaders_are_loaders_and_only_a_mixture_has_scalars(tmp_path, corpora, mtok):
+    """One Loader protocol on two axes (stream or cache, one source or a mixture): what the
+    trainer logs under "data" is a mixture's alone, and a single source's is empty."""
+    one = Config(
+        run_dir=str(tmp_path / "one"),
+        model=ModelConfig(max_len=128),
+        data=DataConfig(train=str(corpora[0]), src_lang="en", tgt_lang="de", shuffle_buffer=64),
+        train=TrainConfig(max_tokens=200, seed=3),
+    )
+    cache = ensure_cache(one, "train", mtok)
+    loaders = {
+        CacheLoader: make_loader(one, one.data.train, mtok, train=True, cache=cache),
+        StreamLoader: make_loader(one, one.data.train, mtok, train=True),
+        MixedCacheLoader: mixed(mixed_cfg(tmp_path / "mix", corpora), mtok),
+        MixedStreamLoader: streamed(stream_cfg(tmp_path / "stream", corpora), mtok),
+    }
+    for cls, ld in loaders.items():
+        assert type(ld) is cls and isinstance(ld, Loader), cls
+        assert ld.round is None and ld.epoch == 0
+        next(iter(ld))
+        scalars = ld.mixture_scalars()
+        if cls in (CacheLoader, StreamLoader):
+            assert scalars == {}, cls
+        else:
+            assert sorted(scalars)[:3] == ["a/examples", "a/passes", "a/token_share"], cls
+        assert (ld.round is None) == (cls in (StreamLoader, MixedStreamLoader)), cls
+
+
 def test_data_train_alone_keeps_its_loader_plan_and_cache_folder(tmp_path, corpora, mtok):
     """data.train is what it was: the single-cache loader, its cache in data_cache/train, a
     fingerprint without a mixture, and the plan of the whole-epoch permutation."""
@@ -371,7 +399,7 @@ def test_data_train_alone_keeps_its_loader_plan_and_cache_folder(tmp_path, corpo
     cache = ensure_cache(cfg, "train", mtok)
     assert cache.root == tmp_path / "run" / "data_cache" / "train" == cache_dir(cfg, "train")
     ld = make_loader(cfg, cfg.data.train, mtok, train=True, cache=cache)
-    assert type(ld) is CachedLoader
+    assert type(ld) is CacheLoader
     fp = ld.state_dict()["fingerprint"]
     assert sorted(fp) == sorted(
         [
@@ -478,7 +506,7 @@ def stream_cfg(run_dir: Path, corpora, **data) -> Config:
 
 def test_a_streamed_epoch_reads_each_sources_count_passes_in_order(tmp_path, corpora, mtok):
     ld = streamed(stream_cfg(tmp_path / "run", corpora), mtok)
-    assert type(ld).__name__ == "MixedStream" and ld.counts.tolist() == [115, 58, 57]
+    assert type(ld).__name__ == "MixedStreamLoader" and ld.counts.tolist() == [115, 58, 57]
     it, epochs = iter(ld), {0: [], 1: []}
     while ld.epoch < 2:
         batch = next(it)
@@ -546,7 +574,7 @@ def test_a_streamed_epoch_by_the_sources_sizes_counts_them_once_per_run(
     def counted_again(self):
         raise AssertionError("a resumed run counted the streams again")
 
-    monkeypatch.setattr(MixedStream, "_count_sizes", counted_again)
+    monkeypatch.setattr(MixedStreamLoader, "_count_sizes", counted_again)
     again = streamed(cfg, mtok)
     again.load_state_dict(state)
     assert all(same(x, y) for x, y in zip(take(iter(again), 4), ref, strict=True))

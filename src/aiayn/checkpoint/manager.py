@@ -21,10 +21,14 @@ from aiayn.checkpoint.format import CHECKPOINTS_DIR, checkpoints_in, latest_vali
 from aiayn.checkpoint.resume import load_state, restore_rng, resume_point
 from aiayn.checkpoint.retention import Retention
 from aiayn.checkpoint.writer import Marks, Writer, latest_named
+from aiayn.config import Config
+from aiayn.data import Loader
 from aiayn.distributed.env import DistEnv
+from aiayn.engine import Engine
 from aiayn.errors import TrainingError
 from aiayn.runtime.seeding import rng_state
 from aiayn.runtime.startup import StartupTimes
+from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +55,11 @@ class Progress:
 class Tracked:
     """What a training checkpoint holds the state of (`CheckpointManager.track`)."""
 
-    cfg: Any  # Config
-    tok: Any  # Tokenizer
-    engine: Any  # distributed.engine.Engine
-    loader: Any  # BatchLoader | CachedLoader
-    env: Any  # DistEnv
+    cfg: Config
+    tok: Tokenizer
+    engine: Engine
+    loader: Loader
+    env: DistEnv
     init: dict[str, Any] | None = None  # where the run started from (init.source), recorded
 
 

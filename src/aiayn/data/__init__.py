@@ -2,29 +2,47 @@
 or, without a cache, streamed sources tokenised as they are read. Positions are exact and
 resumable either way.
 
-    sources.py        a split of a corpus opened as a Source (source.py), checked: line files
-                      (line_files.py) or records with fields (records.py)
-    cache/            the token cache: built once by the ranks together (cache/build.py),
-                      verified when opened (cache/format.py), read in padded batches (rows.py)
-    plan.py           the epoch's global batches, from the cache's lengths
-    cached_loader.py  this rank's Batch (batch.py) from one cache; mixed_loader.py, a mixture's
-    loader.py         this rank's Batch from a streamed source; mixed_stream.py, a mixture's
+    sources.py              a split of a corpus opened as a Source (source.py), checked: line
+                            files (line_files.py) or records with fields (records.py)
+    cache/                  the token cache: built once by the ranks together (cache/build.py),
+                            verified when opened (cache/format.py), read in padded batches
+                            (rows.py)
+    plan.py                 the epoch's global batches, from the cache's lengths
+    loader_protocol.py      Loader: what every loader offers its callers; make.py picks one:
+    cache_loader.py         this rank's Batch (batch.py) from one source's cache
+    mixed_cache_loader.py   ... from the caches of a mixture's sources (data.sources)
+    stream_loader.py        ... from one source, streamed and tokenised as it is read
+    mixed_stream_loader.py  ... from a mixture's sources, streamed
+    mixture.py              a mixture's sources, weights, tags and epochs (data.sources)
+    position.py             the saved position in the data, and its checks on a resume
+    steps.py                each optimizer step's micro-batches, up to train.max_epochs
+    prefetch.py             the next batches read on a thread while the step runs
+    run_splits.py           the run's own copies of its dev and test splits
+    hub_revision.py         a Hub dataset pinned to the commit the first start read
+    prepare.py              the tokenizer and the token caches made ready before training
+    demo.py                 the generated corpora of the demos and the tests
 """
 
 from aiayn.data.batch import Batch
 from aiayn.data.cache import TokenCache, ensure_cache
-from aiayn.data.cached_loader import CachedLoader
-from aiayn.data.loader import BatchLoader
+from aiayn.data.cache_loader import CacheLoader
+from aiayn.data.loader_protocol import Loader
 from aiayn.data.make import make_loader
+from aiayn.data.mixed_cache_loader import MixedCacheLoader
+from aiayn.data.mixed_stream_loader import MixedStreamLoader
 from aiayn.data.sources import Source, open_split, sample_sentences
 from aiayn.data.steps import StepBatches
+from aiayn.data.stream_loader import StreamLoader
 
 __all__ = [
     "Batch",
-    "BatchLoader",
-    "CachedLoader",
+    "CacheLoader",
+    "Loader",
+    "MixedCacheLoader",
+    "MixedStreamLoader",
     "Source",
     "StepBatches",
+    "StreamLoader",
     "TokenCache",
     "ensure_cache",
     "make_loader",

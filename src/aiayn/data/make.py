@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from aiayn.config import Config
 from aiayn.data.cache import TokenCache
-from aiayn.data.cached_loader import CachedLoader
-from aiayn.data.loader import BatchLoader
-from aiayn.data.mixed_loader import MixedLoader
-from aiayn.data.mixed_stream import MixedStream
+from aiayn.data.cache_loader import CacheLoader
+from aiayn.data.loader_protocol import Loader
+from aiayn.data.mixed_cache_loader import MixedCacheLoader
+from aiayn.data.mixed_stream_loader import MixedStreamLoader
+from aiayn.data.stream_loader import StreamLoader
 from aiayn.tokenizer import Tokenizer
 
 
@@ -23,11 +24,11 @@ def make_loader(
     world_size: int = 1,
     cache: TokenCache | list[TokenCache] | None = None,
     pin_memory: bool = False,
-) -> BatchLoader | CachedLoader:
+) -> Loader:
     """The loader of one split as a run config describes it: from its token cache if one is
     given (data/cache/format.py), from the caches of data.sources if a list is (a mixture,
-    data/mixed_loader.py), else streamed and tokenised as it goes (a mixture's sources:
-    data/mixed_stream.py). pin_memory where the batches go to a GPU."""
+    data/mixed_cache_loader.py), else streamed and tokenised as it goes (a mixture's sources:
+    data/mixed_stream_loader.py). pin_memory where the batches go to a GPU."""
     common = dict(
         pin_memory=pin_memory,
         kind=cfg.model.kind,
@@ -38,9 +39,9 @@ def make_loader(
         world_size=world_size,
     )
     if isinstance(cache, list):
-        return MixedLoader(cache, cfg.data, tokenizer, **common)
+        return MixedCacheLoader(cache, cfg.data, tokenizer, **common)
     if cfg.data.sources and train:
-        return MixedStream(cfg, tokenizer, **common)
+        return MixedStreamLoader(cfg, tokenizer, **common)
     if cache is not None:
-        return CachedLoader(cache, cfg.data, tokenizer, **common)
-    return BatchLoader(cfg.data, split, tokenizer, **common)
+        return CacheLoader(cache, cfg.data, tokenizer, **common)
+    return StreamLoader(cfg.data, split, tokenizer, **common)

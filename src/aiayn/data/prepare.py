@@ -9,7 +9,7 @@ import logging
 
 from aiayn.config import Config
 from aiayn.data import TokenCache, ensure_cache, sample_sentences
-from aiayn.data.mixed_loader import tag_ids
+from aiayn.data.mixed_cache_loader import tag_ids
 from aiayn.data.mixture import as_train, cache_folder, tokenizer_sample
 from aiayn.distributed.env import DistEnv
 from aiayn.errors import DataError

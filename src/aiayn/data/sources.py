@@ -75,7 +75,7 @@ def read_fields(cfg: DataConfig, kind: str) -> dict[str, str | None]:
 def source_identity(cfg: DataConfig, split: str, kind: str) -> dict:
     """What names the records of `split` without reading them: the hub dataset, or each local
     file's resolved path and size, and the fields read. A saved streaming position counts
-    records, so it is only meaningful for the same identity (data/loader.py). Sizes, not
+    records, so it is only meaningful for the same identity (data/stream_loader.py). Sizes, not
     checksums: every rank would read the whole corpus at every start to hash it."""
     identity: dict = {"fields": read_fields(cfg, kind)}
     if cfg.format == "hub":

@@ -14,14 +14,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from aiayn.data.batch import Batch
-from aiayn.data.cached_loader import CachedLoader
-from aiayn.data.loader import BatchLoader
+from aiayn.data.loader_protocol import Loader
 
 
 class StepBatches:
     """Use as a context manager: leaving it stops the loader's read-ahead thread."""
 
-    def __init__(self, loader: BatchLoader | CachedLoader, per_step: int, max_epochs: int | None):
+    def __init__(self, loader: Loader, per_step: int, max_epochs: int | None):
         self.loader, self.per_step, self.max_epochs = loader, per_step, max_epochs
         self._batches: Iterator[Batch] | None = None
         self._before: dict | None = None
@@ -46,7 +45,7 @@ class StepBatches:
         fetched, self._rounds = [], []
         for _ in range(self.per_step):
             fetched.append((next(self._batches), self.loader.epoch))
-            self._rounds.append(getattr(self.loader, "round", None))
+            self._rounds.append(self.loader.round)
         return fetched
 
     def group_totals(self) -> tuple[int, bool] | None:

@@ -14,9 +14,7 @@ from pathlib import Path
 
 import torch
 
-from aiayn.data import BatchLoader, CachedLoader
-from aiayn.data.mixed_loader import MixedLoader
-from aiayn.data.mixed_stream import MixedStream
+from aiayn.data import Loader
 from aiayn.distributed.env import DistEnv
 from aiayn.errors import TrainingError
 from aiayn.runtime.durable import bytes_hashed
@@ -84,7 +82,7 @@ def record_ids(run: Run, fetched: list) -> None:
             fh.write(json.dumps(row) + "\n")
 
 
-def log_data(loader: BatchLoader | CachedLoader, when: str) -> None:
+def log_data(loader: Loader, when: str) -> None:
     """What the loader read and dropped, so a filtered corpus never goes unnoticed."""
     stats = loader.stats()
     log.info("%s | data: %s", when, ", ".join(f"{k} {v}" for k, v in stats.items()))
@@ -128,8 +126,9 @@ def log_window(run: Run, window: Window, grad_norm, console: bool) -> dict[str, 
         "tokens": progress.tokens,
     }
     run.metrics.log("train", step, scalars, console=console)
-    if isinstance(run.loader, MixedLoader | MixedStream):  # what the group took of each source
-        run.metrics.log("data", step, run.loader.mixture_scalars(), console=False)
+    mixture = run.loader.mixture_scalars()  # what the group took of each source: {} for one
+    if mixture:
+        run.metrics.log("data", step, mixture, console=False)
     return {k: scalars[k] for k in ("loss", "lr", "tokens_per_s")}
 
 

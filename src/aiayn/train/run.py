@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from aiayn.checkpoint import CheckpointManager, Progress
 from aiayn.config import Config
-from aiayn.data import BatchLoader, CachedLoader
+from aiayn.data import Loader
 from aiayn.distributed.env import DistEnv
 from aiayn.distributed.preemption import StopFlag, StopVote
 from aiayn.engine import Engine
@@ -24,7 +24,7 @@ class Run:
     env: DistEnv
     tok: Tokenizer
     engine: Engine
-    loader: BatchLoader | CachedLoader
+    loader: Loader
     ckpts: CheckpointManager
     metrics: Metrics
     progress: Progress

@@ -75,8 +75,9 @@ class Chunk:
     sources: np.ndarray | None = None  # a mixture: the data.sources index of each row
 
 
-class BatchLoader:
-    """Batches of one split for one rank. Iterate it; save and restore it with state_dict.
+class StreamLoader:
+    """Batches of one streamed split for one rank (a Loader: data/loader_protocol.py). Iterate
+    it; save and restore it with state_dict.
 
     train=True loops over epochs forever (the trainer decides when to stop), reshuffling each
     epoch, and each `for` continues where the last one stopped. train=False makes one pass in
@@ -123,7 +124,7 @@ class BatchLoader:
             self._fingerprint["pad_to_multiple"] = self.multiple
 
     def _setup(self, data_cfg, tokenizer, kind, max_tokens, seed, train, rank, world_size) -> None:
-        """What every streaming loader holds besides its stream (mixed_stream.py too)."""
+        """What every streaming loader holds besides its stream (mixed_stream_loader.py too)."""
         if kind not in KINDS:
             raise DataError(f"unknown model kind {kind!r}; choose from {KINDS}")
         check_loader_args(max_tokens, rank, world_size)
@@ -133,6 +134,7 @@ class BatchLoader:
         self.multiple = data_cfg.pad_to_multiple or 1
         self.chunk_size = data_cfg.shuffle_buffer or _ORDERED_CHUNK
         self.epoch = 0
+        self.round: tuple[int, int] | None = None  # each rank knows only its own batches
         self._resume_pending = False
         self._stats = dict.fromkeys(
             ("examples_read", "dropped_too_long", "dropped_empty", "batches"), 0
@@ -156,6 +158,10 @@ class BatchLoader:
     def stats(self) -> dict[str, int]:
         """Counts since this loader was built (a resumed loader re-reads its current chunk)."""
         return {**self._stats, "invalid_utf8_skipped": self.source.invalid_utf8}
+
+    def mixture_scalars(self) -> dict[str, float]:
+        """One source: nothing to say per source (mixed_stream_loader.py says it for a mixture)."""
+        return {}
 
     # ---- iteration ----------------------------------------------------------------------------
 

@@ -48,8 +48,8 @@ STATE_VERSION = 1
 LOADER = "cache"  # the fingerprint's "loader" (data/position.py)
 
 
-class CachedLoader:
-    """The BatchLoader's interface (iterate; state_dict; epoch; stats) over a TokenCache.
+class CacheLoader:
+    """Batches of one split's TokenCache for one rank (a Loader: data/loader_protocol.py).
 
     train=True loops over epochs forever, each planned with its own seed; train=False makes one
     pass in cache order (bucketed by width within data.shuffle_buffer windows). pin_memory=True
@@ -117,7 +117,8 @@ class CachedLoader:
             self._fingerprint["pad_to_multiple"] = self.multiple
 
     def _setup(self, data_cfg, tokenizer, kind, max_tokens, seed, train, rank, world_size) -> None:
-        """What every loader over token caches holds besides its index (mixed_loader.py too)."""
+        """What every loader over token caches holds besides its index (mixed_cache_loader.py
+        too)."""
         check_loader_args(max_tokens, rank, world_size)
         self.cfg, self.tok, self.kind = data_cfg, tokenizer, kind
         self.max_tokens, self.seed, self.train = max_tokens, seed, train
@@ -165,6 +166,10 @@ class CachedLoader:
             "batches": self._batches,
             "invalid_utf8_skipped": c["invalid_utf8_skipped"],
         }
+
+    def mixture_scalars(self) -> dict[str, float]:
+        """One source: nothing to say per source (mixed_cache_loader.py says it for a mixture)."""
+        return {}
 
     # ---- iteration ----------------------------------------------------------------------------
 

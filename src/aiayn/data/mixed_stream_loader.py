@@ -10,7 +10,7 @@ The epoch is read in chunks of data.shuffle_buffer examples, as the single-strea
 one stream. Chunk c takes from each source a count drawn from what the epoch still owes it
 (a multivariate hypergeometric draw seeded by (seed, epoch, c), so that the counts add up to
 the epoch's exactly), in an order permuted with the same generator; the chunk is then
-tokenised (tags put first), bucketed and batched like BatchLoader's. The position holds the
+tokenised (tags put first), bucketed and batched like StreamLoader's. The position holds the
 chunk's start: the epoch's counts still owed, and every source's stream state and pass. Every
 rank reads every source and builds the same chunks, so the batches are the same at any world
 size, taken round by round, and a position resumes on another.
@@ -27,11 +27,11 @@ import torch
 
 from aiayn.config import Config
 from aiayn.data.batch import Batch
-from aiayn.data.loader import STATE_VERSION, BatchLoader, Chunk
-from aiayn.data.mixed_loader import tag_ids
+from aiayn.data.mixed_cache_loader import tag_ids
 from aiayn.data.mixture import as_train, epoch_counts, largest_remainder, shares
 from aiayn.data.position import recorded_number, saved_position
 from aiayn.data.sources import Source, open_split, source_identity
+from aiayn.data.stream_loader import STATE_VERSION, Chunk, StreamLoader
 from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer
 
@@ -71,9 +71,10 @@ class _Reader:
         return out
 
 
-class MixedStream(BatchLoader):
-    """BatchLoader's interface (iterate; state_dict; epoch; stats) over data.sources, streamed,
-    in training only. Its extra: `mixture_scalars()` for TensorBoard."""
+class MixedStreamLoader(StreamLoader):
+    """A Loader (data/loader_protocol.py) over data.sources, streamed, in training only:
+    StreamLoader's, with `mixture_scalars()` saying what the group has taken of each source
+    (TensorBoard)."""
 
     def __init__(
         self,
@@ -256,7 +257,7 @@ class MixedStream(BatchLoader):
             epoch, chunk, left, read, next_id = epoch + 1, 0, [int(c) for c in self.counts], 0, 0
 
     def _encoded(self, examples: list[dict]) -> tuple[list[list[int]], list[list[int]] | None]:
-        """BatchLoader's, with each tagged source's tag before its (non-empty) source text: an
+        """StreamLoader's, with each tagged source's tag before its (non-empty) source text: an
         empty one stays empty and is dropped as such."""
         src, tgt = super()._encoded(examples)
         for row, rec in zip(src, examples, strict=True):

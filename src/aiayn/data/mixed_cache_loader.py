@@ -5,7 +5,7 @@ base_s + i), so that the mixture is one more step before the plan: each epoch, m
 which examples of each source it takes, and those global rows go to the same planner as a
 single cache's (plan.pair_plan: permuted whole, bucketed by width, batched by token budget,
 batches shuffled). Everything else, the position, rounds, resume at another world size and the
-plan ahead, is CachedLoader's: the position (epoch, batches done) says where in the mixture a
+plan ahead, is CacheLoader's: the position (epoch, batches done) says where in the mixture a
 run is. A batch's rows are read from their own source's arrays, a rank's next few batches
 together, one gather per source (data/cache/rows.py).
 
@@ -23,7 +23,7 @@ from aiayn.config import DataConfig
 from aiayn.data.batch import round_width
 from aiayn.data.cache import TokenCache
 from aiayn.data.cache.rows import cache_arrays
-from aiayn.data.cached_loader import STATE_VERSION, CachedLoader
+from aiayn.data.cache_loader import STATE_VERSION, CacheLoader
 from aiayn.data.mixture import Mixture
 from aiayn.data.plan import Plan, epoch_rng, pair_plan
 from aiayn.data.position import recorded_number, saved_position
@@ -53,9 +53,10 @@ def tag_ids(cfg: DataConfig, tok: Tokenizer) -> list[int | None]:
     return out
 
 
-class MixedLoader(CachedLoader):
-    """CachedLoader's interface over the token caches of data.sources, in training only. Its
-    extra: `mixture_scalars()`, what the group has taken of each source (TensorBoard)."""
+class MixedCacheLoader(CacheLoader):
+    """A Loader (data/loader_protocol.py) over the token caches of data.sources, in training
+    only: CacheLoader's, with `mixture_scalars()` saying what the group has taken of each
+    source (TensorBoard)."""
 
     def __init__(
         self,
