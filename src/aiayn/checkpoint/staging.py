@@ -6,8 +6,8 @@ they held the loop 0.17-0.39 s per save of transformer_base on an H200, seven ti
 step (benchmarks/README.md). Here they go into host buffers kept from save to save (pinned on
 CUDA), on a CUDA stream of their own: the loop only queues the copies, the copy engine runs
 them beside the next step's forward and backward, and the next update waits for them
-(`guard`, which train.py calls before every optimizer step). The writer thread waits for them
-before it reads (`wait`).
+(`guard`, which the loop calls before every optimizer step). The writer thread waits for
+them before it reads (`wait`).
 
 Reusing the buffers is safe because a save first waits for the previous write (Writer._join,
 checkpoint/writer.py): nothing reads last save's copies when this one overwrites them. On a CPU

@@ -139,7 +139,8 @@ class CacheLoader:
         self.round: tuple[int, int] | None = None
         """For the batch last handed out: the target tokens of its round (the W global batches
         the ranks take together, one each), and the epoch of the round's last batch. Every rank
-        plans every rank's batches, so the loop needs no collective to learn them (train.py)."""
+        plans every rank's batches, so the loop (train/loop.py) needs no collective to learn
+        them."""
 
     # ---- position ---------------------------------------------------------------------------
 

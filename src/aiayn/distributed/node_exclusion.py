@@ -29,7 +29,7 @@ from aiayn.runtime.durable import write_atomic
 EXCLUDED_FILE = "excluded_nodes"  # one node name a line: nodes this run's jobs avoid
 FAILURES_FILE = "slurm_failures.jsonl"  # one line per failed Slurm job attempt
 # A worker whose collective failed is a witness, not a culprit: another rank died or stalled
-# (train.py's PeerError). So is one whose rendezvous or store lost its peers.
+# (train/peers.py's PeerError). So is one whose rendezvous or store lost its peers.
 LOST_PEER = re.compile(
     r"a collective failed|connection (closed|reset|refused)|broken pipe|rendezvous", re.I
 )

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     # shared one: in a c10d rendezvous a node restarted for a membership change keeps its
     # restart count, so no count names a start on every node, and a restarted rank read its
     # dead peer's address from the shared store's old keys. AIAYN_LAUNCHER tells the workers
-    # whose policy restarts them (train.py warns under plain torchrun).
+    # whose policy restarts them (train/assemble.py warns under plain torchrun).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ[faults.LAUNCHER_ENV] = PREFIX
     try:

@@ -92,8 +92,8 @@ def score_lines(
     max_batches: int | None = None,
     lockstep: bool = False,
 ) -> dict[str, float]:
-    """lm_eval's scores of `lines` with the run's window, stride, unit and batch size; with a
-    DistEnv, each rank scores its share of the windows and the sums are combined (`lockstep`:
+    """lm_scores.py's scores of `lines` with the run's window, stride, unit and batch size; with
+    a DistEnv, each rank scores its share of the windows and the sums are combined (`lockstep`:
     every rank runs as many forwards as the busiest, for ZeRO-3's partitioned model)."""
     window = cfg.data.max_len
     rows = max(1, cfg.train.max_tokens // window)

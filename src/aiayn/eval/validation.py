@@ -41,7 +41,7 @@ class Validation:
         self.cfg, self.tok = cfg, tok
         self.prefix = prefix  # TensorBoard's and the log's name: valid, or valid_<source>
         self.batches: list[Batch] = []
-        self.lines: list[str] = []  # lm: the whole text, scored by lm_eval
+        self.lines: list[str] = []  # lm: the whole text, scored by eval/lm_scores.py
         if cfg.model.kind == "lm":
             self.lines = split_lines(cfg, cfg.data.valid)
         else:

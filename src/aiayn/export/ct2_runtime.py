@@ -5,7 +5,7 @@ The same tokenizer (the export's spm.model, checked against the contract it reco
 decode settings (the run's config recorded in aiayn.json, plus overrides such as decode.beam=1),
 the same batching (inputs sorted by length, decode.batch_size sentences at a time) and the same
 special tokens: CTranslate2 appends eos to a source and starts a target with bos itself
-(config.json); a language model's prompt is read by lm_eval.prompt_ids, as the torch engine
+(config.json); a language model's prompt is read by infer.generate.prompt_ids, as the torch engine
 reads it. Greedy output equals the torch engine's token for token
 (tests/unit/test_export_ct2.py). Two things differ:
 
@@ -174,8 +174,8 @@ def generate_ct2(
     device: str = "auto",
     threads: int | None = None,
 ) -> list[str]:
-    """lm_eval.sample_text with a CTranslate2 export: the same prompts (each after an eos), the
-    same texts back, and with data.lm_order stream the same running text in rounds of
+    """infer.generate.sample_text with a CTranslate2 export: the same prompts (each after an
+    eos), the same texts back, and with data.lm_order stream the same running text in rounds of
     model.max_len positions. temperature 0 is greedy (CTranslate2's sampling_topk=1), which
     equals the torch engine's output; sampling draws from CTranslate2's own generator
     (seeded), so a sample differs from the torch engine's with the same seed."""

@@ -295,8 +295,9 @@ def _opt(src: ExportSource) -> tuple[dict, dict[str, torch.Tensor], dict]:
         "layerdrop": 0.0,
         "tie_word_embeddings": False,
         "pad_token_id": tok.pad_id,
-        # Every text starts after an eos in training (lm_eval.text_stream, lm_eval.sample):
-        # eos is also the start token a prompt-less generate() begins from.
+        # Every text starts after an eos in training (eval.lm_scores.text_stream,
+        # infer.generate.sample_text): eos is also the start token a prompt-less generate()
+        # begins from.
         "bos_token_id": tok.eos_id,
         "eos_token_id": tok.eos_id,
     }

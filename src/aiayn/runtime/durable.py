@@ -51,7 +51,7 @@ def count_hashed(n: int) -> None:
 
 def bytes_hashed() -> int:
     """Bytes hashed in this process (sha256_of, count_hashed): what verifying checkpoints and
-    token caches cost it, which a start reports (train.py) because at scale it is read from
+    token caches cost it, which a start reports (train/report.py) because at scale it is read from
     shared storage."""
     return _hashed
 
