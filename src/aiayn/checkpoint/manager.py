@@ -111,8 +111,11 @@ class CheckpointManager:
     def async_save(self) -> bool:
         return self._writer.async_save
 
-    def due(self, step: int) -> bool:
-        return step % self.every_steps == 0
+    def due(self, step: int, last: bool = False) -> bool:
+        """Whether the end of `step` is a save point: every checkpoint.every_steps, and the
+        run's last step (train.max_steps reached, or an early stop). Every rank asks after every
+        step and gets the same answer."""
+        return step % self.every_steps == 0 or last
 
     def checkpoints(self) -> list[Path]:
         """Complete-looking checkpoint directories, oldest first."""

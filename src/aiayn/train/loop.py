@@ -102,7 +102,7 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
             if valid is not None:
                 last_eval = valid
                 stop_early = early.should_stop(progress, valid) and not last
-        if run.ckpts.due(step) or last or stop_early:
+        if run.ckpts.due(step, last=last or stop_early):
             _save(run, window, step, valid)
             saved_step = step
         if stop_early:
