@@ -1,5 +1,6 @@
 import pytest
 
+import helpers  # tests/helpers.py
 import procs  # tests/distributed/procs.py, beside this file
 
 
@@ -14,5 +15,5 @@ def ddp_run(setup):
     """The reference: 2 DDP ranks, STEPS steps."""
     root, config = setup
     run_dir = root / "ddp2"
-    procs.run(procs.torchrun(2) + procs.aiayn(config, run_dir))
+    procs.run(helpers.torchrun(2) + procs.aiayn(config, run_dir))
     return run_dir

@@ -17,6 +17,7 @@ from aiayn.engine import deepspeed_config, op_builds
 from aiayn.engine.deepspeed_engine import _join_single_process_group
 from aiayn.model import build_model
 
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: helpers.py, for batches.py
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
 from batches import TINY  # noqa: E402  (tests/unit/batches.py)
 

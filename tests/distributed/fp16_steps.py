@@ -17,6 +17,7 @@ from aiayn.engine.interface import build_engine
 from aiayn.engine.loss import batch_loss
 from aiayn.model import build_model
 
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: helpers.py, for batches.py
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
 from batches import TINY, padded_batch  # noqa: E402  (tests/unit/batches.py)
 

@@ -1,18 +1,16 @@
-"""Real processes for the distributed tests: a shared corpus and config, launchers, weights."""
+"""Real processes for the distributed tests: a shared corpus and config, launchers, weights.
+(Free ports, torchrun, a run's weights and scalars: tests/helpers.py.)"""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 from aiayn.config import load_config
 from aiayn.data import demo, sample_sentences
 from aiayn.tokenizer import train_tokenizer
+
+from helpers import SMALL_MODEL, free_port, model_yaml  # tests/helpers.py
 
 STEPS = 20
 EXAMPLES = 3000  # training pairs of the numbers corpus
@@ -32,7 +30,7 @@ def make_setup(root: Path) -> tuple[Path, Path]:
     config = root / "run.yaml"
     config.write_text(
         f"""
-model: {{N: 1, d_model: 64, d_ff: 128, h: 4, max_len: 64, dropout: 0.0}}
+model: {model_yaml(SMALL_MODEL, dropout=0.0)}
 tokenizer: {{path: {root}/spm.model, vocab_size: 120}}
 data: {{train: {corpus}/train, valid: {corpus}/valid, src_lang: en, tgt_lang: de, max_len: 40,
         shuffle_buffer: 1000, cache_dir: {root}/data_cache}}
@@ -47,23 +45,6 @@ checkpoint: {{every_steps: 10}}
         cfg.tokenizer, sample_sentences(cfg.data, "seq2seq", 5000, 1), cfg.tokenizer_path
     )
     return root, config
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(nproc: int = 2) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-    ]
 
 
 def accelerate_launch(*options: str, nproc: int = 2) -> list[str]:
@@ -83,18 +64,7 @@ def aiayn(config: Path, run_dir: Path, *overrides: str) -> list[str]:
     return ["-m", "aiayn", "train", "--config", str(config), f"run_dir={run_dir}", *overrides]
 
 
-def final_weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "checkpoints" / f"step_{step:08d}" / "model.safetensors")
-
-
 def assert_close(a: dict, b: dict, atol: float) -> None:
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst <= atol, f"largest parameter difference {worst:.3g} > {atol}"
-
-
-def scalars(run_dir: Path, tag: str = "train/loss") -> dict[int, float]:
-    """Step -> value of one TensorBoard scalar the run logged."""
-    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {e.step: e.value for e in acc.Scalars(tag)}

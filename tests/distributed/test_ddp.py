@@ -14,17 +14,9 @@ from aiayn.config import load_config
 from aiayn.data import ensure_cache, make_loader
 from aiayn.tokenizer import Tokenizer
 
+from helpers import free_port, torchrun, weights_at  # tests/helpers.py
 from processes import logged, wait_until  # tests/processes.py
-from procs import (
-    ENV,
-    accelerate_launch,
-    aiayn,
-    assert_close,
-    final_weights,
-    free_port,
-    run,
-    torchrun,
-)
+from procs import ENV, STEPS, accelerate_launch, aiayn, assert_close, run
 
 pytestmark = pytest.mark.distributed
 
@@ -33,12 +25,12 @@ def test_two_ddp_ranks_equal_one_process_accumulating_two_micro_batches(setup, d
     root, config = setup
     single = root / "accum2"
     run([sys.executable] + aiayn(config, single, "train.grad_accum=2"))
-    assert_close(final_weights(ddp_run), final_weights(single), atol=1e-5)
+    assert_close(weights_at(ddp_run, STEPS), weights_at(single, STEPS), atol=1e-5)
     # ... and both differ from one process taking one micro-batch per step:
     other = root / "accum1"
     run([sys.executable] + aiayn(config, other))
     with pytest.raises(AssertionError):
-        assert_close(final_weights(ddp_run), final_weights(other), atol=1e-5)
+        assert_close(weights_at(ddp_run, STEPS), weights_at(other, STEPS), atol=1e-5)
 
 
 def test_fp16_two_ranks_equal_one_process_accumulating_and_skip_an_overflow_together(tmp_path):
@@ -86,7 +78,7 @@ def test_compiled_layers_under_ddp_follow_the_eager_ranks(setup, ddp_run):
     run(torchrun(2) + aiayn(config, run_dir, "train.compile=true"))
     log = (run_dir / "train.log").read_text()
     assert "differ between data-parallel ranks" not in log and log.count("saved ") == 2
-    assert_close(final_weights(run_dir), final_weights(ddp_run), atol=1e-5)  # 4e-7 seen
+    assert_close(weights_at(run_dir, STEPS), weights_at(ddp_run, STEPS), atol=1e-5)  # 4e-7 seen
 
 
 def test_two_nodes_on_localhost_with_c10d_rendezvous(setup, ddp_run):
@@ -130,7 +122,7 @@ def test_two_nodes_on_localhost_with_c10d_rendezvous(setup, ddp_run):
         {p.name: p.read_bytes() for p in (disk / "cache" / "train").glob("*.npy")} for disk in disks
     ]
     assert len(copies[0]) >= 5 and copies[0] == copies[1]
-    assert_close(final_weights(run_dir), final_weights(ddp_run), atol=1e-6)
+    assert_close(weights_at(run_dir, STEPS), weights_at(ddp_run, STEPS), atol=1e-6)
 
 
 def test_accelerate_launch_multi_process(setup, ddp_run):
@@ -140,7 +132,7 @@ def test_accelerate_launch_multi_process(setup, ddp_run):
         pytest.skip("accelerate is not installed")
     run_dir = root / "accelerate"
     run(accelerate_launch("--multi_gpu") + aiayn(config, run_dir))
-    assert_close(final_weights(run_dir), final_weights(ddp_run), atol=1e-6)
+    assert_close(weights_at(run_dir, STEPS), weights_at(ddp_run, STEPS), atol=1e-6)
 
 
 def test_uneven_shards_finish_and_every_example_is_seen_once_per_epoch(setup):

@@ -19,18 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from helpers import scalars, torchrun, weights_at  # tests/helpers.py
 from processes import kill_tree, logged, wait_until  # tests/processes.py
-from procs import (
-    ENV,
-    STEPS,
-    accelerate_launch,
-    aiayn,
-    assert_close,
-    final_weights,
-    run,
-    scalars,
-    torchrun,
-)
+from procs import ENV, STEPS, accelerate_launch, aiayn, assert_close, run
 
 pytestmark = pytest.mark.distributed
 DS = ("distributed.backend=deepspeed",)
@@ -39,7 +30,7 @@ DS = ("distributed.backend=deepspeed",)
 def assert_same_curve(
     run_dir: Path, reference: Path, rtol: float, steps: int = STEPS, drop: float = 0.7
 ) -> None:
-    got, ref = scalars(run_dir), scalars(reference)
+    got, ref = scalars(run_dir, "train/loss"), scalars(reference, "train/loss")
     assert sorted(got) == list(range(1, steps + 1)) == sorted(ref)
     worst = max(abs(got[s] - ref[s]) / ref[s] for s in ref)
     assert worst <= rtol, f"loss curves differ by {worst:.3g} (relative) > {rtol}"
@@ -67,7 +58,7 @@ def test_zero_stage_follows_the_ddp_loss_curve(setup, ddp_run, name, options):
     size = re.search(r"seq2seq model, [\d,]+ parameters", log).group()
     assert size in (ddp_run / "train.log").read_text()  # counted before ZeRO-3 partitions
     assert_same_curve(run_dir, ddp_run, rtol=1e-4)
-    assert_close(final_weights(run_dir), final_weights(ddp_run), atol=5e-3)
+    assert_close(weights_at(run_dir, STEPS), weights_at(ddp_run, STEPS), atol=5e-3)
     # The norm before clipping (clip_norm 1.0 clips these steps), as DDP reports it: stage 0
     # once reported nan, DeepSpeed computing none for a plain torch optimizer.
     norms, ref = scalars(run_dir, "train/grad_norm"), scalars(ddp_run, "train/grad_norm")
@@ -88,7 +79,7 @@ def test_one_process_accumulating_two_equals_two_ranks(setup, ddp_run, launcher)
     options = (*DS, "distributed.zero_stage=2", "train.grad_accum=2")
     run(start + aiayn(config, run_dir, *options), timeout=300)
     assert_same_curve(run_dir, ddp_run, rtol=1e-4)
-    assert_close(final_weights(run_dir), final_weights(ddp_run), atol=5e-3)
+    assert_close(weights_at(run_dir, STEPS), weights_at(ddp_run, STEPS), atol=5e-3)
 
 
 def test_bf16_autocast_follows_ddp_bf16(setup):
@@ -177,7 +168,7 @@ def test_killed_zero_run_resumes_bitwise(setup, stage):
     assert not (killed / "checkpoints" / f"step_{steps:08d}").exists()
     run(torchrun(2) + aiayn(config, killed, *options))
     assert log.read_text().count("resuming from") >= 2
-    assert_close(final_weights(killed, steps), final_weights(straight, steps), atol=0.0)
+    assert_close(weights_at(killed, steps), weights_at(straight, steps), atol=0.0)
 
 
 def test_accelerate_launch_use_deepspeed(setup, ddp_run):

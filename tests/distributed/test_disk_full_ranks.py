@@ -10,6 +10,7 @@ from small_disk import small_disk  # tests/small_disk.py
 
 from aiayn.checkpoint.failures import size_on_disk
 
+import helpers  # tests/helpers.py
 import procs  # tests/distributed/procs.py, beside this file
 from processes import kill_tree  # tests/processes.py
 
@@ -43,13 +44,15 @@ def test_both_ranks_agree_on_a_full_disk_and_stop_together(setup, tmp_path, name
     # The same run to its first checkpoint measures one; a disk of 1.5 of them holds the
     # first checkpoint and not the second.
     probe = tmp_path / "probe"
-    procs.run(procs.torchrun(2) + procs.aiayn(config, probe, *settings, f"train.max_steps={EVERY}"))
+    procs.run(
+        helpers.torchrun(2) + procs.aiayn(config, probe, *settings, f"train.max_steps={EVERY}")
+    )
     size = size_on_disk(probe / "checkpoints" / f"step_{EVERY:08d}")
     with small_disk(disk, 3 * size // 2048):
         run_dir = tmp_path / "run"
         run_dir.mkdir()
         (run_dir / "checkpoints").symlink_to(disk)
-        cmd = procs.torchrun(2) + procs.aiayn(config, run_dir, *settings)
+        cmd = helpers.torchrun(2) + procs.aiayn(config, run_dir, *settings)
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=procs.ENV
         )

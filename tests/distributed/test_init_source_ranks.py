@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from procs import aiayn, assert_close, final_weights, run, scalars, torchrun
+from helpers import scalars, torchrun, weights_at  # tests/helpers.py
+from procs import aiayn, assert_close, run
 
 pytestmark = pytest.mark.distributed
 TUNE = ("train.max_steps=1", "train.eval_every=0")
@@ -22,11 +23,17 @@ def test_ddp_and_zero3_ranks_start_from_the_source_as_one_process_does(setup, dd
     zero = ("distributed.backend=deepspeed", "distributed.zero_stage=3")
     run(torchrun(2) + aiayn(config, zero3, source, *TUNE, *zero), timeout=900)
 
-    first = {name: scalars(d)[1] for name, d in (("one", one), ("ddp", ddp), ("zero3", zero3))}
+    first = {
+        name: scalars(d, "train/loss")[1]
+        for name, d in (("one", one), ("ddp", ddp), ("zero3", zero3))
+    }
     assert first["ddp"] == pytest.approx(first["one"], rel=1e-5), first
     assert first["zero3"] == pytest.approx(first["one"], rel=1e-4), first
     # The source's weights, not a new model's: well below the first step of the source run.
-    assert first["one"] < 0.9 * scalars(ddp_run)[1], (first, scalars(ddp_run)[1])
+    assert first["one"] < 0.9 * scalars(ddp_run, "train/loss")[1], (
+        first,
+        scalars(ddp_run, "train/loss")[1],
+    )
     for run_dir in (one, ddp, zero3):
         manifest = json.loads(
             (run_dir / "checkpoints" / "step_00000001" / "manifest.json").read_text()
@@ -45,7 +52,7 @@ def test_zero3_ranks_keep_the_sources_moments_as_one_process_does(setup, ddp_run
     zero = ("distributed.backend=deepspeed", "distributed.zero_stage=3")
     run(torchrun(2) + aiayn(config, zero3, *keep, *zero), timeout=900)
     run([sys.executable] + aiayn(config, reset, *keep[:-1], "train.grad_accum=2"))
-    kept = final_weights(one, step=1)
-    assert_close(final_weights(zero3, step=1), kept, atol=1e-5)
+    kept = weights_at(one, 1)
+    assert_close(weights_at(zero3, 1), kept, atol=1e-5)
     with pytest.raises(AssertionError):
-        assert_close(final_weights(reset, step=1), kept, atol=1e-5)
+        assert_close(weights_at(reset, 1), kept, atol=1e-5)

@@ -9,7 +9,7 @@ import pytest
 
 from aiayn.data import demo
 
-from procs import free_port  # tests/distributed/procs.py, beside this file
+from helpers import TINY_MODEL, free_port, model_overrides  # tests/helpers.py
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,10 +66,7 @@ def test_a_launch_wrapper_prints_its_command_and_trains(tmp_path, corpus, name):
         f"data.train={corpus}/train",
         "data.src_lang=en",
         "data.tgt_lang=de",
-        "model.N=1",
-        "model.d_model=32",
-        "model.d_ff=64",
-        "model.h=2",
+        *model_overrides(TINY_MODEL, max_len=None),  # max_len: the default
         "tokenizer.vocab_size=100",
         "train.max_tokens=400",
         "train.max_steps=2",

@@ -17,7 +17,8 @@ from aiayn.config import load_config
 from aiayn.data import sample_sentences
 from aiayn.tokenizer import train_tokenizer
 
-from procs import aiayn, run, scalars, torchrun
+from helpers import SMALL_MODEL, events, model_overrides, scalars, torchrun  # tests/helpers.py
+from procs import aiayn, run
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt.gz"
@@ -32,14 +33,10 @@ STEPS = 20
 
 def tb_text(run_dir: Path, tag: str) -> dict[int, str]:
     """Step -> the text the run logged to TensorBoard under `tag`."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
 
-    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"tensors": 0})
-    acc.Reload()
-    return {
-        e.step: tensor_util.make_ndarray(e.tensor_proto).item().decode() for e in acc.Tensors(tag)
-    }
+    texts = events(run_dir).Tensors(tag)
+    return {e.step: tensor_util.make_ndarray(e.tensor_proto).item().decode() for e in texts}
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +48,9 @@ def setup(tmp_path_factory):
     (root / "valid.txt").write_text(text[cut : cut + 20_000], encoding="utf-8")  # quicker
     overrides = [
         f"data.train={root}/train.txt", f"data.valid={root}/valid.txt",
-        f"tokenizer.path={root}/spm.model", "model.N=1", "model.d_model=64", "model.d_ff=128",
-        "model.max_len=66", "model.dropout=0.0", "data.max_len=64", "train.max_tokens=512",
+        f"tokenizer.path={root}/spm.model",
+        *model_overrides(SMALL_MODEL, max_len=66, dropout=0.0),  # h=4: the config's too
+        "data.max_len=64", "train.max_tokens=512",
         f"train.max_steps={STEPS}", "train.eval_every=10", "checkpoint.every_steps=10",
         "logging.every_steps=1", "schedule.warmup=10", "logging.samples=1",
         # fp32 wherever CI runs, so that the ranks can be held to 1e-4 of one process (the

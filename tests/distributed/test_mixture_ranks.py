@@ -17,7 +17,8 @@ from aiayn.config import TokenizerConfig
 from aiayn.data import demo
 from aiayn.tokenizer import train_tokenizer
 
-from procs import ENV, run, torchrun  # tests/distributed/procs.py
+from helpers import TINY_MODEL, model_yaml, torchrun  # tests/helpers.py
+from procs import ENV, run  # tests/distributed/procs.py
 
 pytestmark = pytest.mark.distributed
 FAULTY = str(Path(__file__).with_name("faulty.py"))
@@ -44,7 +45,7 @@ def config(tmp_path_factory) -> Path:
     path = root / "mix.yaml"
     path.write_text(
         f"""
-model: {{N: 1, d_model: 32, d_ff: 64, h: 2, max_len: 64, dropout: 0.0}}
+model: {model_yaml(TINY_MODEL, dropout=0.0)}
 tokenizer: {{path: {root}/spm.model, vocab_size: 100}}
 data:
   sources:

@@ -20,6 +20,7 @@ from aiayn.data import demo
 from aiayn.data.cache import MANIFEST
 from aiayn.data.cache.shares import _CHUNK
 
+import helpers  # tests/helpers.py
 import procs  # tests/distributed/procs.py, beside this file
 from processes import kill_tree, wait_until  # tests/processes.py
 
@@ -79,7 +80,7 @@ def test_two_ranks_cut_one_file_pair_in_byte_ranges_and_build_the_same_arrays(bi
     corpus, config = big
     out = procs.run(prepare(config, corpus, tmp_path / "one"))
     assert '"examples": ' in out
-    two_out = procs.run(prepare(config, corpus, tmp_path / "two", *procs.torchrun(2)))
+    two_out = procs.run(prepare(config, corpus, tmp_path / "two", *helpers.torchrun(2)))
     total = len((corpus / "train.en").read_text().splitlines())
     assert most_read(out) == total
     assert most_read(two_out) < 0.6 * total
@@ -108,7 +109,7 @@ def test_four_ranks_read_a_fifth_or_two_of_five_files_and_build_the_same_bytes(
     _, config = big
     one = procs.run(prepare(config, five_files, tmp_path / "one", split="part*"))
     four = procs.run(
-        prepare(config, five_files, tmp_path / "four", *procs.torchrun(4), split="part*"),
+        prepare(config, five_files, tmp_path / "four", *helpers.torchrun(4), split="part*"),
         timeout=900,
     )
     total = len((five_files / "train.en").read_text().splitlines())

@@ -18,6 +18,7 @@ import torch
 
 from aiayn.checkpoint import read_trainer_state
 
+import helpers  # tests/helpers.py
 import procs  # tests/distributed/procs.py, beside this file
 
 pytestmark = pytest.mark.distributed
@@ -72,7 +73,7 @@ def starts(run_dir: Path) -> int:
 def final_state(run_dir: Path, backend: str) -> dict[str, torch.Tensor]:
     """The final weights, and for ddp the Adam moments too (ZeRO keeps them in its shards,
     whose bits its own resume tests compare)."""
-    state = dict(procs.final_weights(run_dir, STEPS))
+    state = dict(helpers.weights_at(run_dir, STEPS))
     if backend == "ddp":
         ckpt = run_dir / "checkpoints" / f"step_{STEPS:08d}"
         engine = read_trainer_state(ckpt)["engine"]
@@ -106,7 +107,7 @@ def uninterrupted(setup):
         if backend not in made:
             run_dir = root / f"uninterrupted_{backend}"
             overrides = (*OPTIONS, *BACKENDS[backend])
-            procs.run(procs.torchrun(2) + procs.aiayn(config, run_dir, *overrides))
+            procs.run(helpers.torchrun(2) + procs.aiayn(config, run_dir, *overrides))
             made[backend] = run_dir
         return made[backend]
 
@@ -155,7 +156,7 @@ def test_a_fault_on_one_node_restarts_the_group_on_both(setup, uninterrupted):
         "--nproc-per-node=1",
         "--max-restarts=2",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{procs.free_port()}",
+        f"--rdzv-endpoint=127.0.0.1:{helpers.free_port()}",
         "--rdzv-id=two-nodes",
     ]
     nodes = [

@@ -13,7 +13,8 @@ from aiayn.checkpoint import CheckpointManager
 from aiayn.config import load_config
 from aiayn.data.cache import cache_dir
 
-from procs import aiayn, run, torchrun
+from helpers import torchrun  # tests/helpers.py
+from procs import aiayn, run
 
 pytestmark = pytest.mark.distributed
 

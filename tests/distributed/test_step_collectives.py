@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from procs import run, torchrun
+from helpers import torchrun  # tests/helpers.py
+from procs import run
 
 pytestmark = pytest.mark.distributed
 

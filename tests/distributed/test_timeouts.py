@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+import helpers  # tests/helpers.py
 import procs  # tests/distributed/procs.py, beside this file
 
 pytestmark = pytest.mark.distributed
@@ -42,7 +43,7 @@ def test_a_hung_rank_fails_the_others_within_the_training_timeout(tmp_path):
     script = tmp_path / "ranks.py"
     script.write_text(RANKS)
     proc = subprocess.run(
-        [*procs.torchrun(2), str(script)],
+        [*helpers.torchrun(2), str(script)],
         capture_output=True,
         text=True,
         timeout=100,  # under the hung rank's 120 s: the short timeout must end it

@@ -26,7 +26,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from procs import EXAMPLES, STEPS, aiayn, assert_close, final_weights, run, scalars, torchrun
+from helpers import scalars, torchrun, weights_at  # tests/helpers.py
+from procs import EXAMPLES, STEPS, aiayn, assert_close, run
 
 pytestmark = pytest.mark.distributed
 HALF = STEPS // 2
@@ -110,7 +111,7 @@ def assert_continues(run_dir: Path, reference: Path, weights_atol: float, loss_r
     loss, ref_loss = scalars(run_dir, "train/loss"), scalars(reference, "train/loss")
     worst = max(abs(loss[s] - ref_loss[s]) / ref_loss[s] for s in ref_loss)
     assert worst <= loss_rtol, f"loss curves differ by {worst:.3g} (relative) > {loss_rtol}"
-    assert_close(final_weights(run_dir), final_weights(reference), atol=weights_atol)
+    assert_close(weights_at(run_dir, STEPS), weights_at(reference, STEPS), atol=weights_atol)
 
 
 @pytest.mark.parametrize(
@@ -168,7 +169,7 @@ def test_a_resume_without_the_optimizer_state_would_fail_those_tolerances(setup,
     assert "resuming on DeepSpeed ZeRO-3 on 2 rank(s)" in (run_dir / "train.log").read_text()
     with pytest.raises(AssertionError, match="differ"):
         assert_continues(run_dir, straight("ddp1"), WEIGHTS_ATOL, LOSS_RTOL)
-    a, b = final_weights(run_dir), final_weights(straight("ddp1"))
+    a, b = weights_at(run_dir, STEPS), weights_at(straight("ddp1"), STEPS)
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst > FRESH_AT_LEAST, f"a fresh optimizer moved the weights by only {worst:.3g}"
 
@@ -178,7 +179,7 @@ def test_zero3_checkpoints_average_and_export(straight, tmp_path):
     straight = straight("zero3x2")
     cli = [sys.executable, "-m", "aiayn"]
     run(cli + ["average", str(straight), "--last", "2", "--output", str(tmp_path / "avg")])
-    a, b = final_weights(straight, HALF), final_weights(straight, STEPS)
+    a, b = weights_at(straight, HALF), weights_at(straight, STEPS)
     avg = load_file(tmp_path / "avg" / "model.safetensors")
     assert avg.keys() == a.keys() and all(torch.equal(avg[k], (a[k] + b[k]) / 2) for k in a)
     out = tmp_path / "export" / "zero3.safetensors"

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from procs import run, torchrun
+from helpers import torchrun  # tests/helpers.py
+from procs import run
 
 pytestmark = pytest.mark.distributed
 

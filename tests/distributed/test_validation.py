@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from procs import run, torchrun
+from helpers import torchrun  # tests/helpers.py
+from procs import run
 
 pytestmark = pytest.mark.distributed
 WORKER = str(Path(__file__).with_name("validate_dev.py"))

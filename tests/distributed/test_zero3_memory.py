@@ -15,7 +15,8 @@ from safetensors import safe_open
 
 from aiayn.runtime.malloc import allocated
 
-from procs import aiayn, run, torchrun
+from helpers import torchrun  # tests/helpers.py
+from procs import aiayn, run
 
 pytestmark = [
     pytest.mark.distributed,

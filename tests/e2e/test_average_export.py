@@ -8,7 +8,6 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from aiayn.checkpoint import load_checkpoint, read_manifest
 from aiayn.checkpoint.inference import load_for_inference
@@ -18,6 +17,7 @@ from aiayn.infer.translate import translate
 from aiayn.train import train
 
 import tiny  # tests/e2e/tiny.py, beside this file
+from helpers import scalars, weights_at  # tests/helpers.py
 
 SOURCES = ["one", "twenty-one", "three hundred four", "nine thousand", "fifty-five"]
 
@@ -57,9 +57,7 @@ def cli(*args):
 
 
 def test_retention_keeps_the_last_every_nth_and_the_best_recorded(run):
-    acc = EventAccumulator(str(run / "tb"))
-    acc.Reload()
-    valid = {e.step: e.value for e in acc.Scalars("valid/loss")}
+    valid = scalars(run, "valid/loss")
     assert sorted(valid) == [3, 6, 9, 12, 15]
     best = min(valid, key=valid.get)
     kept = sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*"))
@@ -72,8 +70,7 @@ def test_retention_keeps_the_last_every_nth_and_the_best_recorded(run):
 def test_average_of_the_last_two_is_their_mean_and_translates(run, tmp_path):
     proc = cli("average", str(run), "--last", "2", "--output", str(tmp_path / "avg"))
     assert proc.returncode == 0, proc.stderr
-    a = load_file(run / "checkpoints/step_00000012/model.safetensors")
-    b = load_file(run / "checkpoints/step_00000015/model.safetensors")
+    a, b = weights_at(run, 12), weights_at(run, 15)
     avg = load_file(tmp_path / "avg/model.safetensors")
     assert avg.keys() == a.keys()  # tied matrices still stored once
     for key in a:
@@ -145,7 +142,7 @@ def test_export_translates_identically_to_the_checkpoint_without_deepspeed(run, 
         "numbers.tokenizer.model",
     }
     latest = run / "checkpoints/step_00000015"
-    exported, saved = load_file(out), load_file(latest / "model.safetensors")
+    exported, saved = load_file(out), weights_at(run, 15)
     assert exported.keys() == saved.keys()
     assert all(torch.equal(exported[k], saved[k]) for k in saved)
     proc = subprocess.run(
@@ -166,7 +163,7 @@ def test_bf16_export_holds_rounded_weights_and_loads(run, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     exported = load_file(out)
-    saved = load_file(run / "checkpoints/step_00000012/model.safetensors")
+    saved = weights_at(run, 12)
     assert all(torch.equal(exported[k], saved[k].to(torch.bfloat16)) for k in saved)
     assert (
         out.stat().st_size

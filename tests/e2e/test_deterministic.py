@@ -4,12 +4,12 @@ as a run without it does on one machine (on CPU the kernels already are determin
 import pytest
 import torch
 import torch._inductor.config as inductor
-from safetensors.torch import load_file
 
 from aiayn.config import load_config
 from aiayn.train import train
 
 import tiny  # tests/e2e/tiny.py, beside this file
+from helpers import weights_at  # tests/helpers.py
 
 
 @pytest.fixture
@@ -22,10 +22,6 @@ def restore_determinism():
     inductor.deterministic = saved[1]
     torch.backends.cuda.enable_cudnn_sdp(sdp)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn, False
-
-
-def weights(run_dir, step):
-    return load_file(run_dir / "checkpoints" / f"step_{step:08d}" / "model.safetensors")
 
 
 def test_a_deterministic_run_trains_and_resumes_bitwise(tmp_path, numbers, restore_determinism):
@@ -48,7 +44,7 @@ def test_a_deterministic_run_trains_and_resumes_bitwise(tmp_path, numbers, resto
     run("straight", 8)
     run("stopped", 5)
     run("stopped", 8)
-    a, b = weights(tmp_path / "straight", 8), weights(tmp_path / "stopped", 8)
+    a, b = weights_at(tmp_path / "straight", 8), weights_at(tmp_path / "stopped", 8)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    first = weights(tmp_path / "straight", 4)
+    first = weights_at(tmp_path / "straight", 4)
     assert any(not torch.equal(a[k], first[k]) for k in a)  # it trained

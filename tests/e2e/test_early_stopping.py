@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from aiayn.checkpoint import resolve_checkpoint
 
 import tiny  # tests/e2e/tiny.py, beside this file
+from helpers import weights_at  # tests/helpers.py
 from processes import kill_tree, logged, wait_until  # tests/processes.py
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -118,10 +119,7 @@ def test_killed_after_the_first_validation_and_resumed_it_stops_at_the_same_step
     log = (killed / "train.log").read_text()
     assert "resuming from" in log and f"early stop at step {STOP}:" in log
     assert steps_saved(killed)[-1] == STOP
-    a, b = (
-        load_file(r / "checkpoints" / f"step_{STOP:08d}" / "model.safetensors")
-        for r in (killed, straight)
-    )
+    a, b = weights_at(killed, STOP), weights_at(straight, STOP)
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
@@ -130,10 +128,7 @@ def test_a_finished_run_leaves_its_averaged_model_scored(straight, numbers, tmp_
     summary = json.loads((averaged / "summary.json").read_text())
     assert summary["checkpoints"] == ["step_00000020", f"step_{STOP:08d}"]
     assert {"bleu", "chrf", "ter", "chrf_signature"} <= set(summary["scores"]["valid"])
-    a, b = (
-        load_file(straight / "checkpoints" / f"step_{s:08d}" / "model.safetensors")
-        for s in (20, STOP)
-    )
+    a, b = weights_at(straight, 20), weights_at(straight, STOP)
     mean = load_file(averaged / "model.safetensors")
     assert all(torch.equal(mean[k], (a[k] + b[k]) / 2) for k in a)
     cli = [sys.executable, "-m", "aiayn"]

@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from bench_venv import ROOT, require_bench_venv, run_in_bench_venv  # tests/
-from safetensors.torch import load_file
-from test_init_source import kill_at_step, losses, start  # tests/e2e, beside this file
+from test_init_source import kill_at_step, start  # tests/e2e, beside this file
 
 from aiayn.checkpoint.inference import load_for_inference
 from aiayn.eval.evaluate import evaluate
 from aiayn.export import export_model
 from aiayn.infer.translate import translate
+
+from helpers import scalars, weights_at  # tests/helpers.py
 
 BUILDER = ROOT / "tests" / "unit" / "marian_build.py"
 
@@ -69,14 +70,13 @@ def test_an_imported_marian_model_fine_tunes_resumes_and_serves(marian_dir, numb
     extra = ("train.max_steps=30", "checkpoint.every_steps=10")
     start(tune(straight, numbers, marian_dir, *extra))
     assert (straight / "init_source" / "imported.safetensors").is_file()
-    loss = losses(straight)
+    loss = scalars(straight, "train/loss")
     assert sum(loss[s] for s in range(26, 31)) / 5 < 0.7 * loss[1]  # seen: 5.17 -> 3.1
 
     overrides = tune(killed, numbers, marian_dir, *extra)
     kill_at_step(overrides, tmp_path, killed, 14)
     start(overrides)
-    a = load_file(straight / "checkpoints" / "step_00000030" / "model.safetensors")
-    b = load_file(killed / "checkpoints" / "step_00000030" / "model.safetensors")
+    a, b = weights_at(straight, 30), weights_at(killed, 30)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     scores = evaluate(straight, "test", [f"data.test={numbers}/test", "decode.beam=4"])
@@ -104,4 +104,4 @@ def test_the_import_command_then_init_source_is_the_same_start(marian_dir, numbe
     one, two = tmp_path / "one", tmp_path / "two"
     start(tune(one, numbers, marian_dir, "train.max_steps=2"))
     start(tune(two, numbers, imported, "train.max_steps=2"))
-    assert losses(one)[1] == losses(two)[1]
+    assert scalars(one, "train/loss")[1] == scalars(two, "train/loss")[1]

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from aiayn.checkpoint.inference import load_for_inference
 from aiayn.checkpoint.load import load_weights
@@ -28,6 +27,7 @@ from aiayn.tokenizer import Tokenizer, train_tokenizer
 from aiayn.train import init_source, train
 
 import tiny  # tests/e2e/tiny.py, beside this file
+from helpers import TINY_MODEL, model_overrides, scalars, weights_at  # tests/helpers.py
 from processes import kill_tree, logged, wait_until  # tests/processes.py
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -75,18 +75,6 @@ def kill_at_step(overrides: list[str], tmp_path: Path, run_dir: Path, step: int)
         kill_tree(proc)
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {e.step: e.value for e in acc.Scalars("train/loss")}
-
-
-def learning_rates(run_dir: Path) -> dict[int, float]:
-    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {e.step: e.value for e in acc.Scalars("train/lr")}
-
-
 @pytest.fixture(scope="module")
 def source(tmp_path_factory, numbers) -> Path:
     """A trained tiny model: 60 steps, a checkpoint every 10."""
@@ -117,16 +105,17 @@ def test_a_fine_tune_starts_from_the_weights_with_its_own_step_and_schedule(
 ):
     scratch = tmp_path / "scratch"
     start(source_overrides(scratch, numbers, "train.max_steps=1"))
-    first, trained = losses(tuned)[1], losses(source)[60]
+    first, trained = scalars(tuned, "train/loss")[1], scalars(source, "train/loss")[60]
     # The source's loss, not a new model's: far below the loss of step 1 from scratch.
-    assert first < 0.8 * losses(scratch)[1], (first, losses(scratch)[1])
+    scratch_first = scalars(scratch, "train/loss")[1]
+    assert first < 0.8 * scratch_first, (first, scratch_first)
     assert abs(first - trained) < 0.3 * trained, (first, trained)
     # Its own steps: max_steps counts them, and the schedule's warmup starts again.
     assert sorted(p.name for p in (tuned / "checkpoints").glob("step_*")) == [
         "step_00000005",
         "step_00000010",
     ]
-    assert learning_rates(tuned)[1] == learning_rates(scratch)[1]  # same d_model, warmup
+    assert scalars(tuned, "train/lr")[1] == scalars(scratch, "train/lr")[1]  # same d_model, warmup
     cfg = load_config(tuned / "config.yaml")
     # The shape and the tokenizer are the source's; the tokenizer is copied into the run.
     assert cfg.model.d_model == 32 and cfg.model.N == 1
@@ -234,8 +223,7 @@ def test_a_fine_tune_killed_after_its_first_save_resumes_bitwise(source, numbers
     start(overrides)
     log = (killed / "train.log").read_text()
     assert "not loaded: the run resumes its own checkpoint" in log
-    a = load_file(straight / "checkpoints" / "step_00000016" / "model.safetensors")
-    b = load_file(killed / "checkpoints" / "step_00000016" / "model.safetensors")
+    a, b = weights_at(straight, 16), weights_at(killed, 16)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -269,7 +257,7 @@ def test_excluded_parameters_start_fresh_and_frozen_ones_stay_the_sources(
     start(
         tune_overrides(run_dir, numbers, source, "train.max_steps=5", 'train.freeze=["encoder.*"]')
     )
-    after = load_file(run_dir / "checkpoints" / "step_00000005" / "model.safetensors")
+    after = weights_at(run_dir, 5)
     encoder = [k for k in after if k.startswith("encoder.")]
     assert encoder and all(torch.equal(after[k], trained[k]) for k in encoder)
     assert not all(torch.equal(after[k], trained[k]) for k in after if k.startswith("decoder."))
@@ -290,7 +278,7 @@ def test_remap_copies_the_rows_of_shared_pieces_by_string(numbers, tmp_path, sha
     train_tokenizer(dataclasses.replace(base.tokenizer, vocab_size=100), lines, s_path)
     train_tokenizer(dataclasses.replace(base.tokenizer, vocab_size=90), lines[::2] + extra, t_path)
     s_tok, t_tok = Tokenizer(s_path), Tokenizer(t_path)
-    shape = ["model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2", "model.max_len=64"]
+    shape = model_overrides(TINY_MODEL)
     src_cfg = load_config(
         None, source_overrides(tmp_path / "s", numbers, *shape, f"model.share_embeddings={sharing}")
     )
@@ -372,9 +360,9 @@ def test_kept_moments_make_the_first_step_the_sources_next(source, tmp_path):
         run_dir = tmp_path / name
         extra = (*alike, "train.max_steps=1", f"init.optimizer={optimizer}")
         start(tune_overrides(run_dir, corpus, step3, *extra))
-        return load_file(run_dir / "checkpoints" / "step_00000001" / "model.safetensors")
+        return weights_at(run_dir, 1)
 
-    expected = load_file(trained / "checkpoints" / "step_00000004" / "model.safetensors")
+    expected = weights_at(trained, 4)
     kept = continued("kept", "keep")
     assert all(torch.equal(kept[k], expected[k]) for k in expected)
     fresh = continued("reset", "reset")  # Adam from zero moments takes another step

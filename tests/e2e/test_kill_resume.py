@@ -3,7 +3,6 @@ parameters and optimizer state bitwise equal to a run that was never interrupted
 
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -11,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from aiayn.checkpoint import read_trainer_state
 
 import tiny  # tests/e2e/tiny.py, beside this file
+from helpers import checkpoint_dir, torchrun, weights_at  # tests/helpers.py
 from processes import kill_tree, wait_until  # tests/processes.py
 
 STEPS = 40
@@ -38,9 +37,8 @@ def overrides(run_dir: Path, corpus: Path) -> list[str]:
 
 
 def final_state(run_dir: Path) -> tuple[dict, dict]:
-    ckpt = run_dir / "checkpoints" / f"step_{STEPS:08d}"
-    trainer = read_trainer_state(ckpt)
-    return load_file(ckpt / "model.safetensors"), trainer["engine"]
+    trainer = read_trainer_state(checkpoint_dir(run_dir, STEPS))
+    return weights_at(run_dir, STEPS), trainer["engine"]
 
 
 def assert_bitwise_equal(a: Path, b: Path) -> None:
@@ -165,19 +163,11 @@ def test_sigkill_at_random_moments_then_rerun_ends_bitwise_equal(
     assert log.count("resumed from") >= 1, what  # at least one kill came after a checkpoint
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 def test_two_ddp_ranks_killed_and_resumed_end_bitwise_equal(tmp_path, numbers, config_file):
     def cmd(run_dir):
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                    "--master_addr=127.0.0.1", f"--master_port={free_port()}"]  # fmt: skip
         train = ["-m", "aiayn", "train", "--config", str(config_file)]
-        return torchrun + train + overrides(run_dir, numbers)
+        return torchrun(2) + train + overrides(run_dir, numbers)
 
     run_to_end(cmd(tmp_path / "straight"))
     killed = tmp_path / "killed"

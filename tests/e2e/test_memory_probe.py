@@ -2,13 +2,13 @@
 is the same with the probe as without it."""
 
 import torch
-from safetensors.torch import load_file
 
 from aiayn.config import load_config
 from aiayn.data import ensure_cache, make_loader
 from aiayn.tokenizer import Tokenizer
 from aiayn.train import memory_probe, train
 
+from helpers import weights_at  # tests/helpers.py
 from tiny import overrides
 
 
@@ -26,7 +26,7 @@ def test_the_probe_tries_the_largest_batches_and_changes_nothing(tmp_path, numbe
     for setting in ("never", "always"):
         run = tmp_path / setting
         train(load_config(None, overrides(run, numbers, *common, f"train.memory_probe={setting}")))
-        runs[setting] = load_file(run / "checkpoints/step_00000006/model.safetensors")
+        runs[setting] = weights_at(run, 6)
     assert runs["always"].keys() == runs["never"].keys()
     assert all(torch.equal(runs["always"][k], runs["never"][k]) for k in runs["always"])
     # The batches tried are the epoch's most padded and widest, as the loop would meet them.

@@ -5,13 +5,14 @@ source's examples, passes and token share, and the plain dev set is read untagge
 from pathlib import Path
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from aiayn.config import load_config
 from aiayn.data import StreamLoader, demo, make_loader
 from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer
 from aiayn.train import train
+
+from helpers import TINY_MODEL, events, model_yaml  # tests/helpers.py
 
 TAG = "<bt>"
 
@@ -31,7 +32,7 @@ def config(run_dir: Path, corpora: dict[str, Path], *extra: str, bt_weight: int 
     path.write_text(
         f"""
 run_dir: {run_dir}
-model: {{N: 1, d_model: 32, d_ff: 64, h: 2, max_len: 64}}
+model: {model_yaml(TINY_MODEL)}
 tokenizer: {{vocab_size: 100}}
 data:
   sources:
@@ -56,8 +57,7 @@ def test_a_mixture_run_scores_each_sources_dev_set_and_shows_each_source(tmp_pat
     run_dir = tmp_path / "run"
     cfg = config(run_dir, corpora)
     train(cfg)
-    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
-    acc.Reload()
+    acc = events(run_dir)
     tags = set(acc.Tags()["scalars"])
     for name in ("news", "bt"):
         assert {f"valid_{name}/{m}" for m in ("loss", "bleu", "chrf")} <= tags

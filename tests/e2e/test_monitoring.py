@@ -2,19 +2,18 @@
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from aiayn.config import load_config
 from aiayn.train import train
 
 import tiny  # tests/e2e/tiny.py, beside this file
+from helpers import events, free_port  # tests/helpers.py
 from processes import logged, wait_until  # tests/processes.py
 
 TRAIN_TAGS = {
@@ -47,12 +46,6 @@ def overrides(run_dir, corpus, *extra):
         "logging.peak_tflops=0.1",
         *extra,
     )
-
-
-def events(run_dir: Path) -> EventAccumulator:
-    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    return acc
 
 
 def test_events_hold_every_tag_with_increasing_steps(tmp_path, numbers):
@@ -115,12 +108,6 @@ def test_a_run_killed_and_resumed_has_no_duplicated_steps(tmp_path, numbers):
     acc = events(run_dir)
     assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 21))
     assert "resumed from" in log.read_text()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_json(url: str):

@@ -6,13 +6,13 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from aiayn.config import load_config
 from aiayn.distributed.preemption import REQUEUE_EXIT_CODE
 from aiayn.train import train
 
 import tiny  # tests/e2e/tiny.py, beside this file
+from helpers import weights_at  # tests/helpers.py
 from processes import logged, wait_until  # tests/processes.py
 
 
@@ -55,6 +55,5 @@ def test_a_signal_saves_exits_75_and_the_resumed_run_ends_bitwise_equal(tmp_path
     end = stopped_at + 5
     train(load_config(None, overrides(run_dir, numbers, f"train.max_steps={end}")))
     train(load_config(None, overrides(tmp_path / "straight", numbers, f"train.max_steps={end}")))
-    a = load_file(run_dir / "checkpoints" / f"step_{end:08d}" / "model.safetensors")
-    b = load_file(tmp_path / "straight" / "checkpoints" / f"step_{end:08d}" / "model.safetensors")
+    a, b = weights_at(run_dir, end), weights_at(tmp_path / "straight", end)
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -11,6 +11,7 @@ import pytest
 from aiayn.checkpoint import read_manifest
 
 import tiny  # tests/e2e/tiny.py, beside this file
+from helpers import TINY_MODEL, model_overrides  # tests/helpers.py
 
 
 def test_the_recipe_trains_averages_scores_and_prints_its_table(project_root, tmp_path, numbers):
@@ -58,7 +59,7 @@ def test_the_recipe_trains_averages_scores_and_prints_its_table(project_root, tm
 def test_the_fine_tuning_recipe_trains_three_runs_and_prints_its_table(project_root, tmp_path):
     """launch/adapt.py with a tiny model and a few steps: the plumbing (two corpora, a source,
     a fine-tune from it, a run from scratch, six scores, the curve), not the figures."""
-    shape = ["model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2"]
+    shape = model_overrides(TINY_MODEL, max_len=None)  # max_len: configs/demo.yaml's
     quick = [
         "train.max_steps=8",
         "train.eval_every=4",

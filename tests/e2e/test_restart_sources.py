@@ -7,13 +7,13 @@ import re
 import shutil
 
 import torch
-from safetensors.torch import load_file
 
 from aiayn.config import load_config
 from aiayn.eval.evaluate import evaluate
 from aiayn.train import train
 
 import tiny  # tests/e2e/tiny.py, beside this file
+from helpers import weights_at  # tests/helpers.py
 
 VALID = re.compile(r"valid step (\d+) \| loss ([\d.]+) accuracy ([\d.]+)")
 
@@ -44,8 +44,7 @@ def test_a_run_whose_corpus_was_moved_away_resumes_validates_and_finishes(tmp_pa
     # The same validation as the uninterrupted run's, at both steps, on the run's copy.
     assert VALID.findall(log) == VALID.findall((tmp_path / "straight" / "train.log").read_text())
     assert [m[0] for m in VALID.findall(log)] == ["4", "8"]
-    final = "checkpoints/step_00000008/model.safetensors"
-    a, b = load_file(tmp_path / "moved" / final), load_file(tmp_path / "straight" / final)
+    a, b = weights_at(tmp_path / "moved", 8), weights_at(tmp_path / "straight", 8)
     assert all(torch.equal(a[k], b[k]) for k in a)
     # The test set too: copied at the first start, scored from the copy with the corpus gone.
     assert (tmp_path / "moved" / "data" / "test.jsonl").is_file()

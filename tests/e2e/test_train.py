@@ -8,8 +8,6 @@ import sys
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from aiayn.checkpoint import read_trainer_state
 from aiayn.config import load_config
@@ -18,6 +16,8 @@ from aiayn.engine.precision import resolve_precision
 from aiayn.errors import CheckpointError, TrainingError
 from aiayn.eval.evaluate import evaluate
 from aiayn.train import train
+
+from helpers import SMALL_MODEL, events, model_overrides, scalars, weights_at  # tests/helpers.py
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +39,7 @@ def numbers_config(run_dir, corpus, *overrides):
             "data.tgt_lang=de",
             "data.max_len=40",
             "data.shuffle_buffer=1000",
-            "model.N=1",
-            "model.d_model=64",
-            "model.d_ff=128",
-            "model.h=4",
-            "model.max_len=64",
+            *model_overrides(SMALL_MODEL),
             "tokenizer.vocab_size=120",
             "tokenizer.sample_sentences=2000",
             "train.max_tokens=1200",
@@ -59,19 +55,13 @@ def numbers_config(run_dir, corpus, *overrides):
     )
 
 
-def scalars(run_dir, tag):
-    acc = EventAccumulator(str(run_dir / "tb"))
-    acc.Reload()
-    return [(e.step, e.value) for e in acc.Scalars(tag)]
-
-
 def test_training_lowers_the_validation_loss_and_evaluates(tmp_path, numbers):
     cfg = numbers_config(tmp_path / "run", numbers, "train.max_steps=60", "train.eval_every=20")
     final = train(cfg)
     valid = scalars(tmp_path / "run", "valid/loss")
-    assert [s for s, _ in valid] == [20, 40, 60]
-    assert valid[-1][1] < 0.7 * valid[0][1], valid
-    assert final["loss"] == pytest.approx(valid[-1][1], rel=1e-5)
+    assert list(valid) == [20, 40, 60]
+    assert valid[60] < 0.7 * valid[20], valid
+    assert final["loss"] == pytest.approx(valid[60], rel=1e-5)
     assert (tmp_path / "run" / "config.yaml").is_file()
     result = evaluate(tmp_path / "run", "test")
     assert {"bleu", "bleu_signature", "exact_match", "hypotheses_file"} <= set(result)
@@ -85,13 +75,12 @@ def test_resume_after_a_stop_gives_bitwise_identical_weights(tmp_path, numbers):
     train(numbers_config(tmp_path / "straight", numbers, "train.max_steps=14", *common))
     train(numbers_config(tmp_path / "stopped", numbers, "train.max_steps=9", *common))
     train(numbers_config(tmp_path / "stopped", numbers, "train.max_steps=14", *common))
-    a = load_file(tmp_path / "straight/checkpoints/step_00000014/model.safetensors")
-    b = load_file(tmp_path / "stopped/checkpoints/step_00000014/model.safetensors")
+    a, b = weights_at(tmp_path / "straight", 14), weights_at(tmp_path / "stopped", 14)
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
-    resumed = dict(scalars(tmp_path / "stopped", "train/lr"))
-    straight = dict(scalars(tmp_path / "straight", "train/lr"))
+    resumed = scalars(tmp_path / "stopped", "train/lr")
+    straight = scalars(tmp_path / "straight", "train/lr")
     assert straight.keys() == {5, 10, 14} and resumed.keys() == {5, 9, 10, 14}
     assert all(resumed[step] == lr for step, lr in straight.items())  # the schedule continues
 
@@ -177,11 +166,7 @@ def test_translate_cli_reads_stdin(tmp_path, numbers, project_root):
 
 def small_model(*overrides):
     return [
-        "model.N=1",
-        "model.d_model=64",
-        "model.d_ff=128",
-        "model.h=4",
-        "model.max_len=64",
+        *model_overrides(SMALL_MODEL),
         "tokenizer.vocab_size=100",
         "tokenizer.sample_sentences=3000",
         "train.max_tokens=1500",
@@ -209,8 +194,8 @@ def test_the_language_model_learns_to_count(tmp_path):
         ),
     )
     train(cfg)
-    valid = scalars(tmp_path / "run", "valid/ppl")
-    assert valid[-1][1] < 0.5 * valid[0][1], valid
+    valid = list(scalars(tmp_path / "run", "valid/ppl").values())
+    assert valid[-1] < 0.5 * valid[0], valid
     proc = run_cli(
         "generate",
         "--checkpoint",
@@ -248,8 +233,8 @@ def test_a_running_text_lm_reports_bits_per_character_and_samples_line_breaks(tm
         ),
     )  # fmt: skip
     train(cfg)
-    bpc = scalars(tmp_path / "run", "valid/bpc")
-    assert bpc[-1][1] < 0.7 * bpc[0][1], bpc  # 0.82 -> 0.52 seen
+    bpc = list(scalars(tmp_path / "run", "valid/bpc").values())
+    assert bpc[-1] < 0.7 * bpc[0], bpc  # 0.82 -> 0.52 seen
     chars = sum(len(line) + 1 for line in text)
     results = {}
     for stride in (None, 12):
@@ -261,11 +246,9 @@ def test_a_running_text_lm_reports_bits_per_character_and_samples_line_breaks(tm
         results[stride] = r = json.loads(proc.stdout)
         assert r["characters"] == chars
         assert r["bpc"] == pytest.approx(r["loss"] * r["tokens"] / (chars * math.log(2)), rel=1e-6)
-    assert results[None]["bpc"] == pytest.approx(bpc[-1][1], rel=1e-4)  # validation's scoring
+    assert results[None]["bpc"] == pytest.approx(bpc[-1], rel=1e-4)  # validation's scoring
     assert results[12]["tokens"] == results[None]["tokens"]  # every token once, more context
-    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
-    acc.Reload()
-    assert acc.Tensors("valid/samples/text_summary")
+    assert events(tmp_path / "run").Tensors("valid/samples/text_summary")
     proc = run_cli(
         "generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "forty-one\\nforty",
         "--max-new-tokens", "60", "--temperature", "0",
@@ -293,8 +276,8 @@ def test_the_classifier_learns_parity_and_reports_accuracy(tmp_path):
         ),
     )
     train(cfg)
-    valid = scalars(tmp_path / "run", "valid/loss")
-    assert valid[-1][1] < valid[0][1] - 0.05, valid
+    valid = list(scalars(tmp_path / "run", "valid/loss").values())
+    assert valid[-1] < valid[0] - 0.05, valid
     result = evaluate(tmp_path / "run", "test")
     assert 0.0 <= result["accuracy"] <= 1.0 and "ppl" not in result
 

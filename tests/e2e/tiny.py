@@ -1,5 +1,7 @@
 """The smallest seq2seq run on the numbers corpus that still exercises the whole trainer."""
 
+from helpers import TINY_MODEL, model_overrides  # tests/helpers.py
+
 
 def overrides(run_dir, corpus, *extra: str) -> list[str]:
     return [
@@ -9,11 +11,7 @@ def overrides(run_dir, corpus, *extra: str) -> list[str]:
         "data.tgt_lang=de",
         "data.max_len=40",
         "data.shuffle_buffer=500",
-        "model.N=1",
-        "model.d_model=32",
-        "model.d_ff=64",
-        "model.h=2",
-        "model.max_len=64",
+        *model_overrides(TINY_MODEL),
         "tokenizer.vocab_size=100",
         "train.max_tokens=800",
         "schedule.warmup=10",

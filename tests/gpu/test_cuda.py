@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import scalars, torchrun, weights_at  # tests/helpers.py
 from processes import kill_tree, logged, wait_until  # tests/processes.py
-from procs import ENV, aiayn, final_weights, scalars, torchrun
+from procs import ENV, aiayn
 
 pytestmark = [
     pytest.mark.gpu,
@@ -88,7 +89,7 @@ def test_engine_learns_on_cuda(setup, name):
     train(launcher, config, run_dir, *options)
     log = (run_dir / "train.log").read_text()
     assert " on cuda:0 |" in log, log[:2000]
-    loss = scalars(run_dir)
+    loss = scalars(run_dir, "train/loss")
     assert sorted(loss) == list(range(1, STEPS + 1))
     first, last = mean(loss[s] for s in range(1, 21)), mean(loss[s] for s in range(181, 201))
     print(f"{name}: mean loss, steps 1-20 {first:.3f}, steps 181-200 {last:.3f}")
@@ -142,7 +143,7 @@ def test_killed_run_resumes_bitwise_on_cuda(setup):
     assert not (killed / "checkpoints" / f"step_{STEPS:08d}").exists()
     train(ONE, config, killed, *options)
     assert "resuming from" in (killed / "train.log").read_text()
-    a, b = final_weights(killed, STEPS), final_weights(straight, STEPS)
+    a, b = weights_at(killed, STEPS), weights_at(straight, STEPS)
     assert a.keys() == b.keys()
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, f"{len(differ)} of {len(a)} tensors differ after the resume: {differ[:5]}"

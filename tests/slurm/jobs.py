@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+
+from helpers import weights_at  # tests/helpers.py
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "slurm" / "train.sbatch"
@@ -58,10 +59,6 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {int(s): float(v) for s, v in re.findall(r"train step (\d+) \| loss ([\d.]+)", text)}
 
 
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "checkpoints" / f"step_{STEPS:08d}" / "model.safetensors")
-
-
 def describe(job: dict, out: Path, run_dir: Path) -> str:
     """What to read when a job did not do what was expected."""
     log = run_dir / "train.log"
@@ -108,7 +105,7 @@ def stopped_at(run_dir: Path) -> list[int]:
 
 
 def assert_same_weights(run_dir: Path, reference: Path) -> None:
-    a, b = weights(run_dir), weights(reference)
+    a, b = weights_at(run_dir, STEPS), weights_at(reference, STEPS)
     assert a.keys() == b.keys()
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, f"{len(differ)} of {len(a)} tensors differ from the uninterrupted run"

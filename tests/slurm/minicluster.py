@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from helpers import free_ports  # tests/helpers.py
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "squeue")
 PACKAGES = "slurmctld slurmd slurm-client munge"
@@ -41,17 +43,6 @@ def why_unavailable() -> str | None:
 
 def _sbin_path() -> str:
     return os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class MiniCluster:
@@ -85,7 +76,7 @@ class MiniCluster:
         return self
 
     def _write_config(self) -> None:
-        ctld_port, *node_ports = _free_ports(1 + len(self.NODES))
+        ctld_port, *node_ports = free_ports(1 + len(self.NODES))
         host = socket.gethostname()
         r = self.root
         nodes = "\n".join(

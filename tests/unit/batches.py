@@ -4,10 +4,11 @@ import torch
 
 from aiayn.data.batch import Batch
 
+from helpers import TINY_MODEL, model_overrides  # tests/helpers.py
+
 PAD = 0
 
-TINY = ["data.train=corpus/train", "data.max_len=30", "model.N=1", "model.d_model=32",
-        "model.d_ff=64", "model.h=2", "model.max_len=32"]  # fmt: skip
+TINY = ["data.train=corpus/train", "data.max_len=30", *model_overrides(TINY_MODEL, max_len=32)]
 """Overrides of a one-layer model these batches fit (build it with vocab 50 and pad PAD)."""
 
 

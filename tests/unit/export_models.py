@@ -13,6 +13,8 @@ from aiayn.config import load_config
 from aiayn.model import build_model
 from aiayn.tokenizer import Tokenizer
 
+from helpers import TWO_LAYER_MODEL, model_overrides  # tests/helpers.py
+
 VARIANTS = [
     (kind, norm, positions)
     for kind in ("seq2seq", "lm")
@@ -44,12 +46,7 @@ def write_model(
             f"model.kind={kind}",
             f"model.norm={norm}",
             f"model.positions={positions}",
-            "model.N=2",
-            "model.d_model=32",
-            "model.d_ff=64",
-            "model.h=4",
-            "model.max_len=64",
-            "model.dropout=0",
+            *model_overrides(TWO_LAYER_MODEL, dropout=0),
             "data.train=unused",
             f"data.format={'parallel' if kind == 'seq2seq' else 'text'}",
             "data.max_len=60",

@@ -10,11 +10,13 @@ from aiayn.config import ModelConfig
 from aiayn.infer.decode import beam_search, generate, greedy_search, length_penalty
 from aiayn.model import DecoderState, build_model
 
+from helpers import TWO_LAYER_MODEL  # tests/helpers.py
+
 V, PAD, BOS, EOS = 50, 0, 1, 2
 
 
 def tiny(kind="seq2seq", seed=0, **overrides):
-    cfg = dict(N=2, d_model=32, d_ff=64, h=4, dropout=0.1, max_len=64, kind=kind)
+    cfg = dict(TWO_LAYER_MODEL, dropout=0.1, kind=kind)
     torch.manual_seed(seed)
     return build_model(ModelConfig(**{**cfg, **overrides}), V, PAD)  # left in training mode
 

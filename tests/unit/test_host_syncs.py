@@ -11,6 +11,7 @@ from aiayn.data import ensure_cache, make_loader
 from aiayn.model.transformer import _project
 from aiayn.train import loop as train_module
 
+from helpers import TINY_MODEL, model_overrides  # tests/helpers.py
 from syncs import SyncCounter  # tests/syncs.py
 
 # The step's allowed syncs outside log lines: none, but with fp16 GradScaler.get_scale before
@@ -31,11 +32,7 @@ def tiny_config(tmp_path, corpus, lm_corpus, kind, *overrides):
             f"model.kind={kind}",
             *data,
             "data.shuffle_buffer=200",
-            "model.N=1",
-            "model.d_model=32",
-            "model.d_ff=64",
-            "model.h=2",
-            "model.max_len=64",
+            *model_overrides(TINY_MODEL),
             "tokenizer.vocab_size=100",
             "tokenizer.sample_sentences=400",
             "train.max_tokens=300",

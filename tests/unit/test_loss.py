@@ -7,6 +7,7 @@ from aiayn.engine.loss import batch_loss, smoothed_cross_entropy
 from aiayn.model import build_model
 
 from batches import PAD, padded_batch
+from helpers import TWO_LAYER_MODEL  # tests/helpers.py
 
 
 def reference(logits, target, eps, ignore_index=-100):
@@ -101,7 +102,7 @@ def test_accumulated_micro_batches_give_the_full_batch_gradient():
 
 
 def tiny(kind: str):
-    cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0, max_len=64, kind=kind)
+    cfg = ModelConfig(**TWO_LAYER_MODEL, dropout=0.0, kind=kind)
     torch.manual_seed(0)
     return build_model(cfg, 50, PAD)
 

@@ -18,11 +18,13 @@ from aiayn.model.attention import CrossAttention, SelfAttention, merge_heads, sp
 from aiayn.model.masks import causal_mask, self_attention_mask
 from aiayn.model.positions import LearnedPositions, SinusoidalPositions
 
+from helpers import TWO_LAYER_MODEL  # tests/helpers.py
+
 V, PAD = 50, 0
 
 
 def tiny(kind="seq2seq", seed=0, **overrides):
-    cfg = dict(N=2, d_model=32, d_ff=64, h=4, dropout=0.0, max_len=64, kind=kind)
+    cfg = dict(TWO_LAYER_MODEL, dropout=0.0, kind=kind)
     torch.manual_seed(seed)
     return build_model(ModelConfig(**{**cfg, **overrides}), V, PAD).eval()
 

@@ -1,0 +1,105 @@
+"""What many tests share: free ports, the torchrun launcher, what a run leaves (its checkpoints'
+weights, its TensorBoard scalars) and the settings of the small models they train.
+
+Importable from every test folder (pytest puts tests/ on sys.path: tests/conftest.py is
+there); a script a test starts as a process puts tests/ on its sys.path itself."""
+
+import socket
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+# --- ports and launchers ---------------------------------------------------------------------
+
+
+def free_ports(n: int) -> list[int]:
+    """n ports free on 127.0.0.1 now, all bound at once so that they differ. Another process
+    may take one before the test's server binds it: a race the tests accept."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
+
+
+def torchrun(nproc: int = 2) -> list[str]:
+    """torchrun for `nproc` processes on this machine, on a free port (so that tests side by
+    side do not meet), run by this interpreter rather than a `torchrun` found on PATH."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+    ]
+
+
+# --- what a run leaves -----------------------------------------------------------------------
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    """The directory of the run's checkpoint of `step`."""
+    return run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+def weights_at(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """The model weights the run saved at `step`."""
+    return load_file(checkpoint_dir(run_dir, step) / "model.safetensors")
+
+
+def events(run_dir: Path):
+    """The run's TensorBoard events, every one of them: EventAccumulator keeps by default a
+    random sample of 10,000 scalars and 10 tensors (text summaries) of each tag."""
+    # Imported here: scripts that run as ranks import this module for the model settings alone.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def scalars(run_dir: Path, tag: str) -> dict[int, float]:
+    """Step -> value of one TensorBoard scalar the run logged, in the order logged."""
+    return {e.step: e.value for e in events(run_dir).Scalars(tag)}
+
+
+# --- the small models the tests train --------------------------------------------------------
+
+TINY_MODEL = {"N": 1, "d_model": 32, "d_ff": 64, "h": 2, "max_len": 64}
+"""The smallest model the runs train (not model.preset=tiny, which is 4 times as wide): one
+layer each side, two heads of 16."""
+
+SMALL_MODEL = {**TINY_MODEL, "d_model": 64, "d_ff": 128, "h": 4}
+"""Twice as wide, 4 heads: the model of the runs whose loss must fall within some dozens of
+steps (e2e/test_train.py, Tiny Shakespeare) and of the distributed tests' shared run."""
+
+TWO_LAYER_MODEL = {**TINY_MODEL, "N": 2, "h": 4}
+"""Two layers each side, 4 heads of 8: the models that the unit tests of the model, the loss,
+decoding and export build."""
+
+
+def _settings(model: dict, **changes) -> dict:
+    """`model` with `changes`; a change to None drops the setting (the config's default)."""
+    merged = {**model, **changes}
+    return {k: v for k, v in merged.items() if v is not None}
+
+
+def model_overrides(model: dict, **changes) -> list[str]:
+    """`model` with `changes` (None drops a setting) as model.KEY=VALUE overrides."""
+    return [f"model.{k}={v}" for k, v in _settings(model, **changes).items()]
+
+
+def model_yaml(model: dict, **changes) -> str:
+    """`model` with `changes` (None drops a setting) as a YAML flow mapping, for a config
+    file's `model:` key."""
+    return "{" + ", ".join(f"{k}: {v}" for k, v in _settings(model, **changes).items()) + "}"
