@@ -36,7 +36,7 @@ from _common import fmt, machine, markdown_table, summary
 from aiayn.config import load_config
 from aiayn.data import ensure_cache, make_loader
 from aiayn.data.prepare import prepare_tokenizer
-from aiayn.data.sources import open_split
+from aiayn.data.splits import open_split
 from aiayn.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -283,7 +283,7 @@ def test_a_position_saved_before_the_source_was_recorded_still_resumes(corpus, t
 
 
 def test_a_hub_positions_identity_is_the_dataset_not_files():
-    from aiayn.data.sources import source_identity
+    from aiayn.data.splits import source_identity
 
     cfg = DataConfig(
         format="hub", hub_name="wmt/wmt14", hub_config="de-en", train="train", src_lang="de"

@@ -20,7 +20,7 @@ from aiayn.eval.evaluate import evaluate, evaluate_ct2
 from aiayn.export import export_model
 from aiayn.export.ct2 import METADATA_FILE, build_spec, export_ctranslate2
 from aiayn.export.ct2_runtime import Ct2Model, generate_ct2, translate_ct2
-from aiayn.export.source import load_source
+from aiayn.export.reader import load_source
 from aiayn.infer.decode import generate, greedy_search
 from aiayn.infer.generate import sample_text
 from aiayn.infer.translate import translate

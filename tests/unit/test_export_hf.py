@@ -20,7 +20,7 @@ from aiayn.checkpoint.inference import load_for_inference
 from aiayn.errors import ExportError
 from aiayn.export import export_model
 from aiayn.export.bart_layout import marian_permutation as _marian_permutation
-from aiayn.export.source import sinusoid_table
+from aiayn.export.reader import sinusoid_table
 from aiayn.infer.decode import generate, greedy_search
 
 CHECKER = Path(__file__).with_name("hf_check.py")

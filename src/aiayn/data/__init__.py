@@ -2,7 +2,7 @@
 or, without a cache, streamed sources tokenised as they are read. Positions are exact and
 resumable either way.
 
-    sources.py              a split of a corpus opened as a Source (source.py), checked: line
+    splits.py               a split of a corpus opened as a Source (source.py), checked: line
                             files (line_files.py) or records with fields (records.py)
     cache/                  the token cache: built once by the ranks together (cache/build.py),
                             verified when opened (cache/format.py), read in padded batches
@@ -30,7 +30,7 @@ from aiayn.data.loader_protocol import Loader
 from aiayn.data.make import make_loader
 from aiayn.data.mixed_cache_loader import MixedCacheLoader
 from aiayn.data.mixed_stream_loader import MixedStreamLoader
-from aiayn.data.sources import Source, open_split, sample_sentences
+from aiayn.data.splits import Source, open_split, sample_sentences
 from aiayn.data.steps import StepBatches
 from aiayn.data.stream_loader import StreamLoader
 

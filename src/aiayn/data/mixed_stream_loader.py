@@ -30,7 +30,7 @@ from aiayn.data.batch import Batch
 from aiayn.data.mixed_cache_loader import tag_ids
 from aiayn.data.mixture import as_train, epoch_counts, largest_remainder, shares
 from aiayn.data.position import recorded_number, saved_position
-from aiayn.data.sources import Source, open_split, source_identity
+from aiayn.data.splits import Source, open_split, source_identity
 from aiayn.data.stream_loader import STATE_VERSION, Chunk, StreamLoader
 from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer

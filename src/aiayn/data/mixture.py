@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from aiayn.config import Config, DataConfig, SourceConfig, TokenizerConfig
-from aiayn.data.sources import sample_sentences
+from aiayn.data.splits import sample_sentences
 
 # Keeps the pass permutations' seeds apart from the plan's (plan.epoch_rng(seed, epoch)).
 _STREAM = 0x6D6978  # "mix"

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from aiayn.config import Config
-from aiayn.data.sources import open_split, source_identity
+from aiayn.data.splits import open_split, source_identity
 from aiayn.errors import AiaynError, DataError
 from aiayn.runtime.durable import write_atomic
 

@@ -2,7 +2,7 @@
 
 Its records come out normalised: {"src", "tgt"} (seq2seq), {"text"} (lm), {"text", "label"}
 (classifier). Sources are made by data/line_files.py (parallel and text files) and
-data/records.py (tsv, jsonl, parquet, Hub), and opened through data/sources.py (open_split).
+data/records.py (tsv, jsonl, parquet, Hub), and opened through data/splits.py (open_split).
 """
 
 from __future__ import annotations

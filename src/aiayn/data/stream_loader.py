@@ -33,7 +33,7 @@ from aiayn.data.batch import Batch, padded_rows, round_width, target_positions
 from aiayn.data.plan import budget_bounds
 from aiayn.data.position import check_loader_args, saved_position, saved_state
 from aiayn.data.prefetch import AHEAD, BATCH_THREAD, prefetch
-from aiayn.data.sources import KINDS, open_split, source_identity
+from aiayn.data.splits import KINDS, open_split, source_identity
 from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer
 

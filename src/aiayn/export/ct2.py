@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from aiayn.errors import ExportError
-from aiayn.export.source import ExportSource, load_source, sinusoid_table
+from aiayn.export.reader import ExportSource, load_source, sinusoid_table
 from aiayn.runtime.durable import atomic_directory
 
 log = logging.getLogger("aiayn")

@@ -39,7 +39,7 @@ from aiayn.export.bart_layout import (
     permute_residual,
     to_theirs,
 )
-from aiayn.export.source import ExportSource, load_source, sinusoid_table
+from aiayn.export.reader import ExportSource, load_source, sinusoid_table
 from aiayn.runtime.durable import atomic_directory
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from aiayn.config import Config
-from aiayn.data.sources import read_fields, source_files
+from aiayn.data.splits import read_fields, source_files
 from aiayn.errors import DataError
 from aiayn.runtime.durable import checksums_match, sha256_of
 from aiayn.tokenizer import Tokenizer

@@ -32,7 +32,7 @@ from aiayn.data.cache.parts import (
     write_part,
 )
 from aiayn.data.prefetch import prefetch
-from aiayn.data.sources import Source, open_split
+from aiayn.data.splits import Source, open_split
 from aiayn.runtime.durable import sha256_of, write_atomic
 from aiayn.tokenizer import Tokenizer
 
