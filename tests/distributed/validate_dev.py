@@ -9,6 +9,7 @@ usage: validate_dev.py CONFIG RUN_DIR OUT [KEY=VALUE ...]
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -58,3 +59,10 @@ def main(config: str, run_dir: str, out: str, *overrides: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    # About one run in three (at 616b2e2 as now) aborted after its work was done and its file
+    # written: "terminate called without an active exception" in the interpreter's finalisation,
+    # on the main thread with no Python frame (C++ static destructors of a library the streamed
+    # dev set loads: datasets, pyarrow). The test checks the work, not the process's exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
