@@ -4,6 +4,7 @@ weights, its TensorBoard scalars) and the settings of the small models they trai
 Importable from every test folder (pytest puts tests/ on sys.path: tests/conftest.py is
 there); a script a test starts as a process puts tests/ on its sys.path itself."""
 
+import json
 import socket
 import sys
 from pathlib import Path
@@ -71,6 +72,16 @@ def events(run_dir: Path):
 def scalars(run_dir: Path, tag: str) -> dict[int, float]:
     """Step -> value of one TensorBoard scalar the run logged, in the order logged."""
     return {e.step: e.value for e in events(run_dir).Scalars(tag)}
+
+
+def consumed(run_dir: Path) -> dict[int, list[int]]:
+    """Step -> the sample ids all ranks trained on in it, from logging.record_ids."""
+    by_step: dict[int, list[int]] = {}
+    for path in sorted((run_dir / "consumed").glob("rank_*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            by_step.setdefault(row["step"], []).extend(row["ids"])
+    return by_step
 
 
 # --- the small models the tests train --------------------------------------------------------

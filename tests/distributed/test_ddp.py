@@ -14,17 +14,29 @@ from aiayn.config import load_config
 from aiayn.data import ensure_cache, make_loader
 from aiayn.tokenizer import Tokenizer
 
-from helpers import free_port, torchrun, weights_at  # tests/helpers.py
+from helpers import consumed, free_port, torchrun, weights_at  # tests/helpers.py
 from processes import logged, wait_until  # tests/processes.py
 from procs import ENV, STEPS, accelerate_launch, aiayn, assert_close, run
 
 pytestmark = pytest.mark.distributed
+FIXED_BATCH = ("train.tokens_per_step=1200", "logging.record_ids=true")
 
 
 def test_two_ddp_ranks_equal_one_process_accumulating_two_micro_batches(setup, ddp_run):
+    """One batch over all ranks (train.tokens_per_step=1200, micro-batches of 600): one process
+    derives an accumulation of 2 where 2 ranks take 1 each, trains on the same examples in
+    every step and ends with the same weights."""
     root, config = setup
     single = root / "accum2"
-    run([sys.executable] + aiayn(config, single, "train.grad_accum=2"))
+    run([sys.executable] + aiayn(config, single, *FIXED_BATCH))
+    log = (single / "train.log").read_text()
+    assert (
+        "1,200 tokens a step over all ranks = 600-token micro-batches x 2 accumulated x 1 ranks"
+        in log
+    )
+    steps = consumed(single)
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    assert all(sorted(steps[s]) == sorted(ids) for s, ids in consumed(ddp_run).items())
     assert_close(weights_at(ddp_run, STEPS), weights_at(single, STEPS), atol=1e-5)
     # ... and both differ from one process taking one micro-batch per step:
     other = root / "accum1"
@@ -65,7 +77,7 @@ def test_fp16_two_ranks_equal_one_process_accumulating_and_skip_an_overflow_toge
 
 def test_parameters_are_checked_identical_across_ranks_at_every_save(ddp_run):
     log = (ddp_run / "train.log").read_text()
-    assert "x 2 ranks per step" in log
+    assert "x 1 accumulated x 2 ranks per step (train.tokens_per_step)" in log
     assert log.count("saved ") == 2  # steps 10 and 20, each after the replica check passed
     assert "differ between data-parallel ranks" not in log
 

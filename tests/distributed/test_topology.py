@@ -1,9 +1,10 @@
 """Resuming on another topology, with real processes: ZeRO-3 on 2 ranks <-> DDP on 1, and
 ZeRO-3 -> ZeRO-2 -> ZeRO-0 -> DDP, each against an uninterrupted run.
 
-One process with train.grad_accum=2 takes the same global batch per step as 2 ranks with 1
-(the loader hands global batches r, r+W, ... to rank r), so the resumed run must consume the
-same samples at the same steps and compute the same updates up to float rounding.
+Every run fixes the step's batch over all ranks (train.tokens_per_step), so one process
+accumulates 2 micro-batches where 2 ranks take 1 each (the loader hands global batches r, r+W,
+... to rank r): the resumed run must consume the same samples at the same steps and compute the
+same updates up to float rounding, with no setting changed between the runs of a chain.
 
 Tolerances, stated: the reference is the uninterrupted run of the chain's first topology, so
 up to the first change the two runs are the same computation; after it, the new topology sums
@@ -26,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import scalars, torchrun, weights_at  # tests/helpers.py
+from helpers import consumed, scalars, torchrun, weights_at  # tests/helpers.py
 from procs import EXAMPLES, STEPS, aiayn, assert_close, run
 
 pytestmark = pytest.mark.distributed
@@ -48,38 +49,21 @@ def zero(stage: int) -> tuple[str, ...]:
     return ("distributed.backend=deepspeed", f"distributed.zero_stage={stage}")
 
 
+TWO, FOUR = "train.tokens_per_step=1200", "train.tokens_per_step=2400"  # micro-batches of 600
 TOPOLOGIES = {  # name -> (launcher, options, how train.log names it)
-    "zero3x2": (lambda: torchrun(2), zero(3), "DeepSpeed ZeRO-3 on 2 rank(s)"),
-    "zero2x2": (lambda: torchrun(2), zero(2), "DeepSpeed ZeRO-2 on 2 rank(s)"),
+    "zero3x2": (lambda: torchrun(2), (*zero(3), TWO), "DeepSpeed ZeRO-3 on 2 rank(s)"),
+    "zero2x2": (lambda: torchrun(2), (*zero(2), TWO), "DeepSpeed ZeRO-2 on 2 rank(s)"),
     # Four micro-batches a step on 2 and on 4 ranks: the same global batches.
-    "zero3x2acc2": (
-        lambda: torchrun(2),
-        (*zero(3), "train.grad_accum=2"),
-        "DeepSpeed ZeRO-3 on 2 rank(s)",
-    ),
-    "zero3x4": (lambda: torchrun(4), zero(3), "DeepSpeed ZeRO-3 on 4 rank(s)"),
-    "zero0x1": (
-        lambda: [sys.executable],
-        (*zero(0), "train.grad_accum=2"),
-        "DeepSpeed ZeRO-0 on 1 rank(s)",
-    ),
-    "ddp1": (lambda: [sys.executable], ("train.grad_accum=2",), "DDP on 1 rank(s)"),
+    "zero3x2acc2": (lambda: torchrun(2), (*zero(3), FOUR), "DeepSpeed ZeRO-3 on 2 rank(s)"),
+    "zero3x4": (lambda: torchrun(4), (*zero(3), FOUR), "DeepSpeed ZeRO-3 on 4 rank(s)"),
+    "zero0x1": (lambda: [sys.executable], (*zero(0), TWO), "DeepSpeed ZeRO-0 on 1 rank(s)"),
+    "ddp1": (lambda: [sys.executable], (TWO,), "DDP on 1 rank(s)"),
 }
 
 
 def train(config: Path, run_dir: Path, topology: str, steps: int) -> None:
     launcher, options, _ = TOPOLOGIES[topology]
     run(launcher() + aiayn(config, run_dir, *options, *COMMON, f"train.max_steps={steps}"))
-
-
-def consumed(run_dir: Path) -> dict[int, list[int]]:
-    """Step -> the sample ids all ranks trained on in it, from logging.record_ids."""
-    by_step: dict[int, list[int]] = {}
-    for path in sorted((run_dir / "consumed").glob("rank_*.jsonl")):
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            by_step.setdefault(row["step"], []).extend(row["ids"])
-    return by_step
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +123,7 @@ def test_resume_on_another_topology_continues_the_same_run(setup, straight, chai
     for before, after in itertools.pairwise(chain):
         names = TOPOLOGIES[before][2], TOPOLOGIES[after][2]
         assert "checkpoint written by {}, resuming on {}".format(*names) in log
+    assert "apply to another batch" not in log  # the world size changed, the batch did not
     assert_continues(run_dir, straight(chain[0]), WEIGHTS_ATOL, LOSS_RTOL)
     if chain[0] == "zero3x2acc2":
         # ZeRO-3 to ZeRO-3: the busiest rank read about 1/W_new of the weights and moments

@@ -347,3 +347,24 @@ def test_a_checkpoint_whose_pointer_could_not_be_written_is_removed(tmp_path, mo
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", first.name]
     with pytest.raises(CheckpointError, match="step 2 was not written.*step_00000001 is intact"):
         manager.wait()
+
+
+def test_a_resume_whose_steps_take_another_batch_says_so(caplog):
+    """train.grad_accum resumed on another world size changes the step's tokens under the same
+    schedule: the log says so and names the setting that keeps it; tokens_per_step does not."""
+    from aiayn.checkpoint.resume import _warn_of_another_batch
+
+    grown = {"config": {"train": {"max_tokens": 600, "grad_accum": 2}}, "world_size": 2}
+    fixed = {"config": {"train": {"max_tokens": 600, "tokens_per_step": 2400}}, "world_size": 2}
+    per_rank = load_config(None, ["data.train=x", "train.max_tokens=600", "train.grad_accum=2"])
+    per_step = load_config(
+        None, ["data.train=x", "train.max_tokens=600", "train.tokens_per_step=2400"]
+    )
+    with caplog.at_level(logging.WARNING, logger="aiayn.checkpoint.resume"):
+        _warn_of_another_batch(per_rank.train, 2, grown)  # the same world size
+        _warn_of_another_batch(per_step.train, 4, fixed)  # another, the same batch
+        _warn_of_another_batch(per_step.train, 1, grown)  # tokens_per_step keeps the old batch
+        assert caplog.text == ""
+        _warn_of_another_batch(per_rank.train, 1, grown)
+    assert "took 2,400 tokens over 2 rank(s), this run's take 1,200 over 1" in caplog.text
+    assert "set train.tokens_per_step=2400 (and train.grad_accum=null)" in caplog.text

@@ -80,7 +80,7 @@ def test_precedence_is_command_line_over_yaml_over_preset_over_defaults(tmp_path
     assert cfg.model.d_ff == 3000  # YAML over preset
     assert cfg.model.h == 8  # command line over preset
     assert cfg.model.d_model == 1024 and cfg.model.dropout == 0.3  # preset over default
-    assert cfg.train.grad_accum == 1  # default
+    assert cfg.train.grad_accum is None and cfg.train.accumulation(4) == 1  # default
 
 
 def test_presets_are_table_3():
@@ -147,7 +147,7 @@ def test_the_ranges_are_declared_on_the_fields():
         "distributed.zero_stage",
         "data.pad_to_multiple",
     } <= declared
-    assert len(declared) == 53  # every numeric field with a bound
+    assert len(declared) == 54  # every numeric field with a bound
 
 
 SHAKESPEARE = Path(__file__).parents[2] / "configs" / "tinyshakespeare_lm.yaml"
@@ -328,3 +328,51 @@ def test_mixture_keys_without_sources_and_an_lm_mixture_are_refused():
     streamed = mixture(cache=False, epoch="examples", epoch_size=1000)
     assert not streamed.data.cache and streamed.data.epoch_size == 1000
     assert mixture(cache=False, epoch="largest").data.epoch == "largest"
+
+
+def test_tokens_per_step_fixes_the_batch_over_all_ranks_and_derives_each_ranks_share():
+    cfg = load_config(
+        None, ["data.train=x", "train.tokens_per_step=24576", "train.max_tokens=3072"]
+    )
+    assert [cfg.train.accumulation(w) for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    assert {cfg.train.step_tokens(w) for w in (1, 2, 4, 8)} == {24576}
+    # A world size that cannot share the 8 micro-batches: the sizes that can, and the
+    # micro-batch that would fit this one (never a silently rounded batch).
+    with pytest.raises(ConfigError) as refused:
+        cfg.train.accumulation(16)
+    assert "run on 1, 2, 4, 8 ranks" in str(refused.value)
+    assert "on 16 ranks, train.max_tokens=1536 (1 a step on each rank)" in str(refused.value)
+    with pytest.raises(ConfigError, match=r"run on 1, 2, 4, 8 ranks\. Another max_tokens"):
+        cfg.train.accumulation(5)  # 24576 is no multiple of 5 ranks' tokens: no max_tokens fits
+    # grad_accum alone: the batch grows with the ranks, as before.
+    old = load_config(None, ["data.train=x", "train.grad_accum=3", "train.max_tokens=100"])
+    assert [old.train.step_tokens(w) for w in (1, 2)] == [300, 600]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["train.tokens_per_step=8192", "train.grad_accum=2"],
+            r"are both set.*train.grad_accum=null",
+        ),
+        (  # explicitly 1 is still a second answer to the same question
+            ["train.tokens_per_step=8192", "train.grad_accum=1"],
+            "are both set",
+        ),
+        (
+            ["train.tokens_per_step=25000", "train.max_tokens=4096"],
+            r"6\.10 micro-batches.*24576 \(6\) or 28672 \(7\).*divisor of it: 3125, 2500, 1250",
+        ),
+    ],
+)
+def test_tokens_per_step_refuses_what_it_cannot_mean(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["data.train=x", *overrides])
+
+
+def test_the_paper_configs_take_the_papers_batch_on_1_to_8_gpus(project_root):
+    for name in ("base", "big"):
+        cfg = load_config(Path(project_root) / f"configs/wmt14_en_de_{name}.yaml")
+        assert {cfg.train.step_tokens(w) for w in (1, 2, 4, 8)} == {24576}
+        assert cfg.train.grad_accum is None

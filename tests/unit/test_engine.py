@@ -38,6 +38,10 @@ def test_generated_deepspeed_config_follows_the_run_config():
     assert ds["gradient_accumulation_steps"] == 4
     assert ds["train_batch_size"] == 4 * 8 * ds["train_micro_batch_size_per_gpu"]
     assert ds["managed_gradient_accumulation"] is False
+    # With the batch fixed over all ranks, DeepSpeed's accumulation is each rank's share.
+    fixed = cfg_with("train.tokens_per_step=3200", "train.max_tokens=400")
+    ds_fixed = deepspeed_config.generate(fixed, world_size=2, device_type="cpu")
+    assert ds_fixed["gradient_accumulation_steps"] == 4 and ds_fixed["train_batch_size"] == 8
     assert ds["gradient_clipping"] == 1.5
     assert ds["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}}
     params = ds["optimizer"]["params"]
@@ -160,8 +164,10 @@ def test_accelerate_variables_become_overrides():
         "train.grad_accum=2",
         "train.precision=bf16",
     ]
-    # --multi_gpu with accelerate's default precision changes nothing; no accelerate, nothing.
+    # --multi_gpu with accelerate's default precision changes nothing; no accelerate, nothing;
+    # `accelerate config`'s default accumulation leaves train.tokens_per_step's to the config.
     assert accelerate_overrides({"ACCELERATE_MIXED_PRECISION": "no"}) == []
+    assert accelerate_overrides({"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "1"}) == []
     assert accelerate_overrides({}) == []
     with pytest.raises(ConfigError, match="only cpu offload"):
         accelerate_overrides({**env, "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "nvme"})

@@ -104,6 +104,7 @@ def load_state(run: Any, ckpt: Path, startup: StartupTimes) -> dict[str, Any]:
             lazy=lambda key: key.startswith("/engine/"),
         )
         _load_engine(run, ckpt, trainer_state, manifest)
+        _warn_of_another_batch(run.cfg.train, run.env.world_size, manifest)
     with startup.phase("data position"):
         run.loader.load_state_dict(trainer_state["data"])  # the position of all ranks
     return trainer_state
@@ -131,6 +132,31 @@ def _load_engine(run: Any, ckpt: Path, trainer_state: dict, manifest: dict) -> N
             "busiest rank",
             size_text(busiest),
             size_text(state.bytes_stored),
+        )
+
+
+def _warn_of_another_batch(train: Any, world_size: int, manifest: dict) -> None:
+    """A resume whose step takes another number of tokens than the checkpoint's did (with
+    train.grad_accum on another world size, or a changed batch setting) keeps the schedule's
+    step count, which then means another thing: say so, and how to keep the batch."""
+    saved = manifest["config"].get("train", {})
+    saved_world = manifest.get("world_size")
+    if saved_world is None:  # written before the manifest held it
+        return
+    before = saved.get("tokens_per_step") or (
+        saved.get("max_tokens", 0) * (saved.get("grad_accum") or 1) * saved_world
+    )
+    now = train.step_tokens(world_size)
+    if before != now:
+        log.warning(
+            "the checkpoint's steps took %s tokens over %d rank(s), this run's take %s over %d: "
+            "the schedule's warmup and rates now apply to another batch. To keep one batch on "
+            "any number of GPUs, set train.tokens_per_step=%d (and train.grad_accum=null)",
+            f"{before:,}",
+            saved_world,
+            f"{now:,}",
+            world_size,
+            before,
         )
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from aiayn.config.checks import Section, bounded
+from aiayn.errors import ConfigError
 
 
 @dataclass
@@ -86,8 +87,19 @@ class TrainConfig(Section):
     """Seeds parameters, dropout and data order."""
     max_tokens: int = bounded(4096, low=1)
     """Tokens per micro-batch (padding included), like fairseq --max-tokens."""
-    grad_accum: int = bounded(1, low=1)
-    """Micro-batches per optimizer step; the schedule steps once per optimizer step."""
+    tokens_per_step: int | None = bounded(None, low=1)
+    """The optimizer step's token budget over all ranks, counted as max_tokens counts (the
+    paper's ~25,000): tokens_per_step / max_tokens micro-batches a step, shared out among the
+    ranks, each rank accumulating its share. The batch, and so what the schedule's steps mean,
+    is the same on any number of GPUs, and a run resumed on another world size keeps it. It
+    must be a whole number of micro-batches, and the world size must divide that number: a
+    run that cannot is refused at start with the world sizes that can and the max_tokens that
+    would fit (never rounded: a rounded batch is another optimisation). Step k takes the same
+    examples at every such world size. None: train.grad_accum decides."""
+    grad_accum: int | None = bounded(None, low=1)
+    """Micro-batches each rank accumulates per optimizer step (None: 1, or derived from
+    train.tokens_per_step); the schedule steps once per optimizer step. The batch then grows
+    with the world size: max_tokens x grad_accum x ranks. Give this or tokens_per_step."""
     clip_norm: float = bounded(0.0, low=0)
     """Clip the global gradient norm to this; 0 disables clipping."""
     label_smoothing: float = bounded(0.1, low=0, high=1, high_open=True)
@@ -176,3 +188,69 @@ class TrainConfig(Section):
     epoch's largest batch, gradients then dropped and no random state moved, so that an
     out-of-memory error comes in the first minute rather than hours in; it logs the peak
     memory. auto: on CUDA only (always: on CPU too). Training is the same with it or without."""
+
+    def accumulation(self, world_size: int) -> int:
+        """Micro-batches each of `world_size` ranks takes per optimizer step; a ConfigError
+        where tokens_per_step's micro-batches cannot be shared out evenly."""
+        if self.tokens_per_step is None:
+            return self.grad_accum or 1
+        micro = self.tokens_per_step // self.max_tokens  # a whole number: validate()
+        if micro % world_size:
+            raise ConfigError(_unshared(self.tokens_per_step, self.max_tokens, world_size))
+        return micro // world_size
+
+    def step_tokens(self, world_size: int) -> int:
+        """The optimizer step's token budget over `world_size` ranks."""
+        return self.max_tokens * self.accumulation(world_size) * world_size
+
+    def validate(self) -> list[str]:
+        per_step = self.tokens_per_step
+        if per_step is None:
+            return []
+        if self.grad_accum is not None:
+            return [
+                f"train.tokens_per_step ({per_step}) and train.grad_accum ({self.grad_accum}) "
+                "are both set: tokens_per_step fixes the batch over all ranks and derives each "
+                "rank's accumulation from the world size; give one and set the other to null "
+                "(an override: train.grad_accum=null)"
+            ]
+        if per_step % self.max_tokens:
+            micro = per_step / self.max_tokens
+            below, above = max(1, math.floor(micro)), math.ceil(micro)
+            return [
+                f"train.tokens_per_step ({per_step}) is {micro:.2f} micro-batches of "
+                f"train.max_tokens ({self.max_tokens}): it must be a whole number. Set "
+                f"tokens_per_step to {below * self.max_tokens} ({below}) or "
+                f"{above * self.max_tokens} ({above}), or max_tokens to a divisor of it: "
+                + ", ".join(map(str, _divisors_up_to(per_step, self.max_tokens, 3)))
+            ]
+        return []
+
+
+def _divisors_up_to(total: int, limit: int, n: int) -> list[int]:
+    """The `n` largest divisors of `total` that are at most `limit`."""
+    found = []
+    for parts in range(max(1, -(-total // limit)), total + 1):
+        if total % parts == 0:
+            found.append(total // parts)
+            if len(found) == n:
+                break
+    return found
+
+
+def _unshared(per_step: int, max_tokens: int, world_size: int) -> str:
+    """Why `world_size` ranks cannot share tokens_per_step's micro-batches, and what can."""
+    micro = per_step // max_tokens
+    sizes = [w for w in range(1, micro + 1) if micro % w == 0]
+    hint = ""
+    if per_step % world_size == 0:
+        (t,) = _divisors_up_to(per_step // world_size, max_tokens, 1)
+        each = per_step // (t * world_size)
+        hint = f"; or, on {world_size} ranks, train.max_tokens={t} ({each} a step on each rank)"
+    return (
+        f"train.tokens_per_step ({per_step}) is {micro} micro-batches of train.max_tokens "
+        f"({max_tokens}), which {world_size} ranks cannot share evenly: run on "
+        + ", ".join(map(str, sizes))
+        + f" ranks{hint}. Another max_tokens is another batch plan: a new run, not a resume "
+        "of this one (docs/distributed.md#the-global-batch)"
+    )

@@ -18,7 +18,8 @@ standing as command-line overrides given before the user's own:
 | --mixed_precision bf16 / fp16       | ACCELERATE_MIXED_PRECISION                    | train.precision=bf16 / fp16              |
 
 `--mixed_precision no` (accelerate's default, set on every launch) leaves train.precision as
-the config has it. The user's own `key=value` arguments come after these and win.
+the config has it, and `--gradient_accumulation_steps 1` (`accelerate config`'s default) leaves
+the accumulation to the config, where train.tokens_per_step may derive it. The user's own `key=value` arguments come after these and win.
 """  # noqa: E501 (the table reads best on one line per option)
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def accelerate_overrides(environ: Mapping[str, str]) -> list[str]:
         config_file = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
         if config_file.lower() != "none":
             out.append(f"distributed.deepspeed_config={config_file}")
-    if "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" in environ:
-        out.append(f"train.grad_accum={environ['ACCELERATE_GRADIENT_ACCUMULATION_STEPS']}")
+    accumulation = environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
+    if accumulation != "1":  # `accelerate config`'s default: it would contradict tokens_per_step
+        out.append(f"train.grad_accum={accumulation}")
     if "ACCELERATE_GRADIENT_CLIPPING" in environ:
         out.append(f"train.clip_norm={environ['ACCELERATE_GRADIENT_CLIPPING']}")
     precision = environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()

@@ -31,8 +31,8 @@ def generate(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
         # Batches are measured in tokens, not sequences: DeepSpeed's "micro-batch" is one of
         # our token-budget batches, so its batch-size arithmetic holds and means "batches".
         "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": train.grad_accum,
-        "train_batch_size": train.grad_accum * world_size,
+        "gradient_accumulation_steps": train.accumulation(world_size),
+        "train_batch_size": train.accumulation(world_size) * world_size,
         # The loop owns the accumulation boundary: it calls step() once per optimizer step,
         # after all micro-batches, as it does for DDP.
         "managed_gradient_accumulation": False,

@@ -108,6 +108,7 @@ def assemble(
 def _settled(cfg: Config, env: DistEnv) -> Config:
     """The config with what it leaves to the run decided, and the process set up for it."""
     cfg = _resolved(cfg, env.device)
+    cfg.train.accumulation(env.world_size)  # refuses a world size that cannot share the batch
     cfg = pin_hub_revision(cfg, env.decide)  # before any record is read
     configure(env.device, cfg.train.tf32, cfg.train.deterministic, cfg.train.attention_kernel)
     if cfg.train.threads:
@@ -169,16 +170,20 @@ def _log_start(
     resume_from: Path | None,
     progress: Progress,
 ) -> None:
+    train, world = cfg.train, env.world_size
+    accumulation = train.accumulation(world)
     log.info(
-        "%s model, %s parameters, vocab %d | %d tokens x %d micro-batches x %d ranks per step | "
-        "backend %s, ZeRO stage %d, %s on %s | peak %.3g TFLOP/s | %s schedule, warmup %d, "
-        "cooldown %d of %d steps | %s",
+        "%s model, %s parameters, vocab %d | %s tokens a step over all ranks = %s-token "
+        "micro-batches x %d accumulated x %d ranks per step (%s) | backend %s, ZeRO stage %d, "
+        "%s on %s | peak %.3g TFLOP/s | %s schedule, warmup %d, cooldown %d of %d steps | %s",
         cfg.model.kind,
         f"{n_params:,}",
         tok.vocab_size,
-        cfg.train.max_tokens,
-        cfg.train.grad_accum,
-        env.world_size,
+        f"{train.max_tokens * accumulation * world:,}",
+        f"{train.max_tokens:,}",
+        accumulation,
+        world,
+        "train.tokens_per_step" if train.tokens_per_step else "train.grad_accum: grows with ranks",
         cfg.distributed.backend,
         cfg.distributed.zero_stage,
         cfg.train.precision,

@@ -44,7 +44,14 @@ RECORD = "init_source.json"  # in run_dir, written at the first start
 # Settings outside the model whose change a fine-tune's log reports (None: the whole section).
 SETTINGS = {
     "data": ["train"],
-    "train": ["max_tokens", "grad_accum", "label_smoothing", "clip_norm", "precision"],
+    "train": [
+        "max_tokens",
+        "tokens_per_step",
+        "grad_accum",
+        "label_smoothing",
+        "clip_norm",
+        "precision",
+    ],
     "schedule": None,
     "optim": None,
 }

@@ -53,7 +53,8 @@ def train(cfg: Config, explicit: frozenset[str] | None = None) -> dict[str, floa
 
 def _loop(run: Run) -> dict[str, float]:
     cfg = run.cfg
-    with StepBatches(run.loader, cfg.train.grad_accum, cfg.train.max_epochs) as steps:
+    per_step = cfg.train.accumulation(run.env.world_size)
+    with StepBatches(run.loader, per_step, cfg.train.max_epochs) as steps:
         try:
             return _train_until_done(run, steps)
         except RuntimeError as exc:

@@ -53,8 +53,9 @@ def probe(
             except torch.OutOfMemoryError as exc:
                 raise TrainingError(
                     f"the epoch's largest batch, of shape {shape_of(batch)}, does not fit in "
-                    f"{device}'s memory: lower train.max_tokens (raising train.grad_accum keeps "
-                    "the step's tokens), or set distributed.activation_checkpointing=true"
+                    f"{device}'s memory: lower train.max_tokens (to a divisor of "
+                    "train.tokens_per_step, which keeps the step's tokens; or raise "
+                    "train.grad_accum with it), or set distributed.activation_checkpointing=true"
                 ) from exc
             results.append(_measured(batch, device, time.perf_counter() - started))
     del held
