@@ -49,19 +49,21 @@ demo-classify: install
 adapt: install
 	$(BIN)/python launch/adapt.py
 
-# The Multi30k de->en recipe (data in ../shared/data/multi30k): tokenizer, training, checkpoint
-# averaging and test BLEU, then a table. 20-25 minutes on 2 CPU cores.
+# The Multi30k de->en recipe (data from ../shared/data/multi30k, or downloaded on first use into
+# data/corpora: `aiayn data download multi30k`): tokenizer, training, checkpoint averaging and
+# test BLEU, then a table. 20-25 minutes on 2 CPU cores.
 multi30k: install
 	$(BIN)/python launch/multi30k.py
 
-# Back-translation on Multi30k de->en (docs/recipes.md#back-translation): half the parallel data,
-# the other half's English back-translated by an en->de model, mixed in tagged and untagged,
-# against half and all of the parallel data. About an hour on 2 CPU cores.
+# Back-translation on Multi30k de->en (docs/recipes.md#back-translation; data as for multi30k):
+# half the parallel data, the other half's English back-translated by an en->de model, mixed in
+# tagged and untagged, against half and all of the parallel data. About an hour on 2 CPU cores.
 backtranslation: install
 	$(BIN)/python launch/backtranslation.py
 
-# The language-model recipes (data in ../shared/data): split, tokenizer, training, whole-split
-# scores (bits per character; word-level perplexity), a sample. About 30 minutes each on 2 cores.
+# The language-model recipes (data from ../shared/data, or downloaded on first use into
+# data/corpora): split, tokenizer, training, whole-split scores (bits per character; word-level
+# perplexity), a sample. About 30 minutes each on 2 cores.
 tinyshakespeare: install
 	$(BIN)/python launch/lm_recipe.py tinyshakespeare
 

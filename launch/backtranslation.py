@@ -7,6 +7,8 @@ The classic experiment (Sennrich et al. 2016; tagged: Caswell et al. 2019) on da
 has. Multi30k's 29,000 training pairs are cut in two: half A is the parallel data, half B's
 English side the monolingual text (its German is used only by the "full" row). Stages, each the
 `aiayn` command a user would type (printed before it runs):
+  0. corpus     ../shared/data/multi30k where it is there, else `aiayn data download multi30k`
+                into data/corpora/multi30k, given to every training as overrides
   1. data       half A (de, en) and half B (en) under data/backtranslation/
   2. tokenizer  one joint BPE vocabulary, trained on half A, with <bt> as a user symbol, for
                 every model below (so their scores compare)
@@ -31,7 +33,14 @@ from pathlib import Path
 
 from aiayn.config import load_config
 
-from stages import ROOT, Stages, main_guard, run, tokenizer_once  # launch/stages.py
+from stages import (  # launch/stages.py
+    ROOT,
+    Stages,
+    corpus_overrides,
+    main_guard,
+    run,
+    tokenizer_once,
+)
 
 CONFIG = "configs/multi30k_de_en.yaml"
 DATA = Path("data/backtranslation")
@@ -69,13 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=CONFIG)
     parser.add_argument("overrides", nargs="*", help="key=value, given to every training")
     args = parser.parse_args(argv)
-    cfg = load_config(ROOT / args.config, args.overrides)
+    cfg = load_config(ROOT / args.config, args.overrides)  # validated before any stage runs
+    stage = Stages()
+    with stage("corpus"):
+        overrides = [*corpus_overrides("multi30k", cfg), *args.overrides]
+    cfg = load_config(ROOT / args.config, overrides)  # reading the corpus found
     k = cfg.checkpoint.keep_last
     data_dir = ROOT / DATA
     tok = f"tokenizer.path={DATA}/bpe8k_bt.model"
-    common = ["--config", args.config, tok, *args.overrides]
+    common = ["--config", args.config, tok, *overrides]
     half_a = [f"data.train={DATA}/half_a"]
-    stage = Stages()
     rows = {}
 
     def row(name: str, run_name: str, data: list[str]) -> None:

@@ -5,9 +5,12 @@
 
 NAME is tinyshakespeare or wikitext2. Stages, each the `aiayn` command a user would type
 (printed before it runs):
-  0. split      tinyshakespeare only: the first 90% of the characters of
-                ../shared/data/tinyshakespeare/input.txt.gz train and the last 10% validate,
-                as nanoGPT's shakespeare_char does (written to data/tinyshakespeare/)
+  0. corpus     the corpus from ../shared/data where it is there, else `aiayn data download`
+                into data/corpora/ (kept once there); wikitext2 gives it to every stage as
+                data.train/valid/test overrides
+     split      tinyshakespeare only, in place of corpus: the first 90% of the characters of
+                input.txt.gz train and the last 10% validate, as nanoGPT's shakespeare_char
+                does (written to data/tinyshakespeare/; the corpus is looked up only then)
   1. tokenizer  `aiayn tokenizer train`
   2. train      `aiayn train` (resumes where it stopped)
   3. evaluate   `aiayn evaluate`: the whole scored split, in non-overlapping windows and with a
@@ -29,17 +32,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiayn.config import load_config
-from aiayn.errors import AiaynError
 from aiayn.metric_names import tag
 
-from stages import ROOT, Stages, main_guard, run, tokenizer_once  # launch/stages.py
-
-SHARED = ROOT.parent / "shared" / "data"
+from stages import (  # launch/stages.py
+    ROOT,
+    Stages,
+    corpus,
+    corpus_overrides,
+    main_guard,
+    run,
+    tokenizer_once,
+)
 
 
 @dataclass(frozen=True)
 class Recipe:
     config: str
+    corpus: str  # its name in aiayn/data/corpora.py
     split: str  # the split the goal is measured on
     metric: str  # valid/<metric> in TensorBoard, <metric> in evaluate's JSON
     goal: float
@@ -47,8 +56,12 @@ class Recipe:
 
 
 RECIPES = {
-    "tinyshakespeare": Recipe("configs/tinyshakespeare_lm.yaml", "valid", "bpc", 2.12, "ROMEO:\\n"),
-    "wikitext2": Recipe("configs/wikitext2_lm.yaml", "test", "word_ppl", 130.0, " = Robert"),
+    "tinyshakespeare": Recipe(
+        "configs/tinyshakespeare_lm.yaml", "tinyshakespeare", "valid", "bpc", 2.12, "ROMEO:\\n"
+    ),
+    "wikitext2": Recipe(
+        "configs/wikitext2_lm.yaml", "wikitext-2", "test", "word_ppl", 130.0, " = Robert"
+    ),
 }
 
 
@@ -57,9 +70,7 @@ def split_tinyshakespeare(out: Path) -> None:
     if (out / "valid.txt").exists():
         print(f"{out} exists: kept")
         return
-    source = SHARED / "tinyshakespeare" / "input.txt.gz"
-    if not source.exists():
-        raise AiaynError(f"Tiny Shakespeare not found at {source} (shared data beside the project)")
+    source = ROOT / corpus("tinyshakespeare") / "input.txt.gz"
     text = gzip.open(source, "rt", encoding="utf-8").read()
     cut = int(len(text) * 0.9)
     out.mkdir(parents=True, exist_ok=True)
@@ -106,12 +117,16 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load_config(ROOT / config, args.overrides)  # validated before any stage runs
     run_dir = ROOT / cfg.run_dir
-    common = ["--config", config, *args.overrides]
     stride = args.stride or cfg.data.max_len // 2
     stage = Stages()
-    if args.recipe == "tinyshakespeare":
+    overrides = args.overrides
+    if args.recipe == "tinyshakespeare":  # the config reads the split, made from the corpus
         with stage("split"):
             split_tinyshakespeare(ROOT / Path(cfg.data.train).parent)
+    else:
+        with stage("corpus"):
+            overrides = [*corpus_overrides(recipe.corpus, cfg), *args.overrides]
+    common = ["--config", config, *overrides]
     with stage("tokenizer"):
         tokenizer_once(ROOT / cfg.tokenizer_path, common)
     with stage("train"):
@@ -124,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         ):
             out = run(
                 ["evaluate", "--checkpoint", str(run_dir), "--split", recipe.split, "--json"]
-                + args.overrides
+                + overrides
                 + extra,
                 capture=True,
             )
@@ -135,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         + ["--max-new-tokens", "300", "--temperature", "0.8"],
         capture=True,
     )
-    params = run(["params", "--config", config, *args.overrides], capture=True).strip()
+    params = run(["params", *common], capture=True).strip()
 
     unit = cfg.data.unit
     print(f"\n{args.recipe}: {recipe.split} split ({config}, {run_dir})\n")

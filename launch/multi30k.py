@@ -4,6 +4,9 @@
     python launch/multi30k.py [--config FILE] [key=value ...]
 
 Stages, each the `aiayn` command a user would type (printed before it runs):
+  0. corpus     ../shared/data/multi30k where it is there, else `aiayn data download multi30k`
+                into data/corpora/multi30k (kept once there), given to every stage as
+                data.train/valid/test overrides
   1. tokenizer  `aiayn tokenizer train`: one joint SentencePiece BPE vocabulary (§3.4)
   2. train      `aiayn train`: the warmup schedule, label smoothing, Adam 0.9/0.98/1e-9
   3. finish     `aiayn finish RUN --last K`: the last K checkpoints averaged (§6.1) into
@@ -25,7 +28,14 @@ import json
 
 from aiayn.config import load_config
 
-from stages import ROOT, Stages, main_guard, run, tokenizer_once  # launch/stages.py
+from stages import (  # launch/stages.py
+    ROOT,
+    Stages,
+    corpus_overrides,
+    main_guard,
+    run,
+    tokenizer_once,
+)
 
 
 def score(checkpoint: str, overrides: list[str]) -> dict:
@@ -50,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(ROOT / args.config, args.overrides)  # validated before any stage runs
     run_dir = ROOT / cfg.run_dir  # an absolute run_dir stays absolute
     k = args.average or cfg.checkpoint.keep_last
-    common = ["--config", args.config, *args.overrides]
     stage = Stages()
+    with stage("corpus"):
+        common = ["--config", args.config, *corpus_overrides("multi30k", cfg), *args.overrides]
     with stage("tokenizer"):
         tokenizer_once(ROOT / cfg.tokenizer_path, common)
     with stage("train"):

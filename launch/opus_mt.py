@@ -4,6 +4,8 @@
 
 --model: a hub name (downloaded by `aiayn import-hf`; needs the internet) or a MarianMT
 directory. Stages, each the `aiayn` command a user would type (printed before it runs):
+  0. corpus     ../shared/data/multi30k where it is there, else `aiayn data download multi30k`
+                into data/corpora/multi30k, given to the stages below as overrides
   1. import     `aiayn import-hf MODEL --output RUN.safetensors`: the weights, both
                 SentencePiece models and the vocabulary, exactly (docs/fine_tuning.md#opus-mt)
   2. before     `aiayn evaluate` of the imported model on test_2016_flickr (beam 4)
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from aiayn.config import load_config
 
-from stages import ROOT, Stages, main_guard, run  # launch/stages.py
+from stages import ROOT, Stages, corpus_overrides, main_guard, run  # launch/stages.py
 
 
 def parameters(weights: Path) -> int:
@@ -43,13 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     cfg = load_config(ROOT / args.config, args.overrides)  # validated before any stage runs
+    stage = Stages()
+    with stage("corpus"):
+        overrides = [*corpus_overrides("multi30k", cfg), *args.overrides]
+    cfg = load_config(ROOT / args.config, overrides)  # reading the corpus found
     run_dir = ROOT / cfg.run_dir
     imported = ROOT / cfg.init.source
-    common = ["--config", args.config, f"init.source={cfg.init.source}", *args.overrides]
+    common = ["--config", args.config, f"init.source={cfg.init.source}", *overrides]
     test = [f"data.test={cfg.data.test}", f"data.src_lang={cfg.data.src_lang}"]
     test += [f"data.tgt_lang={cfg.data.tgt_lang}", f"decode.beam={cfg.decode.beam}"]
     k = args.average or cfg.checkpoint.keep_last
-    stage = Stages()
     with stage("import"):
         if imported.is_file():
             print(f"{imported} exists: kept")

@@ -69,13 +69,23 @@ def _training_commands(sub) -> None:
     _add_config(p)
     p.add_argument("--force", action="store_true", help="replace an existing tokenizer")
 
-    data = sub.add_parser("data", help="the token cache of the training split")
+    data = sub.add_parser("data", help="a recipe's corpus; the token cache of the training split")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     p = data_sub.add_parser(
         "prepare", help="tokenise the training split into data.cache_dir (all ranks under torchrun)"
     )
     _add_config(p)
     p.add_argument("--force", action="store_true", help="rebuild an existing cache")
+    p = data_sub.add_parser(
+        "download", help="a recipe's public corpus, checked against its recorded sha256"
+    )
+    p.add_argument("name", nargs="?", help="multi30k, tinyshakespeare or wikitext-2 (none: --list)")
+    p.add_argument("--list", action="store_true", help="list the corpora, their sources, licences")
+    p.add_argument("--output", help="the corpus's folder (default data/corpora/NAME)")
+    p.add_argument("--force", action="store_true", help="download files that are already right")
+    p.add_argument(
+        "--mirror", help="base URL holding NAME/<upstream file> (default $AIAYN_DATA_MIRROR)"
+    )
 
     p = sub.add_parser("params", help="print the model's parameter count")
     _add_config(p)
@@ -242,6 +252,8 @@ def cmd_tokenizer(args) -> int:
 
 
 def cmd_data(args) -> int:
+    if args.data_command == "download":
+        return _data_download(args)
     import time
 
     from aiayn.config import load_config
@@ -266,6 +278,16 @@ def cmd_data(args) -> int:
         for one in cache if isinstance(cache, list) else [cache]:  # data.sources: one each
             counts = {"cache": str(one.root), "seconds": round(seconds, 2), **one.counts()}
             print(json.dumps(counts, indent=1))
+    return 0
+
+
+def _data_download(args) -> int:
+    from aiayn.data.download import download, listing
+
+    if args.list or args.name is None:
+        print(listing())
+        return 0
+    download(args.name, Path(args.output) if args.output else None, args.force, args.mirror)
     return 0
 
 

@@ -21,6 +21,9 @@ resumable either way.
     hub_revision.py         a Hub dataset pinned to the commit the first start read
     prepare.py              the tokenizer and the token caches made ready before training
     demo.py                 the generated corpora of the demos and the tests
+    corpora.py              the recipes' public corpora: files, pinned URLs, sha256, where
+                            a recipe reads them (../shared/data or data/corpora)
+    download.py             `aiayn data download`: those files fetched and checked
 """
 
 from aiayn.data.batch import Batch

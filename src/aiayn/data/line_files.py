@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiayn.config import DataConfig
+from aiayn.data.corpora import missing_corpus_hint
 from aiayn.data.source import Source, expand_files
 from aiayn.errors import DataError
 from aiayn.runtime.durable import count_hashed
@@ -163,9 +164,11 @@ def parallel_files(prefix: str, src_lang: str, tgt_lang: str) -> list[tuple[str,
         prefixes = sorted(found)
     else:
         prefixes = [prefix]
-    pairs, missing = [], []
+    pairs, missing, hint = [], [], ""
     for p in prefixes:
         paths = [_existing(p, lang) for lang in (src_lang, tgt_lang)]
+        if None in paths and not hint:
+            hint = missing_corpus_hint(p)  # a recipe's corpus not yet downloaded
         missing += [
             f"{p}.{lang} (or {p}.{lang}.gz)"
             for lang, x in zip((src_lang, tgt_lang), paths, strict=True)
@@ -175,7 +178,7 @@ def parallel_files(prefix: str, src_lang: str, tgt_lang: str) -> list[tuple[str,
     if missing:
         raise DataError(
             f"corpus file not found: looked for {', '.join(missing)}; check data.train/valid/test "
-            "(a file prefix) and data.src_lang/tgt_lang (the file suffixes)"
+            f"(a file prefix) and data.src_lang/tgt_lang (the file suffixes){hint}"
         )
     return pairs
 

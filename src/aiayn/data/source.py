@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from aiayn.data.corpora import missing_corpus_hint
 from aiayn.errors import DataError
 
 if TYPE_CHECKING:
@@ -77,5 +78,8 @@ def expand_files(spec: str) -> list[str]:
     files = sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec]
     files = [f for f in files if Path(f).is_file()]
     if not files:
-        raise DataError(f"corpus file not found: {spec}; check data.train/valid/test")
+        raise DataError(
+            f"corpus file not found: {spec}; check data.train/valid/test"
+            + missing_corpus_hint(spec)
+        )
     return files
