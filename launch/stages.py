@@ -1,6 +1,6 @@
-"""What the recipes (multi30k.py, lm_recipe.py, ...) share: each stage is the `aiayn` command a
-user would type, printed before it runs in the project root, and timed; the corpus each reads,
-from ../shared/data where it is there and downloaded otherwise."""
+"""What the recipes (multi30k.py, wmt14.py, lm_recipe.py, ...) share: each stage is the `aiayn`
+command a user would type, printed before it runs in the project root, and timed; the corpus
+each reads, from ../shared/data where it is there and downloaded otherwise."""
 
 from __future__ import annotations
 
@@ -95,4 +95,5 @@ def main_guard(name: str, main: Callable[[], int]) -> None:
     except AiaynError as e:  # a bad config or override: named before any stage runs
         sys.exit(f"{name}: {e}")
     except subprocess.CalledProcessError as e:  # the stage printed its own error above
-        sys.exit(f"{name}: stopped, `aiayn {e.cmd[3]}` exited with {e.returncode}")
+        sub = e.cmd[e.cmd.index("aiayn") + 1]  # `-m aiayn SUB`, under a launcher too
+        sys.exit(f"{name}: stopped, `aiayn {sub}` exited with {e.returncode}")

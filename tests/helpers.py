@@ -84,6 +84,35 @@ def consumed(run_dir: Path) -> dict[int, list[int]]:
     return by_step
 
 
+# --- corpora ----------------------------------------------------------------------------------
+
+HUB_SPLITS = {"train": "train", "valid": "validation", "test": "test"}
+"""The numbers corpus's file prefixes -> the Hub's split names (wmt/wmt14's)."""
+
+
+def hub_dataset(root: Path, corpus: Path, config: str = "de-en") -> Path:
+    """The numbers corpus (`corpus`/{train,valid,test}.{en,de}) as a local folder in the
+    layout of the Hub's wmt/wmt14: `de-en/train-00000-of-00001.parquet` and so on, a column
+    `translation` of {"de", "en"} structs, and the README's `configs:` front matter, without
+    which `datasets.load_dataset(root, "de-en")` knows only a config named "default"."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (root / config).mkdir(parents=True)
+    listed = []
+    for prefix, split in HUB_SPLITS.items():
+        en = (corpus / f"{prefix}.en").read_text(encoding="utf-8").splitlines()
+        de = (corpus / f"{prefix}.de").read_text(encoding="utf-8").splitlines()
+        pairs = [{"de": d, "en": e} for e, d in zip(en, de, strict=True)]
+        pq.write_table(
+            pa.table({"translation": pairs}), root / config / f"{split}-00000-of-00001.parquet"
+        )
+        listed.append(f"  - split: {split}\n    path: {config}/{split}-*\n")
+    front = f"configs:\n- config_name: {config}\n  data_files:\n{''.join(listed)}"
+    (root / "README.md").write_text(f"---\n{front}---\n", encoding="utf-8")
+    return root
+
+
 # --- the small models the tests train --------------------------------------------------------
 
 TINY_MODEL = {"N": 1, "d_model": 32, "d_ff": 64, "h": 2, "max_len": 64}

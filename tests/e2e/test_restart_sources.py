@@ -2,7 +2,6 @@
 after the first start, the run resumes, validates on its own copy of the dev set, and ends as
 an uninterrupted run does; `aiayn evaluate` of it then scores the test set from the run's copy."""
 
-import json
 import re
 import shutil
 
@@ -13,7 +12,7 @@ from aiayn.eval.evaluate import evaluate
 from aiayn.train import train
 
 import tiny  # tests/e2e/tiny.py, beside this file
-from helpers import weights_at  # tests/helpers.py
+from helpers import hub_dataset, weights_at  # tests/helpers.py
 
 VALID = re.compile(r"valid step (\d+) \| loss ([\d.]+) accuracy ([\d.]+)")
 
@@ -55,26 +54,12 @@ def test_a_run_whose_corpus_was_moved_away_resumes_validates_and_finishes(tmp_pa
     assert scores["bleu"] == evaluate(tmp_path / "straight", "test")["bleu"]
 
 
-def hub_folder(root, numbers):
-    """The numbers corpus as a local Hub-layout dataset: a folder of JSON-lines splits, which
-    `datasets.load_dataset(folder)` reads as it reads a downloaded Hub repository."""
-    root.mkdir()
-    for split, name in (("train", "train"), ("valid", "validation")):
-        en = (numbers / f"{split}.en").read_text().splitlines()
-        de = (numbers / f"{split}.de").read_text().splitlines()
-        rows = [
-            json.dumps({"translation": {"en": e, "de": d}}) for e, d in zip(en, de, strict=True)
-        ]
-        (root / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
-    return root
-
-
 def test_a_hub_run_resumes_offline_with_its_dataset_gone(tmp_path, numbers, monkeypatch):
     """The same from the Hub path: the dataset folder removed after the first start and
     HF_HUB_OFFLINE=1; the restart reads the token cache and the run's copy of the dev set."""
-    folder = hub_folder(tmp_path / "hub", numbers)
-    hub = ("data.format=hub", f"data.hub_name={folder}", "data.train=train",
-           "data.valid=validation", "data.src_field=translation.en",
+    folder = hub_dataset(tmp_path / "hub", numbers)  # wmt/wmt14's layout
+    hub = ("data.format=hub", f"data.hub_name={folder}", "data.hub_config=de-en",
+           "data.train=train", "data.valid=validation", "data.src_field=translation.en",
            "data.tgt_field=translation.de")  # fmt: skip
 
     def hub_run(steps: int) -> None:

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from aiayn.config.checks import Section, bounded
 
+BLEU_TOKENIZERS = ("13a", "intl", "char", "none", "zh", "ja-mecab", "flores200")
+"""The sacreBLEU tokenizers decode.bleu_tokenize and `aiayn score --tokenize` accept."""
+
 
 @dataclass
 class DecodeConfig(Section):
@@ -28,6 +31,6 @@ class DecodeConfig(Section):
 
     def validate(self) -> list[str]:
         errs = []
-        if self.bleu_tokenize not in ("13a", "intl", "char", "none", "zh", "ja-mecab", "flores200"):
+        if self.bleu_tokenize not in BLEU_TOKENIZERS:
             errs.append(f"decode.bleu_tokenize {self.bleu_tokenize!r} is not a sacreBLEU tokenizer")
         return errs

@@ -87,13 +87,16 @@ def _split_spec(cfg: Config, split: str) -> str:
 
 def _translated(cfg: Config, spec: str, translate_lines, out: Path) -> dict[str, Any]:
     """The split's sources translated by `translate_lines`, scored against its references, a
-    few samples, and every hypothesis written to `out`."""
+    few samples, and every hypothesis written to `out`, the references beside it (.ref), line
+    by line, for other scorers (`aiayn score`)."""
     pairs = list(open_split(cfg.data, spec, "seq2seq"))
     srcs, refs = [p["src"] for p in pairs], [p["tgt"] for p in pairs]
     hyps = translate_lines(srcs)
     result: dict[str, Any] = translation_scores(hyps, refs, cfg.decode.bleu_tokenize)
     result["samples"] = list(zip(srcs[:5], refs[:5], hyps[:5], strict=True))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(h + "\n" for h in hyps))
+    for path, lines in ((out, hyps), (out.with_suffix(".ref"), refs)):
+        path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     result["hypotheses_file"] = str(out)
+    result["references_file"] = str(out.with_suffix(".ref"))
     return result

@@ -72,7 +72,9 @@ def finish(run_dir: str | Path, k: int, select: str = "last") -> dict[str, Any]:
         summary["scores"][split] = {
             k: v
             for k, v in result.items()
-            if k in SCORES or k.endswith("_signature") or k == "hypotheses_file"
+            if k in SCORES
+            or k.endswith("_signature")
+            or k in ("hypotheses_file", "references_file")
         }
         shown = ", ".join(f"{k} {result[k]:.4g}" for k in SCORES if k in result)
         log.info(

@@ -1,11 +1,13 @@
 """The scores a validation and `aiayn evaluate` report: sacreBLEU's BLEU, chrF and TER of
 translations, loss, perplexity and accuracy of batches, and a language model's scores of a
-whole text (lm_scores.py) with the run's window and unit."""
+whole text (lm_scores.py) with the run's window and unit; and `aiayn score`'s, of a
+hypotheses file against a references file, the paper's BLEU among them (paper_bleu.py)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import sacrebleu
@@ -16,7 +18,9 @@ from aiayn.config import Config
 from aiayn.data import open_split
 from aiayn.data.batch import Batch
 from aiayn.engine.loss import batch_loss, grad_free
+from aiayn.errors import DataError
 from aiayn.eval.lm_scores import lm_scores
+from aiayn.eval.paper_bleu import compound_split_bleu
 from aiayn.metric_names import ACCURACY, BLEU, BLEU_LC, CHRF, LOSS, PPL, TER
 from aiayn.tokenizer import Tokenizer
 
@@ -38,6 +42,33 @@ def translation_scores(hyps: list[str], refs: list[str], tokenize: str = "13a") 
         len(refs), 1
     )
     return out
+
+
+def file_scores(
+    hyp: str | Path, ref: str | Path, tokenize: str = "13a", compound_split: str | None = None
+) -> dict[str, Any]:
+    """`aiayn score`: the hypotheses file against the references file, line by line, as
+    translation_scores scores them; with compound_split=LANG also the paper's tokenized,
+    compound-split BLEU (paper_bleu.py) with Moses' rules for LANG, the target language."""
+    hyps, refs = _lines(hyp), _lines(ref)
+    if len(hyps) != len(refs):
+        raise DataError(f"{hyp} has {len(hyps)} lines and {ref} {len(refs)}: they must pair up")
+    result = translation_scores(hyps, refs, tokenize)
+    if compound_split:
+        result.update(compound_split_bleu(hyps, refs, compound_split))
+    result["lines"] = len(refs)
+    return result
+
+
+def _lines(path: str | Path) -> list[str]:
+    """The file's lines, split at line feeds only (a sentence may hold another Unicode line
+    break), empty ones included: line i of one file pairs with line i of the other."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"cannot read {path}: {exc}") from None
+    lines = text.split("\n")
+    return lines[:-1] if lines[-1] == "" else lines
 
 
 def validation_metrics(
