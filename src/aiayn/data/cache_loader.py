@@ -193,27 +193,61 @@ class CacheLoader:
 
     def _rank_batches(self, pos: dict) -> Iterator[tuple[Batch, dict, int, tuple[int, int]]]:
         """This rank's batches from `pos` on, each with the position after it, its epoch, and
-        its round's target tokens and last epoch (`round`). A batch is handed out once its
-        round is whole (or the stream ends): the others' batches come after it in the stream."""
-        W, mine = self.world_size, None
-        for k, (epoch, i) in enumerate(self._stream(pos)):
-            if k % W == 0:  # a round of W batches starts: the group's position moves past it
-                round_pos, targets = {"epoch": epoch, "done": i + W}, 0
-            targets += int(self._targets(epoch)[i])
-            if k % W == self.rank:
-                batch = self._make_batch(self.plan(epoch), i)
-                mine = (batch.pin_memory() if self.pin_memory else batch), round_pos, epoch
-            if k % W == W - 1 and mine is not None:
-                yield (*mine, (targets, epoch))
-                mine = None
-        if mine is not None:  # an evaluation pass that ends inside a round
-            yield (*mine, (targets, mine[2]))
+        its round's target tokens and last epoch (`round`). A round is W consecutive global
+        batches of the stream of epochs, one for each rank; this rank makes only its own, and
+        a round's total comes from the epochs' cumulative sums: per round, work that does not
+        grow with W."""
+        W, epoch, i = self.world_size, *self._settle(pos["epoch"], pos["done"])
+        while self.train or i < len(self.plan(epoch)):
+            round_pos = {"epoch": epoch, "done": i + W}  # the group's position after the round
+            targets, last_epoch, mine = self._round(epoch, i)
+            if mine is None:  # an evaluation pass that ends inside a round, before this rank
+                return
+            batch, batch_epoch = mine
+            batch = batch.pin_memory() if self.pin_memory else batch
+            yield batch, round_pos, batch_epoch, (targets, last_epoch)
+            epoch, i = self._settle(epoch, i + W)
 
-    def _targets(self, epoch: int) -> np.ndarray:
-        """The target tokens of each global batch of `epoch` (Batch.n_tokens), from the plan
-        and the length index alone."""
+    def _settle(self, epoch: int, done: int) -> tuple[int, int]:
+        """(epoch, index) of global batch `done` of `epoch`, counted on into the next epochs
+        when training. Moving past an epoch costs its plan, never a token."""
+        while True:
+            n = len(self.plan(epoch))
+            if n == 0:
+                raise self._nothing_left()
+            if self.train:
+                with self._plan_lock:
+                    self._plan_ahead(epoch + 1)
+            if done < n or not self.train:
+                return epoch, done
+            epoch, done = epoch + 1, done - n
+
+    def _round(self, epoch: int, i: int) -> tuple[int, int, tuple[Batch, int] | None]:
+        """The round of W global batches from batch i of `epoch`: its target tokens, the epoch
+        of its last batch, and this rank's batch with its epoch, None where an evaluation pass
+        ends first (a last round may be short then). A round that crosses into the next epoch
+        makes this rank's batch while its epoch's plan is the current one."""
+        left, targets, mine = self.world_size, 0, None
+        while left:
+            plan = self.plan(epoch)
+            take = min(left, len(plan) - i)
+            sums = self._target_sums(epoch)
+            targets += int(sums[i + take] - sums[i])
+            at = self.rank - (self.world_size - left)  # this rank's offset in this stretch
+            if mine is None and 0 <= at < take:
+                mine = (self._make_batch(plan, i + at), epoch)
+            left -= take
+            if left == 0 or not self.train:
+                break
+            epoch, i = self._settle(epoch + 1, 0)
+        return targets, epoch, mine
+
+    def _target_sums(self, epoch: int) -> np.ndarray:
+        """Cumulative target tokens of the global batches of `epoch` (Batch.n_tokens), 0 first,
+        from the plan and the length index alone."""
         if self._targets_of is None or self._targets_of[0] != epoch:
-            self._targets_of = (epoch, self._plan_targets(self.plan(epoch)))
+            per_batch = self._plan_targets(self.plan(epoch))
+            self._targets_of = (epoch, np.concatenate(([0], np.cumsum(per_batch))))
         return self._targets_of[1]
 
     def _plan_targets(self, plan: Plan | LmPlan) -> np.ndarray:
@@ -236,23 +270,6 @@ class CacheLoader:
         """int64 target tokens (eos not counted) of the examples `rows`."""
         c = self.cache
         return (c.tgt_offsets[rows + 1] - c.tgt_offsets[rows]).astype(np.int64)
-
-    def _stream(self, pos: dict) -> Iterator[tuple[int, int]]:
-        """(epoch, batch index) of every global batch from `pos` on; epochs follow each other
-        when training. Skipping costs the plans, never a token."""
-        epoch, done = pos["epoch"], pos["done"]
-        while True:
-            n = len(self.plan(epoch))
-            if n == 0:
-                raise self._nothing_left()
-            if self.train:
-                with self._plan_lock:
-                    self._plan_ahead(epoch + 1)
-            for i in range(min(done, n), n):
-                yield epoch, i
-            if not self.train:
-                return
-            epoch, done = epoch + 1, max(done - n, 0)
 
     def plan(self, epoch: int) -> Plan | LmPlan:
         """The global batches of `epoch` (computed once, kept while it is the current one)."""
