@@ -90,16 +90,19 @@ wikitext2: install
 # take 20% less time than one at a time (docs/development.md#tests). The Slurm tests come
 # last, alone: a loaded machine delays their two-node rendezvous and signals. Each pass runs
 # whatever the one before reported. PYTEST_ARGS reaches all three, e.g.
-# PYTEST_ARGS="--cpu-kind avx2" (tests/cpu_kinds.py).
+# PYTEST_ARGS="--cpu-kind avx2" (tests/cpu_kinds.py). Each pass ends with its slowest tests
+# (DURATIONS of them), so that a CI log shows where the suite's time goes.
 PYTEST_ARGS ?=
 DIST_WORKERS ?= 2
+DURATIONS ?= 15
 
 test: install $(BENCH_STAMP)
 	status=0; \
-	$(BIN)/pytest -q -n auto -m "not distributed and not slurm" $(PYTEST_ARGS) || status=1; \
-	$(BIN)/pytest -q -n $(DIST_WORKERS) --dist loadfile -m "distributed and not slurm" \
+	$(BIN)/pytest -q -n auto -m "not distributed and not slurm" --durations=$(DURATIONS) \
 		$(PYTEST_ARGS) || status=1; \
-	$(BIN)/pytest -q -m slurm $(PYTEST_ARGS) || status=1; \
+	$(BIN)/pytest -q -n $(DIST_WORKERS) --dist loadfile -m "distributed and not slurm" \
+		--durations=$(DURATIONS) $(PYTEST_ARGS) || status=1; \
+	$(BIN)/pytest -q -m slurm --durations=$(DURATIONS) $(PYTEST_ARGS) || status=1; \
 	exit $$status
 
 test-fast: install
