@@ -1,7 +1,12 @@
-"""Run by test_step_collectives.py under torchrun: `aiayn train` in this process, writing to
-OUT/rank_<r>.json every collective the trainer calls through torch.distributed (op, group's
-backend, tensors' devices) and, per optimizer step, where it began in that list and the host
-syncs inside it (tests/syncs.py).
+"""Run by test_step_collectives.py under torchrun: `aiayn train` in this process, once under DDP
+and then once under DeepSpeed at each ZeRO stage, 0 to 3, in the same process group (one launch:
+start-up is most of a launch's cost). Writes to OUT/rank_<r>.json, per run: every collective
+the trainer calls through torch.distributed (op, group's backend, tensors' devices); per
+optimizer step, where it began in that list, the host syncs inside it (tests/syncs.py: the
+operator and the code that called it), how many of them came before engine.step (in the
+micro-batches' forwards and backwards), and DeepSpeed's device syncs
+(`get_accelerator().synchronize()`); and, under DeepSpeed, which of its own diagnostics the
+engine has on.
 
 The default group says it is NCCL (dist.get_backend() with no group), as it would on GPUs, so
 DistEnv takes the path a GPU job takes; the group itself is gloo, as it must be on a CPU.
@@ -9,6 +14,7 @@ DistEnv takes the path a GPU job takes; the group itself is gloo, as it must be 
 usage: step_collectives.py CONFIG OUT [overrides ...]
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -22,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for sync
 from aiayn.config import load_config  # noqa: E402
 from aiayn.train import loop as train_module  # noqa: E402
 
-from syncs import SyncCounter  # noqa: E402
+from syncs import SyncCounter, accelerator_syncs  # noqa: E402
 
 COLLECTIVES = (
     "all_reduce",
@@ -38,6 +44,32 @@ COLLECTIVES = (
     "reduce_scatter",
     "all_to_all",
 )
+RUNS = {
+    "ddp": [],
+    **{
+        f"zero{s}": ["distributed.backend=deepspeed", f"distributed.zero_stage={s}"]
+        for s in range(4)
+    },
+}
+
+
+def deepspeed_diagnostics(engine) -> dict[str, bool]:
+    """Which of DeepSpeed's reports about itself the engine has on: each costs time at every
+    micro-batch or step, most of them a wait for the device (engine/deepspeed_config.py turns
+    off the throughput timer, on by default; DeepSpeed's defaults keep the others off)."""
+    from deepspeed.comm.comm import comms_logger
+
+    ds = engine.model
+    timer = ds.tput_timer.config
+    return {
+        "throughput_timer": timer.enabled,
+        "throughput_timer_synchronized": timer.enabled and timer.synchronized,
+        "wall_clock_breakdown": ds.wall_clock_breakdown(),
+        "flops_profiler": ds.flops_profiler_enabled(),
+        "comms_logger": comms_logger.enabled,
+        "memory_breakdown": ds.memory_breakdown(),
+        "monitor": ds.monitor.enabled,
+    }
 
 
 def main(config: str, out: str, *overrides: str) -> None:
@@ -65,19 +97,52 @@ def main(config: str, out: str, *overrides: str) -> None:
         setattr(dist, name, counting(name, getattr(dist, name)))
 
     steps: list[dict] = []
+    diagnostics: dict[str, bool] = {}
     real_train_step = train_module._train_step
 
-    def counting_train_step(*args, **kwargs):
+    def counting_train_step(run, *args, **kwargs):
+        engine, before_step = run.engine, []
+        real_step = engine.step
+
+        def step():
+            before_step.append((len(counter.seen), len(device_syncs)))
+            return real_step()
+
+        engine.step = step
         steps.append({"first_call": len(calls)})
-        with SyncCounter() as counter:
-            result = real_train_step(*args, **kwargs)
-        steps[-1]["syncs"] = counter.seen
+        deepspeed = type(engine).__name__ == "DeepSpeedEngine"
+        if deepspeed and not diagnostics:
+            diagnostics.update(deepspeed_diagnostics(engine))
+        try:
+            waits = accelerator_syncs() if deepspeed else contextlib.nullcontext([])
+            with waits as device_syncs, SyncCounter() as counter:
+                result = real_train_step(run, *args, **kwargs)
+        finally:
+            del engine.step  # the class's method again
+        steps[-1].update(
+            syncs=counter.seen,
+            sites=counter.sites,
+            before_step=before_step[0][0],
+            device_syncs=device_syncs,
+            device_syncs_before_step=before_step[0][1],
+        )
         return result
 
     train_module._train_step = counting_train_step
-    train_module.train(load_config(config, list(overrides)))
+    # The runs share this process group (and DeepSpeed's groups made from it): the loop's
+    # teardown waits for the last run.
+    teardown, train_module.teardown = train_module.teardown, lambda: None
+    runs = {}
+    for name, options in RUNS.items():
+        calls.clear()
+        steps.clear()
+        diagnostics.clear()
+        run_dir = f"run_dir={Path(out) / name}"
+        train_module.train(load_config(config, [*overrides, run_dir, *options]))
+        runs[name] = {"calls": list(calls), "steps": list(steps), "diagnostics": dict(diagnostics)}
+    teardown()
     path = Path(out) / f"rank_{os.environ['RANK']}.json"
-    path.write_text(json.dumps({"calls": calls, "steps": steps}))
+    path.write_text(json.dumps(runs))
 
 
 if __name__ == "__main__":

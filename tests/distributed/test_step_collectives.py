@@ -1,6 +1,9 @@
-"""Collectives per optimizer step, with two real ranks (gloo) on the path a NCCL job takes."""
+"""Collectives and host syncs per optimizer step, with two real ranks (gloo) on the path a NCCL
+job takes: under DDP, and under DeepSpeed ZeRO 0, 1, 2 and 3 in the same launch."""
 
 import json
+from collections import Counter
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -11,9 +14,62 @@ from procs import run
 pytestmark = pytest.mark.distributed
 
 WORKER = Path(__file__).with_name("step_collectives.py")
+STEPS = 5
+
+# The host syncs an optimizer step makes outside log lines, by the code that asks for the value
+# (tests/syncs.py call_site), under DeepSpeed 0.19.8; none inside a micro-batch, in any engine.
+# ZeRO's step decides on the host whether the gradient norm is finite, to skip the update of a
+# step whose gradients overflowed (deepspeed/runtime/utils.py is_invalid_grad_norm:
+# `bool((~isfinite(norm) | (norm < 0)).any())`), in every precision. Stages 1 and 2 ask again
+# for the clipping factor (unscale_and_clip_grads), a few kernels later, of a norm step() has
+# already accepted. They stay (docs/distributed.md prices them): without them a non-finite
+# update would be applied where DeepSpeed skips it, and removing the second means replacing
+# a DeepSpeed method for the time of a few kernels. A DeepSpeed that adds, moves or drops one
+# fails here, named, with its version.
+ZERO_NORM = "runtime/utils.py:is_invalid_grad_norm"
+ALLOWED_PER_STEP = {
+    "ddp": [],
+    "zero0": [],  # DeepSpeed steps the torch optimizer; aiayn clips (DeepSpeedEngine)
+    "zero1": [
+        f"zero/stage_1_and_2.py:step -> {ZERO_NORM}",
+        f"zero/stage_1_and_2.py:unscale_and_clip_grads -> {ZERO_NORM}",
+    ],
+    "zero2": [
+        f"zero/stage_1_and_2.py:step -> {ZERO_NORM}",
+        f"zero/stage_1_and_2.py:unscale_and_clip_grads -> {ZERO_NORM}",
+    ],
+    "zero3": [f"zero/stage3.py:step -> {ZERO_NORM}"],
+}
+# ZeRO-3 records the order in which modules gather their weights during the first step and
+# checks it is the same on every rank: a broadcast and an .item() per module and parameter
+# (zero/utils.py assert_ints_same_as_other_ranks), once (and again only after the order
+# changes: validation's forwards did not change it).
+ZERO3_TRACE_CHECK = (
+    "zero/utils.py:assert_lst_len_same_as_other_ranks",
+    "zero/utils.py:<listcomp>",  # get_lst_from_rank0's, a frame of its own before Python 3.12
+    "zero/utils.py:get_lst_from_rank0",
+)
 
 
-def test_a_step_waits_for_no_collective_of_host_numbers_and_no_host_sync(setup):
+@pytest.fixture(scope="module")
+def ranks(setup):
+    """What step_collectives.py recorded on each of 2 ranks: DDP, then ZeRO 0, 1, 2 and 3."""
+    root, config = setup
+    out = root / "step_collectives"
+    out.mkdir()
+    overrides = [
+        f"train.max_steps={STEPS}",
+        "train.grad_accum=2",  # two micro-batches a step on each rank
+        "train.max_epochs=100",  # the loop checks the epoch limit at every step
+        "train.eval_every=0",
+        "logging.every_steps=100",  # only the last step logs
+        "checkpoint.every_steps=100",
+    ]
+    run(torchrun(2) + [str(WORKER), str(config), str(out), *overrides])
+    return [json.loads((out / f"rank_{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_a_step_waits_for_no_collective_of_host_numbers_and_no_host_sync(ranks):
     """Between the starts of two optimizer steps without a log line, each rank makes exactly
     one collective, and does not wait for it: an all-reduce of a host tensor over a gloo group
     of its own (which on a NCCL job waits for nothing queued on the GPU), started by one step
@@ -21,23 +77,35 @@ def test_a_step_waits_for_no_collective_of_host_numbers_and_no_host_sync(setup):
     limit come from the token cache's plan, which every rank knows whole (they were in that
     all-reduce, waited for, and before that each an all-reduce on the default group, through
     the GPU). The DDP step itself makes no host sync."""
-    root, config = setup
-    out = root / "step_collectives"
-    out.mkdir()
-    overrides = [
-        "train.max_steps=5",
-        "train.max_epochs=100",  # the loop checks the epoch limit at every step
-        "train.eval_every=0",
-        "logging.every_steps=100",  # only the last step logs
-        "checkpoint.every_steps=100",
-    ]
-    run(torchrun(2) + [str(WORKER), str(config), str(out), f"run_dir={out / 'run'}", *overrides])
-    for rank in (0, 1):
-        seen = json.loads((out / f"rank_{rank}.json").read_text())
-        calls, steps = seen["calls"], seen["steps"]
-        assert len(steps) == 5
+    for seen in ranks:
+        calls, steps = seen["ddp"]["calls"], seen["ddp"]["steps"]
+        assert len(steps) == STEPS
         for before, after in zip(steps, steps[1:], strict=False):
             between = calls[before["first_call"] : after["first_call"]]
             expected = {"op": "all_reduce", "group": "gloo", "devices": ["cpu"], "waits": False}
             assert between == [expected], between
         assert all(step["syncs"] == [] for step in steps), steps
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_zero_step_syncs_only_for_its_norm_and_never_per_micro_batch(ranks, stage):
+    """Under DeepSpeed on two ranks, ZeRO 0 to 3, each optimizer step (2 micro-batches per
+    rank): no host sync in any micro-batch's forward and backward (but ZeRO-3's first), only
+    ALLOWED_PER_STEP in the step, and no call of DeepSpeed's device-wide synchronize. Its
+    throughput timer, on and synchronized by default, made one at every forward and every step
+    from the third (3 a step here) before engine/deepspeed_config.py turned it off; none of
+    DeepSpeed's diagnostics that wait for the device is on in the engine it built."""
+    name, version = f"zero{stage}", metadata.version("deepspeed")
+    for seen in ranks:
+        run_ = seen[name]
+        assert not any(run_["diagnostics"].values()), run_["diagnostics"]
+        assert len(run_["steps"]) == STEPS
+        for i, step in enumerate(run_["steps"]):
+            split = step["before_step"]  # the syncs before engine.step: the micro-batches'
+            micro, in_step = step["sites"][:split], step["sites"][split:]
+            if stage == 3 and i == 0:
+                micro = [s for s in micro if not s.endswith(ZERO3_TRACE_CHECK)]
+            where = f"step {i + 1} under DeepSpeed {version}"
+            assert micro == [], (where, micro)
+            assert Counter(in_step) == Counter(ALLOWED_PER_STEP[name]), (where, in_step)
+            assert step["device_syncs"] == [], (where, step["device_syncs"])

@@ -2,6 +2,7 @@
 variables, fp16 loss scaling on CPU, activation checkpointing."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -106,6 +107,48 @@ def test_extra_keys_merge_and_contradictions_are_errors(tmp_path):
     cfg.distributed.deepspeed_config = str(tmp_path / "missing.json")
     with pytest.raises(ConfigError, match="file not found"):
         deepspeed_config.build(cfg, 2, "cpu")
+
+
+def test_deepspeed_reports_wait_for_no_device_unless_a_file_turns_them_on(tmp_path, caplog):
+    """DeepSpeed's throughput timer is on and synchronized by default: a device sync at every
+    forward (each micro-batch) and every step. The generated config turns it off, and the
+    per-phase timers; a user's file may turn them back on (its values win, merged into ours),
+    and the start then logs each that waits for the device. The engine that DeepSpeed builds
+    from it is checked with real ranks (tests/distributed/test_step_collectives.py)."""
+    ds = deepspeed_config.build(cfg_with("distributed.zero_stage=3"), 2, "cuda")
+    assert ds["timers"] == {"throughput": {"enabled": False, "synchronized": False}}
+    assert ds["wall_clock_breakdown"] is False and "comms_logger" not in ds
+    assert deepspeed_config.device_waits(ds) == []
+    assert deepspeed_config.device_waits({}) == [  # DeepSpeed's defaults
+        "timers.throughput.synchronized: a device sync at every forward and step"
+    ]
+
+    extra = tmp_path / "reports.json"
+    reports = {"timers": {"throughput": {"enabled": True}}, "steps_per_print": 10}
+    extra.write_text(json.dumps(reports))
+    cfg = cfg_with("distributed.zero_stage=3", f"distributed.deepspeed_config={extra}")
+    ds = deepspeed_config.build(cfg, 2, "cuda")
+    # Timed on the host, unsynchronized: it waits for nothing.
+    assert ds["timers"] == {"throughput": {"enabled": True, "synchronized": False}}
+    assert ds["steps_per_print"] == 10 and deepspeed_config.device_waits(ds) == []
+
+    reports = {
+        "timers": {"throughput": {"synchronized": True}},
+        "wall_clock_breakdown": True,
+        "comms_logger": {"enabled": False},  # DeepSpeed turns it on all the same
+    }
+    extra.write_text(json.dumps(reports))
+    with caplog.at_level(logging.INFO, logger="aiayn"):
+        ds = deepspeed_config.build(cfg, 2, "cuda")
+    assert ds["timers"] == {"throughput": {"enabled": False, "synchronized": True}}
+    waits = deepspeed_config.device_waits(ds)
+    assert [w.split(" ")[0] for w in waits] == ["wall_clock_breakdown", "comms_logger"]
+    assert all(w in caplog.text for w in waits)
+
+    # The file's values win only under those keys: elsewhere a contradiction is an error.
+    extra.write_text(json.dumps({"timers": {}, "zero_optimization": {"stage": 2}}))
+    with pytest.raises(ConfigError, match="zero_optimization.stage: file says 2"):
+        deepspeed_config.build(cfg, 2, "cuda")
 
 
 def test_shipped_deepspeed_files_agree_with_the_shipped_configs(project_root):

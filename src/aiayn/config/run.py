@@ -26,7 +26,9 @@ class DistributedConfig(Section):
     """Recompute each layer's activations in the backward pass instead of storing them."""
     deepspeed_config: str | None = None
     """A JSON file of extra DeepSpeed keys (e.g. configs/deepspeed/*.json) merged into the
-    config generated from this one; a key that contradicts the generated value is an error."""
+    config generated from this one; a key that contradicts the generated value is an error,
+    but under timers, wall_clock_breakdown and steps_per_print (DeepSpeed's reports about
+    itself, off in the generated config: its timers wait for the GPU), where the file wins."""
     setup_timeout_minutes: float = bounded(120.0, low=0, low_open=True)
     """How long a collective may wait until set-up is done (tokenizer training on rank 0,
     building the token cache, building the model, restoring a checkpoint). Longer than

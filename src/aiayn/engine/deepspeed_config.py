@@ -6,17 +6,30 @@ scheduler; the engine hands DeepSpeed our own (`schedule.learning_rate`) as a ca
 DeepSpeed steps it once per optimizer step. A user may add keys from a JSON file
 (`distributed.deepspeed_config`, e.g. `configs/deepspeed/*.json`): new keys are merged in, a
 key that contradicts a generated value is an error naming both values.
+
+What DeepSpeed reports about itself (`REPORTING`: its throughput timer, per-phase timers and
+progress lines) is no copy of the run config but a choice of diagnostics: aiayn turns it off,
+because on a GPU its timers make the host wait for the device at every micro-batch, and a
+user's file may turn it back on: there the file's values win, merged into ours. The
+diagnostics a merged config turns on that wait for the device are logged at start
+(`device_waits`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
 from aiayn.config import Config
 from aiayn.errors import ConfigError
+
+log = logging.getLogger("aiayn")
+
+# The top-level keys of DeepSpeed's reports about itself: a user's file may change them.
+REPORTING = ("timers", "wall_clock_breakdown", "steps_per_print")
 
 
 def generate(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
@@ -52,8 +65,14 @@ def generate(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
             },
         },
         "zero_optimization": zero,
-        "steps_per_print": 2**31 - 1,  # our own logging reports every step's numbers
+        # DeepSpeed's reports about itself (REPORTING), all off: train/report.py measures
+        # tokens/s and the step's numbers without waiting for the device. The throughput
+        # timer is on by default and synchronizes the device when it starts, at every
+        # forward (each micro-batch), and when it stops, at every step.
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
+        # Per-phase timers (forward, backward, reduce, step): CUDA events read back each step.
         "wall_clock_breakdown": False,
+        "steps_per_print": 2**31 - 1,  # our own logging reports every step's numbers
     }
     if train.precision == "bf16":
         # Autocast with fp32 weights, as the DDP engine does: the same numerics either way.
@@ -94,7 +113,8 @@ def plain_optimizer(cfg: Config) -> bool:
 
 
 def merge(generated: dict[str, Any], extra: dict[str, Any], source: str) -> dict[str, Any]:
-    """`generated` with the keys of `extra` added; contradictions are collected and raised."""
+    """`generated` with the keys of `extra` added; contradictions are collected and raised,
+    but under the REPORTING keys, where `extra`'s values win."""
     conflicts: list[str] = []
     merged = _merge(generated, extra, "", conflicts)
     if conflicts:
@@ -107,17 +127,44 @@ def merge(generated: dict[str, Any], extra: dict[str, Any], source: str) -> dict
     return merged
 
 
-def _merge(base: dict, extra: dict, prefix: str, conflicts: list[str]) -> dict:
+def _merge(base: dict, extra: dict, prefix: str, conflicts: list[str], wins: bool = False) -> dict:
     out = dict(base)
     for key, value in extra.items():
         where = f"{prefix}{key}"
+        extra_wins = wins or (not prefix and key in REPORTING)
         if key not in base:
             out[key] = value
         elif isinstance(base[key], dict) and isinstance(value, dict):
-            out[key] = _merge(base[key], value, f"{where}.", conflicts)
+            out[key] = _merge(base[key], value, f"{where}.", conflicts, extra_wins)
         elif base[key] != value:
-            conflicts.append(f"{where}: file says {value!r}, the run config gives {base[key]!r}")
+            if extra_wins:
+                out[key] = value
+            else:
+                conflicts.append(
+                    f"{where}: file says {value!r}, the run config gives {base[key]!r}"
+                )
     return out
+
+
+def device_waits(ds: dict[str, Any]) -> list[str]:
+    """DeepSpeed's diagnostics that `ds` turns on and that make the host wait for the device
+    (read as DeepSpeed 0.19 reads them, its defaults where a key is absent)."""
+    waits = []
+    throughput = ds.get("timers", {}).get("throughput", {})
+    if throughput.get("enabled", True) and throughput.get("synchronized", True):
+        waits.append("timers.throughput.synchronized: a device sync at every forward and step")
+    if ds.get("wall_clock_breakdown") or ds.get("flops_profiler", {}).get("enabled"):
+        waits.append(
+            "wall_clock_breakdown (flops_profiler turns it on): timers read back from the device "
+            "at every step"
+        )
+    if "comms_logger" in ds:
+        # DeepSpeed's DeepSpeedCommsConfig: comms_logger_enabled = 'comms_logger' in ds_config.
+        waits.append(
+            "comms_logger (on wherever the key is, whatever its 'enabled' says): a device sync "
+            "after every collective"
+        )
+    return waits
 
 
 def build(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
@@ -134,4 +181,7 @@ def build(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
         raise ConfigError(f"distributed.deepspeed_config {path} is not valid JSON: {exc}") from None
     if not isinstance(extra, dict):
         raise ConfigError(f"distributed.deepspeed_config {path} must hold a JSON object")
-    return merge(ds, extra, path)
+    ds = merge(ds, extra, path)
+    for wait in device_waits(ds):
+        log.info("distributed.deepspeed_config %s turns on DeepSpeed's %s", path, wait)
+    return ds
