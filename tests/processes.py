@@ -46,11 +46,18 @@ def kill_tree(proc: subprocess.Popen) -> None:
         except psutil.NoSuchProcess:
             pass
     proc.wait()
-    # The ranks, orphaned, are reaped by PID 1, which may take a second or more (measured 1 s
-    # here); a zombie has exited and closed its files, which is all a test waits for.
-    deadline = time.monotonic() + 30
-    while not all(map(_exited, family)) and time.monotonic() < deadline:
+    wait_ended(family, 30)
+
+
+def wait_ended(members: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until every one of `members` has exited; return those still running after
+    `timeout` seconds. The ranks, orphaned, are reaped by PID 1, which may take a second or more
+    (measured 1 s here); a zombie has exited and closed its files, which is all a test waits
+    for."""
+    deadline = time.monotonic() + timeout
+    while not all(map(_exited, members)) and time.monotonic() < deadline:
         time.sleep(0.01)
+    return [m for m in members if not _exited(m)]
 
 
 def _exited(member: psutil.Process) -> bool:

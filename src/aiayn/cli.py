@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from aiayn.config.decode import BLEU_TOKENIZERS
+from aiayn.distributed.parent_death import end_with_launcher
 from aiayn.errors import AiaynError
 from aiayn.runtime import startup
 
@@ -215,6 +216,7 @@ def _demo_data_command(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     startup.mark_main()  # the end of the interpreter's start (the start-up line of `train`)
+    end_with_launcher()  # under torchrun: this worker ends when its launcher dies
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args) or 0

@@ -23,6 +23,11 @@ class CheckpointError(AiaynError):
     """A checkpoint is missing, corrupt, or belongs to another model."""
 
 
+class RunDirInUse(AiaynError):
+    """Another training run holds the run directory (distributed/run_lock.py): two runs in one
+    directory would both write its checkpoints. Exit 2: a restart would meet the same holder."""
+
+
 class TrainingError(AiaynError):
     """Training cannot go on (for example a non-finite loss)."""
 

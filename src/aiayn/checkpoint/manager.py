@@ -224,3 +224,8 @@ class CheckpointManager:
         CheckpointError when the newest save failed: the run's last save (at its end, or
         before a preemption exit) must not be reported as done without its checkpoint."""
         self._writer.wait(env)
+
+    def join_writes(self) -> None:
+        """Wait for this process's background write to end, agreeing on nothing with the other
+        ranks: for a run leaving on an error, whose run directory's lock must outlast it."""
+        self._writer.join()

@@ -176,6 +176,11 @@ class Writer:
             env.barrier()
         self.failures.check_saved()
 
+    def join(self) -> None:
+        """Wait for the background write, if one runs; wait() or the next save settles it."""
+        if self._thread is not None:
+            self._thread.join()
+
     def _join(self, env) -> None:
         """Wait for the background write, then agree with every rank on how it ended. Every
         rank takes part (a collective) whenever an async save was started: all ranks know

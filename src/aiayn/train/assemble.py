@@ -1,7 +1,8 @@
-"""A training run's start: the pieces built in the order a resume needs them. Process group and
-run-wide settings, the checkpoint to resume (checked before any work, since it may refuse the
-config), init.source's starting point, tokenizer and data, the model and its engine, the loader,
-then what the checkpoint restores, the memory probe, the metrics and the start-up line.
+"""A training run's start: the pieces built in the order a resume needs them. Process group, the
+run directory's lock (before anything is written there) and run-wide settings, the checkpoint
+to resume (checked before any work, since it may refuse the config), init.source's starting
+point, tokenizer and data, the model and its engine, the loader, then what the checkpoint
+restores, the memory probe, the metrics and the start-up line.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ from aiayn.data.prepare import prepare_data
 from aiayn.distributed import faults
 from aiayn.distributed.env import DistEnv, setup, use_timeout
 from aiayn.distributed.preemption import StopFlag
+from aiayn.distributed.run_lock import hold_run_dir
 from aiayn.engine import Engine, build_engine
 from aiayn.engine.precision import resolve_precision
 from aiayn.model import build_model, count_parameters, selection
@@ -42,15 +45,25 @@ log = logging.getLogger("aiayn")
 
 
 def assemble(
-    cfg: Config, stop: StopFlag, startup: StartupTimes, explicit: frozenset[str] | None = None
+    cfg: Config,
+    stop: StopFlag,
+    held: ExitStack,
+    startup: StartupTimes,
+    explicit: frozenset[str] | None = None,
 ) -> Run:
-    """Every rank builds its run; the collectives inside happen in the same order on all."""
+    """Every rank builds its run; the collectives inside happen in the same order on all.
+    `held` keeps what the run holds until it ends: rank 0's lock on run_dir, released after a
+    checkpoint write still in flight."""
     with startup.phase("process group"):
         env = setup(cfg.train.device, cfg.distributed.setup_timeout_minutes)
     run_dir = Path(cfg.run_dir)
+    lock = held.enter_context(hold_run_dir(run_dir, env))  # may refuse: one job per run_dir
     setup_logging(run_dir, env.rank)
+    for level, note in lock.notes if lock is not None else []:  # a takeover, or no flock
+        log.log(level, "%s", note)
     cfg = _settled(cfg, env)
     ckpts = CheckpointManager.from_config(run_dir, cfg.checkpoint, env.is_main)
+    held.callback(ckpts.join_writes)  # on the way out, before the lock goes
     with startup.phase("checkpoint verify"):
         resume_from = ckpts.resume_point(cfg.checkpoint.resume, env)  # before any work: may refuse
     start = None

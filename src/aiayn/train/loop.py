@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import ExitStack
 
 import torch
 
 from aiayn.config import Config
 from aiayn.data import StepBatches
 from aiayn.distributed.env import teardown
+from aiayn.distributed.parent_death import launcher_gone
 from aiayn.distributed.preemption import REQUEUE_EXIT_CODE, Preempted, StopFlag
 from aiayn.engine.loss import batch_loss
 from aiayn.errors import TrainingError
@@ -41,8 +43,8 @@ def train(cfg: Config, explicit: frozenset[str] | None = None) -> dict[str, floa
     init.source's model does not override; None: the values other than the defaults."""
     startup = StartupTimes.of_this_process()
     try:
-        with StopFlag() as stop:
-            run = assemble(cfg, stop, startup, explicit)
+        with StopFlag() as stop, ExitStack() as held:
+            run = assemble(cfg, stop, held, startup, explicit)
             try:
                 return _loop(run)
             finally:
@@ -165,6 +167,8 @@ def _stop(run: Run, window: Window, step: int) -> None:
     run.ckpts.wait(run.env)
     waited = time.monotonic() - run.stop.received_at if run.stop.requested else 0.0
     source = f"{waited:.2f}s after the signal" if run.stop.requested else "signal on another rank"
+    if (launcher := launcher_gone()) is not None:
+        source += f"; this process's launcher (pid {launcher}) has died"
     log.warning(
         "stop requested: saved step %d (%s); exiting with %d: checkpointed, requeue me",
         step,
