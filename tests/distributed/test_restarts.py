@@ -21,6 +21,7 @@ from aiayn.checkpoint import read_trainer_state
 
 import helpers  # tests/helpers.py
 import procs  # tests/distributed/procs.py, beside this file
+from processes import kill_tree  # tests/processes.py
 
 pytestmark = pytest.mark.distributed
 
@@ -218,6 +219,65 @@ def test_a_fault_on_one_node_restarts_the_group_on_both(setup, uninterrupted):
     # asked for a new round, and the restart's rendezvous met at once.
     assert restart_gaps(run_dir)[0] < RESTART_GAP_S
     assert_bitwise(final_state(run_dir, "ddp"), final_state(uninterrupted("ddp"), "ddp"))
+
+
+def test_a_lost_node_is_given_up_after_the_timeout_and_the_restart_join_timeout(setup):
+    """Two launchers ("nodes") of one rank each; rank 1's node vanishes (its launcher and its
+    worker SIGSTOPped: sockets open, heartbeats stopped). Rank 0 times out (6 s), its launcher
+    kills it and meets for a restart, which waits restart_join_timeout (3 s), not the first
+    start's join_timeout (600 s), and exits 1 saying why."""
+    root, config = setup
+    run_dir = root / "lost_node"
+    timeout_s, join_s = 6, 3
+    port = helpers.free_port()
+    # The rendezvous store lives here, not in a launcher that may be the one to vanish.
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    rendezvous = [
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--max-restarts=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=lost-node",
+        f"--rdzv-conf=is_host=0,join_timeout=600,restart_join_timeout={join_s}",
+    ]
+    overrides = [f"distributed.timeout_minutes={timeout_s / 60}"]
+    cmd = [sys.executable, "-m", "aiayn.distributed.run", *rendezvous]
+    cmd += faulty(config, run_dir, ["sigstop-node"], [3], *overrides)
+    logs = [root / f"lost_node.{n}.out" for n in range(2)]  # files: a full pipe would block
+    nodes = []
+    for log in logs:
+        with open(log, "w") as fh:
+            nodes.append(
+                subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True, env=procs.ENV)
+            )
+    try:
+        survivor = first_to_exit(nodes, 300)
+        gave_up = time.time()
+    finally:
+        for node in nodes:
+            kill_tree(node)  # SIGKILL ends a stopped process too
+        del store
+    out = logs[nodes.index(survivor)].read_text()
+    assert survivor.returncode == 1, out[-4000:]
+    assert "the nodes did not all meet within the rendezvous' join_timeout" in out, out[-4000:]
+    (lost,) = [json.loads(line) for line in (run_dir / "injected.jsonl").read_text().splitlines()]
+    # 6 s, a few for the launcher to see it and torch's rendezvous to give up, not 600.
+    print(f"given up {gave_up - lost['time']:.1f} s after the node was lost")
+    assert gave_up - lost["time"] < timeout_s + join_s + 20, out[-4000:]
+    (peer,) = faults(run_dir)
+    assert (peer["rank"], peer["action"]) == (0, "restart"), peer
+    assert "timed out" in peer["error"].lower(), peer
+
+
+def first_to_exit(launchers: list[subprocess.Popen], timeout: float) -> subprocess.Popen:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in launchers:
+            if proc.poll() is not None:
+                return proc
+        time.sleep(0.05)
+    raise AssertionError(f"no launcher exited within {timeout} s")
 
 
 def test_a_stalled_rank_fails_the_others_within_the_timeout_and_the_group_restarts(

@@ -54,6 +54,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousSettings,
     RendezvousTimeout,
@@ -345,6 +346,14 @@ def main(argv: list[str] | None = None) -> int:
     except SignalException as exc:  # the workers did not save (RestartPolicyAgent.run)
         print(f"{PREFIX}: got {exc.sigval.name}; the workers stopped unsaved", file=sys.stderr)
         return 128 + exc.sigval
+    except RendezvousTimeoutError:
+        print(
+            f"{PREFIX}: error: the nodes did not all meet within the rendezvous' join_timeout (a "
+            f"first start) or {RESTART_JOIN_KEY} ({RestartPolicyAgent.restart_join_timeout:g} s, "
+            "a restart): a node was lost, or started too late (its launcher's log says why)",
+            file=sys.stderr,
+        )
+        return 1
     finally:
         launcher_api.LocalElasticAgent = LocalElasticAgent
     return 0
