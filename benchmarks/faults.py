@@ -64,10 +64,7 @@ FAULTS = {
     "ddp-raise": Fault("DDP, an exception on one rank", "raise"),
     "ddp-oom": Fault("DDP, out of memory on one rank", "oom"),
     "ddp-sigstop": Fault(
-        "DDP, one rank SIGSTOPped (timeout 6 s)",
-        "sigstop",
-        ("distributed.timeout_minutes=0.1",),
-        ("--shutdown-timeout=2",),
+        "DDP, one rank SIGSTOPped (timeout 6 s)", "sigstop", ("distributed.timeout_minutes=0.1",)
     ),
     "zero2-sigkill": Fault("ZeRO-2, one rank SIGKILLed", "sigkill", ZERO2),
     "zero2-raise": Fault("ZeRO-2, an exception on one rank", "raise", ZERO2),

@@ -2,7 +2,9 @@
 # One node of a multi-node run: start it on every node with the same MASTER (host:port).
 # Usage: NNODES=2 NODE_RANK=0 MASTER=node1:29500 NPROC=8 launch/multinode.sh CONFIG [key=value ...]
 # A fault on any node restarts every node's group from the latest checkpoint, up to
-# MAX_RESTARTS (default 3) times (aiayn.distributed.run; docs/distributed.md).
+# MAX_RESTARTS (default 3) times (aiayn.distributed.run; docs/distributed.md). The first start
+# waits JOIN_TIMEOUT s (default 600) for every node; a restart RESTART_JOIN_TIMEOUT s (default
+# 45), after which a node that has not come back is taken for lost and the launcher exits 1.
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: NNODES=N NODE_RANK=R MASTER=host:port [NPROC=P] $0 CONFIG ..." >&2; exit 2; }
 : "${NNODES:?set NNODES}" "${NODE_RANK:?set NODE_RANK}" "${MASTER:?set MASTER=host:port}"
@@ -10,6 +12,7 @@ config=$1; shift
 cmd=(python -m aiayn.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK"
      --nproc_per_node="${NPROC:-1}" --max-restarts="${MAX_RESTARTS:-3}"
      --rdzv-backend=c10d --rdzv-endpoint="$MASTER" --rdzv-id="${RDZV_ID:-aiayn}"
+     --rdzv-conf="join_timeout=${JOIN_TIMEOUT:-600},restart_join_timeout=${RESTART_JOIN_TIMEOUT:-45}"
      -m aiayn train --config "$config" "$@")
 echo "+ ${cmd[*]}" >&2
 exec "${cmd[@]}"

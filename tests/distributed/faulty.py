@@ -4,14 +4,21 @@
 
 KINDS and STEPS are comma-separated lists of the same length: on the group's i-th start
 (torchrun's TORCHELASTIC_RESTART_COUNT=i) rank RANK meets fault KINDS[i] as it begins step
-STEPS[i]. sigkill, sigstop and sigusr1 (a preemption) send the signal to itself; raise raises a
-RuntimeError, oom a torch.OutOfMemoryError, user an AiaynError (exit 2: not restartable). A
-start past the last fault trains without one. Several faults in one job let one launch check
-several kinds of restart, each from the checkpoint the previous one left."""
+STEPS[i]. sigkill, sigstop and sigusr1 (a preemption) send the signal to itself;
+sigterm-launcher sends SIGTERM to its launcher (a scheduler's preemption, which the launcher
+forwards); sigstop-node stops its launcher and itself (a node that vanished: its sockets stay
+open, its heartbeats stop); raise raises a RuntimeError, oom a torch.OutOfMemoryError, user
+an AiaynError (exit 2: not restartable). A start past the last fault trains without one.
+Several faults in one job let one launch check several kinds of restart, each from the
+checkpoint the previous one left.
+Each fault is logged with its time (time.time()) to run_dir/injected.jsonl just before."""
 
+import json
 import os
 import signal
 import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -26,8 +33,16 @@ def inject(kind: str, step: int) -> None:
     def faulty_step(run, micro, window, n_tokens):
         if run.progress.step + 1 == step:
             print(f"faulty.py: {kind} on rank {run.env.rank} at step {step}", flush=True)
+            row = {"kind": kind, "rank": run.env.rank, "step": step, "time": time.time()}
+            with open(Path(run.cfg.run_dir) / "injected.jsonl", "a") as fh:
+                fh.write(json.dumps(row) + "\n")
             if kind in ("sigkill", "sigstop", "sigusr1"):
                 os.kill(os.getpid(), getattr(signal, kind.upper()))
+            elif kind == "sigterm-launcher":
+                os.kill(os.getppid(), signal.SIGTERM)
+            elif kind == "sigstop-node":
+                os.kill(os.getppid(), signal.SIGSTOP)
+                os.kill(os.getpid(), signal.SIGSTOP)
             elif kind == "raise":
                 raise RuntimeError(f"injected fault at step {step}")
             elif kind == "oom":

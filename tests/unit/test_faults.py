@@ -1,15 +1,28 @@
 """The fault log and the restart policy of aiayn.distributed.run, without processes (the
 launches themselves: tests/distributed/test_restarts.py)."""
 
+import time
 from types import SimpleNamespace
 
 import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from aiayn.cli import build_parser
 from aiayn.distributed import faults
-from aiayn.distributed.run import _message, _train_arguments, exit_code, run_dir_of
+from aiayn.distributed.run import (
+    RESTART_JOIN_TIMEOUT_S,
+    _message,
+    _train_arguments,
+    exit_code,
+    restart_join_timeout,
+    run_dir_of,
+    shorten_join_timeout,
+)
 from aiayn.distributed.run import main as run_main
 from aiayn.errors import ConfigError
+
+from helpers import free_port  # tests/helpers.py
 
 
 def test_faults_are_appended_and_a_torn_last_line_is_skipped(tmp_path):
@@ -76,3 +89,36 @@ def test_the_launcher_refuses_a_negative_restart_count_in_one_line(capsys):
     assert run_main(argv) == faults.USER_ERROR_EXIT_CODE
     err = capsys.readouterr().err
     assert "--max-restarts=-2" in err and "0 or more" in err and "Traceback" not in err
+
+
+def test_a_restarts_rendezvous_gives_up_on_a_lost_node_after_restart_join_timeout():
+    """torch's c10d rendezvous, for real: the first start's join_timeout is 600 s; once the
+    launcher has shortened it (as it does after the first start meets), a rendezvous whose
+    second node never comes fails after the shorter one."""
+    params = RendezvousParameters(
+        backend="c10d",
+        endpoint=f"127.0.0.1:{free_port()}",
+        run_id="restart-join",
+        min_nodes=2,
+        max_nodes=2,
+        join_timeout="600",
+        is_host="true",
+    )
+    handler = get_rendezvous_handler(params)
+    try:
+        shorten_join_timeout(handler, 1)
+        shorten_join_timeout(handler, 30)  # never lengthened
+        started = time.monotonic()
+        with pytest.raises(RendezvousTimeoutError):
+            handler.next_rendezvous()
+        assert time.monotonic() - started < 15  # 1 s, and torch's 5 s to leave the round
+    finally:
+        handler.shutdown()
+
+
+def test_the_restart_join_timeout_comes_from_the_rendezvous_conf():
+    assert restart_join_timeout("") == RESTART_JOIN_TIMEOUT_S
+    assert restart_join_timeout("join_timeout=900,restart_join_timeout=20") == 20
+    for bad in ("restart_join_timeout=0", "restart_join_timeout=soon"):
+        with pytest.raises(ConfigError, match="restart_join_timeout"):
+            restart_join_timeout(bad)

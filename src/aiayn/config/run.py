@@ -33,9 +33,16 @@ class DistributedConfig(Section):
     """How long a collective may wait until set-up is done (tokenizer training on rank 0,
     building the token cache, building the model, restoring a checkpoint). Longer than
     training's: rank 0 trains the tokenizer of a WMT-size corpus while the others wait."""
-    timeout_minutes: float = bounded(10.0, low=0, low_open=True)
-    """How long a collective may wait once set-up is done: after a rank died or hung, the
-    others stop with an error this long after, instead of holding their GPUs."""
+    first_step_timeout_minutes: float = bounded(10.0, low=0, low_open=True)
+    """How long a collective may wait in the first step of each start, once set-up is done:
+    with train.compile every rank compiles the model there, and a rank whose compile cache is
+    cold (a new node) finishes minutes after the others."""
+    timeout_minutes: float = bounded(1.0, low=0, low_open=True)
+    """How long a collective may wait after the first step: after a rank died or hung, or its
+    node was lost, the others stop with an error this long after, and the launcher restarts
+    the group (docs/distributed.md, "Faults and restarts": with the launcher's defaults a lost
+    node is given up within 2 minutes). Keep it above the longest stretch in which one rank
+    waits for another: a rank's part of a synchronous save, validation's slowest share."""
 
     def validate(self) -> list[str]:
         errs = []

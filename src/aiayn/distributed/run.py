@@ -17,45 +17,93 @@ latest checkpoint. It is wrong for two exits (distributed/faults.py):
   full): a restart would fail the same way, --max-restarts times. This launcher exits 2.
 torch's agent has no hook for that choice, so the one class that makes it is swapped in for
 torchrun's, in this process only.
+
+How it stops a group (torch's agent gives every worker SIGTERM and 30 s before SIGKILL):
+- after a fault (a worker died, raised, or its collective timed out), or when another node
+  left the rendezvous: SIGKILL at once. Nothing can be saved from a broken group, and a
+  worker's SIGTERM means "save after this step" (preemption.StopFlag), a step that a rank
+  blocked in a collective never finishes. The workers stopped so are not faults of their own
+  and are not logged as such.
+- after a preemption (a worker exited 75): the others saved the same step and are exiting;
+  they get --shutdown-timeout to do it before SIGKILL, and no signal.
+- when the launcher itself gets SIGTERM (a scheduler): forwarded to the workers, which save
+  and exit 75 within --shutdown-timeout (torch's own); the launcher then exits 75.
+
+A restart's rendezvous waits `restart_join_timeout` (an --rdzv-conf key of this launcher,
+default RESTART_JOIN_TIMEOUT_S) for the nodes, not the first start's join_timeout: every node
+still alive is back within seconds, so a node that is not has been lost, and the launcher gives
+up (exit 1) instead of waiting torch's 600 s (docs/distributed.md, "Faults and restarts").
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import os
+import signal
+import subprocess
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 
 from torch.distributed import run as torchrun
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousSettings,
+    RendezvousTimeout,
+)
+from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 from torch.distributed.launcher import api as launcher_api
 
 from aiayn.distributed import faults
 from aiayn.distributed.preemption import REQUEUE_EXIT_CODE
-from aiayn.errors import AiaynError
+from aiayn.errors import AiaynError, ConfigError
 
 PREFIX = "aiayn.distributed.run"
 # What torchrun says for a worker that left no error file: nothing its exit code does not.
 TORCH_PLACEHOLDERS = ("<", "To enable traceback", "Signal ")
+# How long to wait for a SIGKILLed worker to be gone (milliseconds, but for one stuck in the
+# kernel, which torch then leaves behind): its GPU memory is free when it is.
+KILL_WAIT_S = 10
+# A restart's rendezvous: the live nodes' launchers are back within seconds of the fault (each
+# sees the new round within --monitor-interval, 0.1 s, and kills its workers at once); the
+# rest of the time is margin for a rendezvous of many nodes.
+RESTART_JOIN_TIMEOUT_S = 45
+RESTART_JOIN_KEY = "restart_join_timeout"  # in --rdzv-conf, beside torch's join_timeout
 
 
 class RestartPolicyAgent(LocalElasticAgent):
-    """torchrun's agent, but a group whose failures include a stop is not restarted, and each
+    """torchrun's agent, but a group whose failures include a stop is not restarted, a broken
+    group is killed at once, a restart's rendezvous waits `restart_join_timeout`, and each
     failure is logged to `run_dir`'s faults.jsonl (when the command is `aiayn train`)."""
 
     run_dir: Path | None = None
+    restart_join_timeout: float = RESTART_JOIN_TIMEOUT_S
+    _signalled: signal.Signals | None = None  # what the launcher got, forwarded to the workers
+    _stopped: frozenset[int] = frozenset()  # local ranks the agent killed, not failed themselves
 
     def _monitor_workers(self, worker_group) -> RunResult:
         result = super()._monitor_workers(worker_group)
         if result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY) or not result.failures:
             return result
         codes = [f.exitcode for f in result.failures.values()]
-        attempt = worker_group.spec.max_restarts - self._remaining_restarts  # 0: first start
         if not faults.should_restart(codes):
             # The same switch torch itself uses to stop restarting a wedged worker group.
             self._remaining_restarts = 0
+        self._log_faults(worker_group, result.failures)
+        return result
+
+    def _log_faults(self, worker_group, failures: dict[int, ProcessFailure]) -> None:
+        """Say what failed and what follows, and append it to the run's faults.jsonl."""
+        codes = [f.exitcode for f in failures.values()]
+        attempt = worker_group.spec.max_restarts - self._remaining_restarts  # 0: first start
         left = self._remaining_restarts  # the agent takes one for the restart it now makes
         if REQUEUE_EXIT_CODE in codes:
             action = "preempted"
@@ -63,10 +111,19 @@ class RestartPolicyAgent(LocalElasticAgent):
             action = "restart" if left > 0 else "stop"
         found = [
             faults.Fault(rank, f.exitcode, action, _message(f.message), attempt)
-            for rank, f in sorted(result.failures.items())
+            for rank, f in sorted(failures.items())
+            if f.local_rank not in self._stopped
         ]
         for fault in found:
             print(f"{PREFIX}: {_describe(fault, left)}", file=sys.stderr, flush=True)
+        stopped = sorted(r for r, f in failures.items() if f.local_rank in self._stopped)
+        if stopped:
+            print(
+                f"{PREFIX}: stopped rank(s) {', '.join(map(str, stopped))} of the group with "
+                "SIGKILL" + (" after --shutdown-timeout" if action == "preempted" else " at once"),
+                file=sys.stderr,
+                flush=True,
+            )
         if self.run_dir is not None:
             try:
                 faults.record(self.run_dir, found)
@@ -77,18 +134,100 @@ class RestartPolicyAgent(LocalElasticAgent):
                     file=sys.stderr,
                     flush=True,
                 )
-        return result
 
     def _start_workers(self, worker_group) -> dict:
         ids = super()._start_workers(worker_group)
-        # When a worker fails, torch's process context stops the others with a fixed 30 s
-        # grace before SIGKILL, not the --shutdown-timeout it was given: a stalled
-        # (SIGSTOPped) worker, which SIGTERM cannot end, held every restart 30 s.
-        close, grace = self._pcontext.close, self._shutdown_timeout
-        self._pcontext.close = lambda death_sig=None, timeout=None: close(
-            death_sig, grace if timeout is None else timeout
-        )
+        if not isinstance(self._pcontext, SubprocessContext):
+            raise RuntimeError(
+                f"torchrun started its workers in a {type(self._pcontext).__name__}, not a "
+                "SubprocessContext: aiayn.distributed.run cannot stop them by its policy"
+            )
+        self._stopped = frozenset()
+        # torch's process context closes the group (SIGTERM, a fixed 30 s, SIGKILL) as soon as
+        # one worker has ended: the policy of the module docstring instead.
+        self._pcontext.close = functools.partial(self._close, self._pcontext.close)
         return ids
+
+    def _close(self, close, death_sig=None, timeout=None) -> None:
+        if death_sig is not None or timeout is not None:  # _shutdown's: decided there
+            return close(death_sig, timeout)
+        procs = {lr: h.proc for lr, h in self._pcontext.subprocess_handlers.items()}
+        if REQUEUE_EXIT_CODE in [p.poll() for p in procs.values()]:
+            # Preempted: the others saved the same step and exit by themselves.
+            deadline = time.monotonic() + self._shutdown_timeout
+            for proc in procs.values():
+                try:
+                    proc.wait(max(deadline - time.monotonic(), 0))
+                except subprocess.TimeoutExpired:
+                    pass
+        self._stopped = frozenset(lr for lr, p in procs.items() if p.poll() is None)
+        close(signal.SIGKILL, KILL_WAIT_S)
+
+    def _shutdown(self, death_sig=signal.SIGTERM, timeout=30) -> None:
+        if self._signalled is not None:
+            # The launcher was signalled: torch's own, the signal forwarded, and
+            # --shutdown-timeout for the workers to save and exit 75.
+            return super()._shutdown(self._signalled, self._shutdown_timeout)
+        # A restart after a fault, a node that left the rendezvous, the agent's own failure
+        # (after a group that ended by itself there is no one left).
+        super()._shutdown(signal.SIGKILL, KILL_WAIT_S)
+
+    def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        try:
+            return super()._invoke_run(role)
+        except SignalException as exc:
+            self._signalled = exc.sigval  # run() then forwards it (_shutdown)
+            raise
+
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        """torch's, but a signal that made the workers save and exit 75 ends the launcher as a
+        preemption (75, through the ChildFailedError of `main`), not with a traceback."""
+        try:
+            return super().run(role)
+        except SignalException as exc:
+            failures = self._failures_after_signal()
+            if not any(f.exitcode == REQUEUE_EXIT_CODE for f in failures.values()):
+                raise
+            print(
+                f"{PREFIX}: got {exc.sigval.name}: forwarded to the workers, which saved",
+                file=sys.stderr,
+                flush=True,
+            )
+            self._log_faults(self._worker_group, failures)
+            return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    def _failures_after_signal(self) -> dict[int, ProcessFailure]:
+        pcontext = self._pcontext
+        if not isinstance(pcontext, SubprocessContext):
+            return {}
+        failures = {}
+        for worker in self._worker_group.workers:
+            proc = pcontext.subprocess_handlers[worker.local_rank].proc
+            if proc.returncode:
+                failures[worker.global_rank] = ProcessFailure(
+                    worker.local_rank, proc.pid, proc.returncode,
+                    pcontext.error_files[worker.local_rank],
+                )  # fmt: skip
+        return failures
+
+    def _rendezvous(self, worker_group) -> None:
+        super()._rendezvous(worker_group)
+        # The first start has met: a restart waits restart_join_timeout for the nodes.
+        shorten_join_timeout(worker_group.spec.rdzv_handler, self.restart_join_timeout)
+
+
+def shorten_join_timeout(handler, seconds: float) -> None:
+    """From now on `handler`'s rendezvous waits at most `seconds` for its nodes (its next
+    next_rendezvous()). torch reads the join timeout from the handler's frozen settings at
+    each call and offers no setter; a handler without one (the static rendezvous of a
+    single node) is left as it is."""
+    settings = getattr(handler, "_settings", None)
+    if not isinstance(settings, RendezvousSettings):
+        return
+    old, join = settings.timeout, timedelta(seconds=seconds)
+    if join < old.join:
+        timeout = RendezvousTimeout(join, old.last_call, old.close, old.heartbeat)
+        handler._settings = dataclasses.replace(settings, timeout=timeout)
 
 
 def _message(message: str | dict) -> str:
@@ -141,6 +280,23 @@ def _train_arguments() -> argparse.ArgumentParser:
     return parser
 
 
+def restart_join_timeout(rdzv_conf: str) -> float:
+    """--rdzv-conf's restart_join_timeout (seconds), else RESTART_JOIN_TIMEOUT_S."""
+    value = _parse_rendezvous_config(rdzv_conf).get(RESTART_JOIN_KEY)
+    if value is None:
+        return RESTART_JOIN_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise ConfigError(
+            f"--rdzv-conf {RESTART_JOIN_KEY}={value}: give the seconds a restart's rendezvous "
+            "waits for the nodes, more than 0"
+        )
+    return seconds
+
+
 def exit_code(failures: dict) -> int:
     """The launcher's exit code for its workers' failures: 75 when the group was preempted
     (ranks saved and stopped), 2 for an error a person must fix, else 1."""
@@ -165,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     command = [args.training_script, *args.training_script_args]
     try:
         RestartPolicyAgent.run_dir = run_dir_of(command)
+        RestartPolicyAgent.restart_join_timeout = restart_join_timeout(args.rdzv_conf)
     except AiaynError as exc:  # a bad config fails here once, not in every worker
         print(f"{PREFIX}: error: {exc}", file=sys.stderr)
         return faults.USER_ERROR_EXIT_CODE
@@ -186,6 +343,17 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as exc:
         print(exc.format_msg(), file=sys.stderr)
         return exit_code(exc.failures)
+    except SignalException as exc:  # the workers did not save (RestartPolicyAgent.run)
+        print(f"{PREFIX}: got {exc.sigval.name}; the workers stopped unsaved", file=sys.stderr)
+        return 128 + exc.sigval
+    except RendezvousTimeoutError:
+        print(
+            f"{PREFIX}: error: the nodes did not all meet within the rendezvous' join_timeout (a "
+            f"first start) or {RESTART_JOIN_KEY} ({RestartPolicyAgent.restart_join_timeout:g} s, "
+            "a restart): a node was lost, or started too late (its launcher's log says why)",
+            file=sys.stderr,
+        )
+        return 1
     finally:
         launcher_api.LocalElasticAgent = LocalElasticAgent
     return 0

@@ -107,7 +107,7 @@ def assemble(
         keep=env.is_main,
     )
     _log_start(cfg, env, tok, n_params, peak, resume_from, progress)
-    use_timeout(cfg.distributed.timeout_minutes, env)  # set-up is done: a lost rank fails fast
+    use_timeout(cfg.distributed.first_step_timeout_minutes, env)  # set-up is done
     startup.set_up_done()
     measured = not cfg.logging.peak_tflops and (
         datasheet_peak(env.device, cfg.train.precision, cfg.train.tf32) is None

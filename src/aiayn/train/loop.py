@@ -18,7 +18,7 @@ import torch
 
 from aiayn.config import Config
 from aiayn.data import StepBatches
-from aiayn.distributed.env import teardown
+from aiayn.distributed.env import teardown, use_timeout
 from aiayn.distributed.parent_death import launcher_gone
 from aiayn.distributed.preemption import REQUEUE_EXIT_CODE, Preempted, StopFlag
 from aiayn.engine.loss import batch_loss
@@ -91,6 +91,7 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
         grad_norm = _train_step(run, micro, window, n_tokens)
         if not run.startup.done:
             log_startup(run, window.data_seconds)
+            use_timeout(cfg.distributed.timeout_minutes, run.env)  # a lost rank fails fast
         step, last = progress.step, progress.step == cfg.train.max_steps
         shown, valid = None, None
         if step % cfg.logging.every_steps == 0 or last:

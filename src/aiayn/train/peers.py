@@ -19,14 +19,16 @@ def is_collective_failure(exc: RuntimeError) -> bool:
 
 
 def peer_error(run: Run, exc: RuntimeError) -> PeerError:
-    step, minutes = run.progress.step + 1, run.cfg.distributed.timeout_minutes
+    step, dist = run.progress.step + 1, run.cfg.distributed
+    name = "timeout_minutes" if run.startup.done else "first_step_timeout_minutes"
+    minutes = getattr(dist, name)
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
     if "timeout" in first_line.lower() and "timed out" not in first_line.lower():
         first_line = f"timed out: {first_line}"
     latest = run.ckpts.named_latest() or "none (a new run)"
     return PeerError(
         f"step {step}: a collective failed on rank {run.env.rank} ({first_line}). Another "
-        f"rank died, or stalled for distributed.timeout_minutes ({minutes:g} min); its log "
+        f"rank died, or stalled for distributed.{name} ({minutes:g} min); its log "
         f"says why. The latest checkpoint is {latest}: under "
         "`python -m aiayn.distributed.run --max-restarts=N` the group restarts from it."
     )
