@@ -1,6 +1,7 @@
 """The process environment on a GPU node (torch.cuda faked: fake_cuda.py): one GPU per rank,
 NCCL bound to it, the set-up timeout, the allocator configured before CUDA allocates."""
 
+import resource
 from datetime import timedelta
 
 import pytest
@@ -35,6 +36,7 @@ def test_nccl_joins_with_this_ranks_device_and_the_setup_timeout(monkeypatch):
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "-")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF")
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(env_module, "raise_open_file_limit", lambda world_size: None)
     env = setup("auto", timeout_minutes=90)
     assert env.device == torch.device("cuda", 3) and cuda.current == 3
     timeout = timedelta(minutes=90)
@@ -42,3 +44,31 @@ def test_nccl_joins_with_this_ranks_device_and_the_setup_timeout(monkeypatch):
     expected = {"store": "store", "rank": 7, "world_size": 8, "timeout": timeout}
     assert calls == [(("nccl",), {**expected, "device_id": torch.device("cuda", 3)})]
     assert env_module.os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+
+
+@pytest.mark.parametrize(
+    "limits, world_size, expect",
+    [
+        ((4096, 524288), 8, 4096),  # enough already: untouched
+        ((1024, 524288), 1024, 3 * 1024 + 1024),  # raised to the need, below the hard limit
+        ((1024, resource.RLIM_INFINITY), 2048, 3 * 2048 + 1024),
+        ((resource.RLIM_INFINITY, resource.RLIM_INFINITY), 4096, resource.RLIM_INFINITY),
+    ],
+)
+def test_the_open_file_limit_is_raised_to_what_the_gloo_groups_need(
+    monkeypatch, limits, world_size, expect
+):
+    state = {"limits": limits}
+    monkeypatch.setattr(resource, "getrlimit", lambda which: state["limits"])
+    monkeypatch.setattr(resource, "setrlimit", lambda which, new: state.update(limits=new))
+    assert env_module.raise_open_file_limit(world_size) == expect
+    assert state["limits"][0] == expect and state["limits"][1] == limits[1]
+
+
+def test_a_hard_open_file_limit_below_the_need_is_refused_naming_the_fix(monkeypatch):
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 4000))
+    monkeypatch.setattr(resource, "setrlimit", lambda *a: pytest.fail("nothing to raise to"))
+    with pytest.raises(
+        ConfigError, match=r"1024 ranks may need 4,096 .* at most 4,000 .*ulimit -n 4096"
+    ):
+        env_module.raise_open_file_limit(1024)

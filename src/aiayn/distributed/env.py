@@ -204,6 +204,11 @@ def setup(
                 f"WORLD_SIZE={world_size} but MASTER_ADDR is not set: start the processes with "
                 "torchrun or accelerate launch (see launch/)"
             )
+        # A gloo group connects each rank to every other when it is made: W - 1 sockets per
+        # group and rank. Not lazily (TORCH_GLOO_LAZY_INIT): a pair would then meet through
+        # the launcher's store at its first exchange, and workers whose launcher died could
+        # no longer save (tests/distributed/test_run_dir_lock.py failed so).
+        raise_open_file_limit(world_size)
         timeout = timedelta(minutes=timeout_minutes)
         store = _attempt_store(rank, world_size, timeout)
         # NCCL on GPUs; device_id binds the communicator to this rank's GPU now, not at a
@@ -213,6 +218,35 @@ def setup(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **bind
         )
     return DistEnv(rank, world_size, device)
+
+
+# Sockets a rank may hold: a full mesh for each gloo group (the default or host numbers', the
+# node's, the checkpoint writers'), and room for the rest (NCCL, the cache's maps, checkpoints).
+GLOO_GROUPS, OTHER_FILES = 3, 1024
+
+
+def raise_open_file_limit(world_size: int) -> int:
+    """Raise this process's open-file limit (RLIMIT_NOFILE) to what `world_size` ranks' gloo
+    groups may need, as far as the hard limit allows, and return it; a hard limit below the
+    need is a ConfigError that says how to raise it (the usual soft limit, 1,024, fails with
+    "Too many open files" deep inside gloo at a few hundred ranks)."""
+    import resource
+
+    need = GLOO_GROUPS * world_size + OTHER_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    unlimited = resource.RLIM_INFINITY
+    if soft == unlimited or soft >= need:
+        return soft
+    if hard != unlimited and hard < need:
+        raise ConfigError(
+            f"{world_size} ranks may need {need:,} open files each (sockets to every other rank "
+            f"in {GLOO_GROUPS} gloo groups), but this process may open at most {hard:,} (the "
+            f"hard limit; soft {soft:,}): raise it where the job starts (`ulimit -n {need}` in "
+            "the job script, a higher `nofile` in /etc/security/limits.conf, or Slurm's "
+            "PropagateResourceLimits from a shell that has it)"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    return need
 
 
 def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
