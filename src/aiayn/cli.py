@@ -416,10 +416,15 @@ def cmd_evaluate(args) -> int:
     print(f"checkpoint {result['checkpoint']}  split {args.split}")
     for src, ref, hyp in result.pop("samples", []):
         print(f"  src: {src}\n  ref: {ref}\n  hyp: {hyp}\n")
-    for key, value in result.items():
-        if key not in ("checkpoint", "split"):
-            print(f"{key:>18}: {value:.4f}" if isinstance(value, float) else f"{key:>18}: {value}")
+    _print_result({k: v for k, v in result.items() if k not in ("checkpoint", "split")}, 18)
     return 0
+
+
+def _print_result(result: dict, width: int) -> None:
+    """One `key: value` line each, keys right-aligned to `width`, floats to 4 decimals."""
+    for key, value in result.items():
+        shown = f"{value:.4f}" if isinstance(value, float) else value
+        print(f"{key:>{width}}: {shown}")
 
 
 def cmd_score(args) -> int:
@@ -432,8 +437,7 @@ def cmd_score(args) -> int:
         print(json.dumps(result, indent=1))
         return 0
     print(f"hypotheses {args.hyp}  references {args.ref}")
-    for key, value in result.items():
-        print(f"{key:>29}: {value:.4f}" if isinstance(value, float) else f"{key:>29}: {value}")
+    _print_result(result, 29)
     return 0
 
 

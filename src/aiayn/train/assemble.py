@@ -192,7 +192,7 @@ def _log_start(
         cfg.model.kind,
         f"{n_params:,}",
         tok.vocab_size,
-        f"{train.max_tokens * accumulation * world:,}",
+        f"{train.step_tokens(world):,}",
         f"{train.max_tokens:,}",
         accumulation,
         world,
