@@ -96,11 +96,16 @@ def verdicts(tmp_path: Path, *run_dirs: Path) -> list[dict]:
 
 
 def test_a_checkpoint_damaged_in_one_ranks_share_is_skipped_by_both(ddp_run, tmp_path):
-    """The newest checkpoint is corrupt in the byte range rank 1 verifies (same size, its last
-    byte changed: only its checksum can tell): rank 1 finds it, and both ranks resume from the
-    one before; each hashed its share, neither the whole."""
+    """A checkpoint is corrupt in the byte range rank 1 verifies (same size, its last byte
+    changed: only its checksum can tell): rank 1 finds it, and both ranks resume from the one
+    before; each hashed its share, neither the whole. A newer one without a manifest (on the
+    storage every rank sees) is skipped by both, not taken for storage they do not share."""
     run_dir = tmp_path / "run"
     shutil.copytree(ddp_run / "checkpoints", run_dir / "checkpoints")
+    shutil.copytree(
+        run_dir / "checkpoints" / "step_00000020", run_dir / "checkpoints" / "step_00000030"
+    )
+    (run_dir / "checkpoints" / "step_00000030" / "manifest.json").unlink()
     weights = run_dir / "checkpoints" / "step_00000020" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF

@@ -51,8 +51,14 @@ def resume_point(root: Path, resume: str, env: DistEnv | None = None) -> Path | 
     for name in names:
         ckpt = root / name
         problem, unreadable = _verify_my_share(ckpt, env)
-        failed, elsewhere = env.sum([float(problem is not None), float(unreadable)])
-        if elsewhere:
+        failed, elsewhere, on_main = env.sum(
+            [
+                float(problem is not None),
+                float(unreadable and not env.is_main),
+                float(unreadable and env.is_main),
+            ]
+        )
+        if elsewhere and not on_main:  # rank 0 read the manifest that another rank cannot
             _stop_unshared(env, name, problem)
         if not failed:
             return ckpt
@@ -87,15 +93,16 @@ def _candidates(root: Path, resume: str) -> list[str]:
 
 def _verify_my_share(ckpt: Path, env: DistEnv) -> tuple[str | None, bool]:
     """(the problem this rank found in its share of `ckpt`, or None; whether it could not read
-    the manifest that rank 0 listed: a run_dir that is not the same storage on every rank)."""
+    the manifest: where rank 0 could, a run_dir that is not the same storage on every rank)."""
     try:
-        files = json.loads((ckpt / MANIFEST_FILE).read_text())["files"]
-    except (OSError, ValueError, KeyError) as exc:
-        return f"{ckpt} has no readable {MANIFEST_FILE} ({exc})", not env.is_main
-    try:
-        return verify_share(ckpt, files, env.rank, env.world_size, partition_rank), False
+        text = (ckpt / MANIFEST_FILE).read_text()
     except OSError as exc:
-        return f"{ckpt}: {exc}", False
+        return f"{ckpt} has no readable {MANIFEST_FILE} ({exc})", True
+    try:  # what rank 0 reads too: damage, the same on every rank, never a hang
+        files = json.loads(text)["files"]
+        return verify_share(ckpt, files, env.rank, env.world_size, partition_rank), False
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{ckpt}: {type(exc).__name__}: {exc}", False
 
 
 def _stop_unshared(env: DistEnv, name: str, problem: str | None) -> None:
