@@ -46,14 +46,17 @@ def share_of(files: dict[str, dict], rank: int, world: int, owner: Owner | None 
     mine = [(i, p) for i, who, p in pinned if who == rank]
     for _, who, (_, a, b, _) in pinned:
         load[who] += b - a
-    heap = [(n, r) for r, n in enumerate(load)]
+    # Ties between ranks go first to a rank named by the manifest's checksums, not always to
+    # rank 0: the checkpoint and the cache of one start then load different ranks.
+    first = int(hashlib.sha256("".join(p[3] for _, p in free).encode()).hexdigest()[:8], 16)
+    heap = [(n, (r - first) % world, r) for r, n in enumerate(load)]
     heapq.heapify(heap)
     # Largest first, ties in manifest order: the busiest rank ends at most one piece above 1/W.
     for i, piece in sorted(free, key=lambda item: (item[1][1] - item[1][2], item[0])):
-        n, r = heapq.heappop(heap)
+        n, turn, r = heapq.heappop(heap)
         if r == rank:
             mine.append((i, piece))
-        heapq.heappush(heap, (n + piece[2] - piece[1], r))
+        heapq.heappush(heap, (n + piece[2] - piece[1], turn, r))
     return [p for _, p in sorted(mine, key=lambda item: (item[0], item[1][1]))]
 
 
