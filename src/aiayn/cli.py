@@ -373,15 +373,21 @@ def _translate_file(args) -> int:
     """--input to --output in chunks, on every rank of the launcher's group (one process
     without one), resumable (aiayn/infer/translate_file.py)."""
     from aiayn.checkpoint.inference import load_for_inference
+    from aiayn.checkpoint.locate import locate
     from aiayn.distributed.env import setup, teardown
     from aiayn.infer.translate import translate
     from aiayn.infer.translate_file import translate_file
     from aiayn.train.monitor import setup_logging
+    from aiayn.train.report import log_checksums
 
     env = setup(args.device)
     setup_logging(None, env.rank)
     try:
-        cfg, model, tok, ckpt = load_for_inference(args.checkpoint, args.overrides, env.device)
+        # Rank 0 finds and verifies the checkpoint, and every rank loads what it found: W
+        # ranks hashing it would read it W times from shared storage.
+        found = env.decide(lambda: locate(args.checkpoint))
+        cfg, model, tok, ckpt = load_for_inference(found, args.overrides, env.device)
+        log_checksums(env)
         settings = {"checkpoint": str(ckpt.resolve()), "overrides": list(args.overrides)}
         translate_file(
             lambda lines: translate(model, tok, lines, cfg.decode, env.device),

@@ -322,6 +322,24 @@ def test_a_changed_source_file_is_named(tmp_path, corpus, tok):
         ensure_cache(cfg, "train", tok)
 
 
+def test_a_touched_corpus_file_is_hashed_once_and_its_new_time_recorded(tmp_path, corpus, tok):
+    """A corpus file with a new modification time and the same content costs one hash: the
+    open that hashes it records the new time, and the next open hashes the cache alone."""
+    from aiayn.runtime.durable import bytes_hashed
+
+    for side in ("en", "de"):
+        (tmp_path / f"c.{side}").write_text((corpus / f"train.{side}").read_text())
+    cfg = s2s(tmp_path, tmp_path / "c")
+    arrays = sum(f["bytes"] for f in ensure_cache(cfg, "train", tok).manifest["files"].values())
+    os.utime(tmp_path / "c.de", ns=(1, 1))
+    for corpus_hashed in ((tmp_path / "c.de").stat().st_size, 0):
+        before = bytes_hashed()
+        cache = ensure_cache(cfg, "train", tok)
+        assert bytes_hashed() - before == arrays + corpus_hashed
+    recorded = json.loads((cache.root / MANIFEST).read_text())["fingerprint"]["files"]
+    assert [f["mtime_ns"] for f in recorded if f["path"].endswith("c.de")] == [1]
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "remove", "manifest"])
 def test_a_damaged_cache_is_refused_before_any_batch(tmp_path, corpus, tok, damage):
     cfg = s2s(tmp_path, corpus / "train")
@@ -334,7 +352,7 @@ def test_a_damaged_cache_is_refused_before_any_batch(tmp_path, corpus, tok, dama
     elif damage == "flip":
         data[-3] ^= 0x01
         tokens.write_bytes(bytes(data))
-        expected = r"tgt_tokens\.npy does not match the sha256 its manifest records"
+        expected = r"tgt_tokens\.npy: its sha256 is not the manifest's"
     elif damage == "remove":
         tokens.unlink()
         expected = r"tgt_tokens\.npy is missing"
