@@ -98,7 +98,7 @@ DURATIONS ?= 15
 
 test: install $(BENCH_STAMP)
 	status=0; \
-	$(BIN)/pytest -q -n auto -m "not distributed and not slurm" --durations=$(DURATIONS) \
+	$(BIN)/pytest -q -n auto --dist loadgroup -m "not distributed and not slurm" --durations=$(DURATIONS) \
 		$(PYTEST_ARGS) || status=1; \
 	$(BIN)/pytest -q -n $(DIST_WORKERS) --dist loadfile -m "distributed and not slurm" \
 		--durations=$(DURATIONS) $(PYTEST_ARGS) || status=1; \
