@@ -172,6 +172,8 @@ def _doc_commands():
                 except ValueError:
                     continue  # not shell (sample output)
                 for seg in segments:
+                    if seg[0] == ".venv/bin/aiayn":  # the README's way without activating
+                        seg = ["aiayn", *seg[1:]]
                     if _is_checked(seg):
                         found.append((f"{_rel(path)}:{start + offset}", seg))
     return found

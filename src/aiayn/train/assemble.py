@@ -95,9 +95,8 @@ def assemble(
             )
     if env.is_main:  # after the checks a resume makes: a refused config never replaces it
         cfg.save(run_dir / "config.yaml")
-    # Events an interrupted run logged after its last checkpoint are dropped from the curves.
-    purge = progress.step + 1 if progress.step else None
-    metrics = Metrics(run_dir, env.is_main, cfg.logging.tensorboard, purge_step=purge)
+    # What an interrupted run logged after its last checkpoint is dropped from the curves.
+    metrics = Metrics(run_dir, env.is_main, cfg.logging.tensorboard, resume_step=progress.step)
     peak = device_peak_flops(
         env.device,
         cfg.train.precision,
