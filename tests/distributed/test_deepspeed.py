@@ -40,10 +40,10 @@ def assert_same_curve(
 @pytest.mark.parametrize(
     "name, options",
     [
-        ("zero0", ["distributed.zero_stage=0"]),
-        ("zero1", ["distributed.zero_stage=1"]),
-        ("zero2", ["distributed.zero_stage=2"]),
-        # Plain ZeRO-3 follows it in test_accelerate_launch_use_deepspeed, launched by accelerate.
+        # Plain ZeRO 0 to 3 compute DDP's update in test_step_collectives.py's launch (5 steps
+        # each, in one process group); plain ZeRO-3 follows the curve in
+        # test_accelerate_launch_use_deepspeed, launched by accelerate. Here the stages with
+        # options, over 20 steps.
         ("zero2_offload", ["distributed.zero_stage=2", "distributed.offload_optimizer=true"]),
         ("zero3_ckpt", ["distributed.zero_stage=3", "distributed.activation_checkpointing=true"]),
     ],
