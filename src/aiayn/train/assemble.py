@@ -83,6 +83,8 @@ def assemble(
             world_size=env.world_size,
             cache=cache,
             pin_memory=env.device.type == "cuda",
+            local_rank=env.local_rank,
+            local_world_size=env.local_world_size,
         )
     ckpts.track(cfg, tok, engine, loader, env, start and start.provenance)
     progress = ckpts.restore(resume_from, startup) if resume_from is not None else Progress()
