@@ -650,3 +650,31 @@ def test_plans_kept_beside_the_cache_equal_todays_bit_for_bit(
     again.load_state_dict(state)
     nxt = take(iter(today), world)[-1]  # global batch done + world - 1
     assert same(next(iter(again)), nxt)
+
+
+def test_a_large_start_that_prepares_its_data_says_how_to_prepare_first(
+    tmp_path, corpus, tok, caplog
+):
+    """At LARGE_WORLD ranks, a start whose tokenizer rank 0 would train, whose cache the
+    ranks would build, or whose Hub split every rank would stream warns once, naming the
+    commands that prepare it first; below it, or with the data prepared, nothing is said."""
+    from aiayn.data.prepare import LARGE_WORLD, warn_serial_start
+
+    cfg = s2s(tmp_path, corpus / "train")  # no tokenizer in run_dir, no cache yet
+    assert warn_serial_start(cfg, LARGE_WORLD - 1) == []
+    with caplog.at_level("WARNING", logger="aiayn"):
+        said = warn_serial_start(cfg, LARGE_WORLD)
+    assert len(said) == 2 and str(cfg.tokenizer_path) in said[0]
+    assert str(cache_dir(cfg, "train")) in said[1] and "rank 0 merges" in said[1]
+    for command in ("aiayn data prepare", "aiayn tokenizer train", "slurm/prepare.sbatch"):
+        assert caplog.text.count(command) == 2, command
+    ready = s2s(tmp_path, corpus / "train")
+    ready.tokenizer = TokenizerConfig(path=str(tok.path))
+    ensure_cache(ready, "train", tok)
+    assert warn_serial_start(ready, 1024) == []
+    hub = DataConfig(
+        format="hub", hub_name="wmt/wmt14", hub_config="de-en", train="train", cache=False
+    )
+    streamed = Config(run_dir=str(tmp_path), data=hub, tokenizer=ready.tokenizer)
+    (said,) = warn_serial_start(streamed, 64)
+    assert "every rank streams the whole split from the Hub" in said
