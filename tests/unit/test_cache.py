@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -678,3 +679,25 @@ def test_a_large_start_that_prepares_its_data_says_how_to_prepare_first(
     streamed = Config(run_dir=str(tmp_path), data=hub, tokenizer=ready.tokenizer)
     (said,) = warn_serial_start(streamed, 64)
     assert "every rank streams the whole split from the Hub" in said
+
+
+def test_a_plan_folder_that_cannot_be_written_leaves_each_rank_planning_for_itself(
+    tmp_path, corpus, tok, caplog
+):
+    cfg = s2s(tmp_path, corpus / "train")
+    one = cached(cfg, tok)
+    ref = take(iter(one), 40)
+    for _ in range(2):  # its plan ahead, then the write it queued: done before the folder goes
+        one._planner.submit(int).result()
+    root = cache_dir(cfg, "train")
+    blocked = root.parent / f"{root.name}.plans"
+    shutil.rmtree(blocked)  # the plans the reference run kept
+    blocked.write_text("not a folder")  # so no plan can be written under it
+    with caplog.at_level("WARNING", logger="aiayn"):
+        ranks = [cached(cfg, tok, rank=r, world_size=2) for r in range(2)]
+        got = [b for pair in zip(*(take(iter(ld), 20) for ld in ranks), strict=True) for b in pair]
+        for ld in ranks:  # the writes are queued behind the plans ahead, on the plan thread
+            ld._planner.submit(int).result()
+            ld._planner.submit(int).result()
+    assert all(same(x, y) for x, y in zip(got, ref, strict=True))
+    assert caplog.text.count("cannot keep the epoch's plan") == 1  # from local rank 0 only

@@ -21,6 +21,7 @@ read. The planner of an epoch deletes the files of the epochs before the one bef
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -138,10 +139,12 @@ class PlanFiles:
             os.replace(tmp, where)
             fsync_path(self.folder)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            if not self._warned:
+            with contextlib.suppress(OSError):  # where the folder cannot be made, neither can tmp
+                tmp.unlink(missing_ok=True)
+            if not self._warned:  # once per rank, and a warning from one rank of a node
                 self._warned = True
-                log.warning(
+                log.log(
+                    logging.WARNING if self.local_rank == 0 else logging.DEBUG,
                     "cannot keep the epoch's plan in %s (%s): every rank plans each epoch "
                     "itself (the same batches, more CPU per rank); give data.cache_dir a "
                     "directory this rank can write",
