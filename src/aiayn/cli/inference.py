@@ -1,0 +1,201 @@
+"""translate, evaluate, score, generate: a trained model at work, and its output scored."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from aiayn.cli.common import add_checkpoint, print_result
+from aiayn.config.decode import BLEU_TOKENIZERS
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("translate", help="translate lines from stdin or a file")
+    add_checkpoint(p)
+    p.add_argument("--input", help="source file (default stdin)")
+    p.add_argument(
+        "--output",
+        help="hypotheses file (default stdout). With --input: translated in chunks, resumable, "
+        "shared among the ranks under torchrun (docs/cli.md)",
+    )
+    p.add_argument(
+        "--chunk-kb", type=int, default=1024, help="with --input and --output: chunk size"
+    )
+
+    p = sub.add_parser("evaluate", help="BLEU / perplexity / accuracy of a checkpoint")
+    add_checkpoint(p)
+    p.add_argument("--split", default="test", choices=["train", "valid", "test"])
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    p = sub.add_parser(
+        "score", help="score a hypotheses file against a references file (any system's output)"
+    )
+    p.add_argument("--hyp", required=True, help="hypotheses, one detokenized sentence a line")
+    p.add_argument("--ref", required=True, help="references, line by line with --hyp")
+    p.add_argument(
+        "--tokenize", default="13a", choices=BLEU_TOKENIZERS, help="sacreBLEU's tokenizer"
+    )
+    p.add_argument(
+        "--compound-split",
+        action="store_true",
+        help="also the paper's BLEU: both sides Moses-tokenized, hyphens split off as "
+        "##AT##-##AT##, case-sensitive BLEU of the tokens (its WMT14 en-de 27.3 and 28.4)",
+    )
+    p.add_argument("--lang", default="de", help="--compound-split: the Moses tokenizer's rules")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    p = sub.add_parser("generate", help="sample from a language model")
+    add_checkpoint(p)
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        help="prompt text (repeatable; \\n is a line break)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=50)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def cmd_translate(args) -> int:
+    from aiayn.checkpoint.inference import load_for_inference
+    from aiayn.export.ct2_runtime import check_engine, translate_ct2
+    from aiayn.infer.translate import translate
+
+    check_engine(args.checkpoint, args.engine)
+    if args.input and not Path(args.input).is_file():
+        from aiayn.errors import DataError
+
+        raise DataError(f"--input {args.input}: no such file")
+    if args.input and args.output and args.engine == "torch":
+        return _translate_file(args)
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        raise SystemExit(
+            "aiayn translate on several ranks shares a file: give --input and --output "
+            "(and --engine torch)"
+        )
+    text = Path(args.input).read_text(encoding="utf-8") if args.input else sys.stdin.read()
+    lines = text.splitlines()
+    if args.engine == "ctranslate2":
+        hyps = translate_ct2(
+            args.checkpoint, lines, args.overrides, device=args.device, threads=args.threads
+        )
+    else:
+        cfg, model, tok, _ = load_for_inference(args.checkpoint, args.overrides, args.device)
+        device = next(model.parameters()).device
+        hyps = translate(model, tok, lines, cfg.decode, device)
+    out = "".join(h + "\n" for h in hyps)
+    if args.output:
+        Path(args.output).write_text(out, encoding="utf-8")
+    else:
+        sys.stdout.write(out)
+    return 0
+
+
+def _translate_file(args) -> int:
+    """--input to --output in chunks, on every rank of the launcher's group (one process
+    without one), resumable (aiayn/infer/translate_file.py)."""
+    from aiayn.checkpoint.inference import load_for_inference
+    from aiayn.distributed.env import setup, teardown
+    from aiayn.infer.translate import translate
+    from aiayn.infer.translate_file import translate_file
+    from aiayn.train.monitor import setup_logging
+
+    env = setup(args.device)
+    setup_logging(None, env.rank)
+    try:
+        cfg, model, tok, ckpt = load_for_inference(args.checkpoint, args.overrides, env.device)
+        settings = {"checkpoint": str(ckpt.resolve()), "overrides": list(args.overrides)}
+        translate_file(
+            lambda lines: translate(model, tok, lines, cfg.decode, env.device),
+            Path(args.input),
+            Path(args.output),
+            settings,
+            env.rank,
+            env.world_size,
+            env.barrier,
+            chunk_bytes=args.chunk_kb * 1024,
+            gather=env.gather_to_main,  # O(W) on rank 0 only
+        )
+    finally:
+        teardown()
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    from aiayn.eval.evaluate import evaluate, evaluate_ct2
+    from aiayn.export.ct2_runtime import check_engine
+
+    check_engine(args.checkpoint, args.engine)
+    if args.engine == "ctranslate2":
+        result = evaluate_ct2(
+            args.checkpoint, args.split, args.overrides, device=args.device, threads=args.threads
+        )
+    else:
+        result = evaluate(args.checkpoint, args.split, args.overrides)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(f"checkpoint {result['checkpoint']}  split {args.split}")
+    for src, ref, hyp in result.pop("samples", []):
+        print(f"  src: {src}\n  ref: {ref}\n  hyp: {hyp}\n")
+    print_result({k: v for k, v in result.items() if k not in ("checkpoint", "split")}, 18)
+    return 0
+
+
+def cmd_score(args) -> int:
+    from aiayn.eval.scores import file_scores
+
+    result = file_scores(
+        args.hyp, args.ref, args.tokenize, args.lang if args.compound_split else None
+    )
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(f"hypotheses {args.hyp}  references {args.ref}")
+    print_result(result, 29)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from aiayn.checkpoint.inference import load_for_inference
+    from aiayn.errors import ConfigError
+    from aiayn.export.ct2_runtime import Ct2Model, check_engine, generate_ct2
+    from aiayn.infer.generate import sample_text
+
+    check_engine(args.checkpoint, args.engine)
+    if args.engine == "ctranslate2":
+        model = Ct2Model(args.checkpoint, args.overrides, args.device, args.threads)
+        cfg = model.cfg
+    else:
+        cfg, model, tok, _ = load_for_inference(args.checkpoint, args.overrides, args.device)
+    if cfg.model.kind != "lm":
+        raise ConfigError(f"generate needs an lm checkpoint; this one is {cfg.model.kind}")
+    prompts = [p.replace("\\n", "\n") for p in args.prompt or [""]]
+    running_text = cfg.data.lm_order == "stream"
+    sample = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    if args.engine == "ctranslate2":
+        texts = generate_ct2(model, prompts, **sample)
+    else:
+        texts = sample_text(model, tok, prompts, running_text=running_text, **sample)
+    for prompt, text in zip(prompts, texts, strict=True):
+        print(text if running_text else f"{prompt}{' ' if prompt else ''}{text}")
+        if running_text and len(prompts) > 1:
+            print("---")
+    return 0
+
+
+COMMANDS = {
+    "translate": cmd_translate,
+    "evaluate": cmd_evaluate,
+    "score": cmd_score,
+    "generate": cmd_generate,
+}
