@@ -4,26 +4,59 @@ from __future__ import annotations
 
 import json
 
+from aiayn.cli.common import add_either, add_json, add_output, command
+
 
 def add_parsers(sub) -> None:
-    p = sub.add_parser("average", help="average checkpoints into a new one (§6.1)")
-    p.add_argument("checkpoints", nargs="+", help="run dirs and/or checkpoint step dirs")
-    p.add_argument("--last", type=int, help="the newest K of them (default: all)")
-    p.add_argument("--output", required=True, help="the new checkpoint directory")
-
-    p = sub.add_parser(
-        "finish",
-        help="average a run's last (or best) K checkpoints into RUN/averaged and score it",
+    """average, finish, export, import-hf."""
+    p = command(
+        sub,
+        "average",
+        "average checkpoints into a new one (§6.1)",
+        "Average the weights of several checkpoints into a new checkpoint directory, as the\n"
+        "paper does with its last 5 (base) or 20 (big) checkpoints (§6.1).",
+        [
+            "aiayn average runs/demo --last 5 --output runs/demo/avg5",
+            "aiayn average runs/demo/checkpoints/step_800 runs/demo/checkpoints/step_900 "
+            "--output runs/demo/avg2",
+        ],
     )
-    p.add_argument("run_dir", help="the run directory")
+    add_either(p, "checkpoint", "CHECKPOINT", "run dirs and/or checkpoint step dirs", many=True)
+    p.add_argument("--last", type=int, help="the newest K of them (default: all)")
+    add_output(p, "the new checkpoint directory", required=True)
+
+    p = command(
+        sub,
+        "finish",
+        "average a run's last (or best) K checkpoints into RUN/averaged and score it",
+        "Average the run's newest (or best by checkpoint.best_metric) K checkpoints into\n"
+        "RUN/averaged, score it on the dev and test sets, and write RUN/averaged/summary.json\n"
+        "(train.finish: K does this at the end of a run).",
+        [
+            "aiayn finish runs/demo --last 5",
+            "aiayn finish --checkpoint runs/wmt14_en_de_base --best 5",
+        ],
+    )
+    add_either(p, "checkpoint", "RUN", "the run directory")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--last", type=int, help="the newest K checkpoints")
     which.add_argument("--best", type=int, help="the K best by checkpoint.best_metric")
+    add_json(p, "the default: what scripts read")
 
-    p = sub.add_parser(
-        "export", help="the model for inference: safetensors, CTranslate2 or Hugging Face"
+    p = command(
+        sub,
+        "export",
+        "the model for inference: safetensors, CTranslate2 or Hugging Face",
+        "Write a checkpoint for inference: one safetensors file with its config and tokenizer\n"
+        "beside it, a CTranslate2 model directory, or a transformers directory.",
+        [
+            "aiayn export runs/demo --output exports/demo.safetensors",
+            "aiayn export runs/demo --format ctranslate2 --output exports/demo-ct2 "
+            "--quantization int8",
+            "aiayn export --checkpoint runs/demo/averaged --format hf --output exports/demo-hf",
+        ],
     )
-    p.add_argument("checkpoint", help="run_dir (its latest valid checkpoint) or a step dir")
+    add_either(p, "checkpoint", "CHECKPOINT", "run_dir (its latest valid checkpoint) or a step dir")
     p.add_argument(
         "--format",
         default="safetensors",
@@ -31,8 +64,10 @@ def add_parsers(sub) -> None:
         help="safetensors: FILE.safetensors for aiayn itself; ctranslate2: a CTranslate2 model "
         "directory; hf: a transformers directory (MarianMT or OPT)",
     )
-    p.add_argument("--output", required=True, help="FILE.safetensors, or a new directory")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="safetensors, hf")
+    add_output(p, "FILE.safetensors, or a new directory", required=True)
+    p.add_argument(
+        "--dtype", default="fp32", choices=["fp32", "bf16"], help="safetensors and hf: weights"
+    )
     p.add_argument(
         "--quantization",
         choices=[
@@ -45,17 +80,27 @@ def add_parsers(sub) -> None:
             "float16",
             "bfloat16",
         ],
-        help="ctranslate2 only: weights stored in this type (default float32)",
+        help="ctranslate2 only: weights stored in this type (default: float32)",
     )
 
-    p = sub.add_parser(
+    p = command(
+        sub,
         "import-hf",
-        help="a Hugging Face MarianMT (OPUS-MT) model as an aiayn model, to fine-tune or serve",
+        "a Hugging Face MarianMT (OPUS-MT) model as an aiayn model, to fine-tune or serve",
+        "Convert a MarianMT (OPUS-MT) model, exactly, into an aiayn export: for init.source,\n"
+        "translate, evaluate and the exports (docs/fine_tuning.md).",
+        [
+            "aiayn import-hf Helsinki-NLP/opus-mt-de-en --output exports/opus-de-en.safetensors",
+            "aiayn import-hf --model path/to/marian --output exports/marian.safetensors",
+        ],
     )
-    p.add_argument(
-        "model", help="a MarianMT directory, or a hub name such as Helsinki-NLP/opus-mt-de-en"
+    add_either(
+        p,
+        "model",
+        "MODEL",
+        "a MarianMT directory, or a hub name such as Helsinki-NLP/opus-mt-de-en",
     )
-    p.add_argument("--output", required=True, help="FILE.safetensors (as aiayn export writes)")
+    add_output(p, "FILE.safetensors (as aiayn export writes)", required=True)
     p.add_argument("--revision", help="hub names only: the commit, tag or branch to download")
 
 
@@ -64,7 +109,7 @@ def cmd_average(args) -> int:
     from aiayn.train.monitor import setup_logging
 
     setup_logging(None)
-    out = average(args.checkpoints, args.output, args.last)
+    out = average(args.checkpoint, args.output, args.last)
     print(f"averaged checkpoint in {out}")
     return 0
 
@@ -74,7 +119,7 @@ def cmd_finish(args) -> int:
     from aiayn.train.monitor import setup_logging
 
     setup_logging(None)
-    summary = finish(args.run_dir, args.last or args.best, "last" if args.last else "best")
+    summary = finish(args.checkpoint, args.last or args.best, "last" if args.last else "best")
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -7,30 +7,63 @@ import os
 import sys
 from pathlib import Path
 
-from aiayn.cli.common import add_checkpoint, print_result
+from aiayn.cli.common import add_checkpoint, add_json, add_output, command, print_result
 from aiayn.config.decode import BLEU_TOKENIZERS
 
 
 def add_parsers(sub) -> None:
-    p = sub.add_parser("translate", help="translate lines from stdin or a file")
-    add_checkpoint(p)
-    p.add_argument("--input", help="source file (default stdin)")
-    p.add_argument(
-        "--output",
-        help="hypotheses file (default stdout). With --input: translated in chunks, resumable, "
-        "shared among the ranks under torchrun (docs/cli.md)",
+    """translate, evaluate, score, generate."""
+    p = command(
+        sub,
+        "translate",
+        "translate lines from stdin or a file",
+        "Translate one sentence a line. From a pipe or a terminal each line is written (and\n"
+        "flushed) as soon as it is translated, lines that arrive together decoded together.\n"
+        "With --input and --output: in chunks, resumable, shared among the ranks under torchrun\n"
+        "(docs/cli.md).",
+        [
+            "echo 'forty-two thousand one' | aiayn translate runs/demo",
+            "aiayn translate --checkpoint runs/demo --input de.txt --output en.txt decode.beam=1",
+            "aiayn translate exports/demo-ct2 --engine ctranslate2 --input de.txt",
+        ],
     )
+    add_checkpoint(p, "decode.beam=1 decode.max_len_b=80")
+    p.add_argument("--input", help="source file (default: stdin)")
+    add_output(p, "hypotheses file (default: stdout)")
     p.add_argument(
         "--chunk-kb", type=int, default=1024, help="with --input and --output: chunk size"
     )
 
-    p = sub.add_parser("evaluate", help="BLEU / perplexity / accuracy of a checkpoint")
-    add_checkpoint(p)
-    p.add_argument("--split", default="test", choices=["train", "valid", "test"])
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p = command(
+        sub,
+        "evaluate",
+        "BLEU / perplexity / accuracy of a checkpoint",
+        "Score a checkpoint on a split of its own config's data: BLEU, chrF and TER with their\n"
+        "signatures (translation), loss and perplexity (language model), or accuracy\n"
+        "(classifier). Hypotheses and references go to run_dir/eval/.",
+        [
+            "aiayn evaluate runs/demo",
+            "aiayn evaluate --checkpoint runs/demo --split valid --json decode.beam=1",
+            "aiayn evaluate runs/tinyshakespeare --device cpu train.eval_stride=128",
+        ],
+    )
+    add_checkpoint(p, "decode.beam=1 train.eval_stride=128")
+    p.add_argument(
+        "--split", default="test", choices=["train", "valid", "test"], help="which split"
+    )
+    add_json(p)
 
-    p = sub.add_parser(
-        "score", help="score a hypotheses file against a references file (any system's output)"
+    p = command(
+        sub,
+        "score",
+        "score a hypotheses file against a references file (any system's output)",
+        "Score any system's hypotheses against references, line by line: sacreBLEU's BLEU\n"
+        "(cased and lowercased), chrF and TER with their signatures; --compound-split adds the\n"
+        "paper's tokenized BLEU.",
+        [
+            "aiayn score --hyp en.hyp --ref en.ref",
+            "aiayn score --hyp de.hyp --ref de.ref --compound-split --lang de --json",
+        ],
     )
     p.add_argument("--hyp", required=True, help="hypotheses, one detokenized sentence a line")
     p.add_argument("--ref", required=True, help="references, line by line with --hyp")
@@ -44,20 +77,30 @@ def add_parsers(sub) -> None:
         "##AT##-##AT##, case-sensitive BLEU of the tokens (its WMT14 en-de 27.3 and 28.4)",
     )
     p.add_argument("--lang", default="de", help="--compound-split: the Moses tokenizer's rules")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_json(p)
 
-    p = sub.add_parser("generate", help="sample from a language model")
-    add_checkpoint(p)
+    p = command(
+        sub,
+        "generate",
+        "sample from a language model",
+        "Sample text from a language model's checkpoint, one output per --prompt.",
+        [
+            "aiayn generate runs/demo_lm --prompt 'forty-one forty-two'",
+            "aiayn generate --checkpoint runs/tinyshakespeare --prompt 'ROMEO:' --top-k 10",
+            "aiayn generate runs/demo_lm --temperature 0 data.lm_order=stream",
+        ],
+    )
+    add_checkpoint(p, "data.lm_order=stream tokenizer.path=other.model")
     p.add_argument(
         "--prompt",
         action="append",
         default=None,
-        help="prompt text (repeatable; \\n is a line break)",
+        help="prompt text (repeatable; \\n is a line break; default: one empty prompt)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=50)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=50, help="tokens sampled per prompt")
+    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (0: greedy)")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest only")
+    p.add_argument("--seed", type=int, default=0, help="the sampler's seed")
 
 
 def cmd_translate(args) -> int:

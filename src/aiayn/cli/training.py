@@ -6,54 +6,115 @@ import json
 import sys
 from pathlib import Path
 
-from aiayn.cli.common import add_config
+from aiayn.cli.common import add_config, add_json, add_output, command, group
 
 
 def add_parsers(sub) -> None:
     """train, and what prepares for it: tokenizer, data, params, a demo corpus."""
-    p = sub.add_parser("train", help="train (resumes from run_dir's latest checkpoint)")
-    add_config(p)
-
-    tok = sub.add_parser("tokenizer", help="SentencePiece tokenizer")
-    tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
-    p = tok_sub.add_parser("train", help="train the joint tokenizer from the training stream")
-    add_config(p)
-    p.add_argument("--force", action="store_true", help="replace an existing tokenizer")
-
-    data = sub.add_parser("data", help="a recipe's corpus; the token cache of the training split")
-    data_sub = data.add_subparsers(dest="data_command", required=True)
-    p = data_sub.add_parser(
-        "prepare", help="tokenise the training split into data.cache_dir (all ranks under torchrun)"
+    p = command(
+        sub,
+        "train",
+        "train a model (resumes from run_dir's latest checkpoint)",
+        "Train the model a run config describes. Training resumes from the run directory's\n"
+        "latest checkpoint when there is one; the resolved config is saved with every run.",
+        [
+            "aiayn train --config configs/demo.yaml",
+            "aiayn train --config configs/demo.yaml train.max_steps=200 run_dir=runs/try",
+            "aiayn train --config configs/multi30k_de_en.yaml model.dropout=0.3",
+        ],
     )
-    add_config(p)
+    add_config(p, "train.max_steps=200 model.dropout=0 run_dir=runs/try")
+
+    tok_sub = group(sub, "tokenizer", "SentencePiece tokenizer", "tokenizer_command")
+    p = command(
+        tok_sub,
+        "train",
+        "train the joint tokenizer from the training stream",
+        "Train the run's joint SentencePiece model (tokenizer.path) from a sample of the\n"
+        "training stream; `aiayn train` does this itself when the file is missing.",
+        [
+            "aiayn tokenizer train --config configs/demo.yaml",
+            "aiayn tokenizer train --config configs/demo.yaml --force tokenizer.vocab_size=800",
+        ],
+    )
+    add_config(p, "tokenizer.vocab_size=8000 tokenizer.sample_sentences=100000")
+    p.add_argument("--force", action="store_true", help="replace an existing tokenizer")
+    add_json(p, "the default: what scripts read")
+
+    data_sub = group(
+        sub, "data", "a recipe's corpus; the token cache of the training split", "data_command"
+    )
+    p = command(
+        data_sub,
+        "prepare",
+        "tokenise the training split into data.cache_dir (all ranks under torchrun)",
+        "Tokenise the training split into the token cache (data.cache_dir), once, before\n"
+        "training; under torchrun the ranks share the work.",
+        [
+            "aiayn data prepare --config configs/demo.yaml",
+            "aiayn data prepare --config configs/demo.yaml --force data.cache_dir=cache/demo",
+        ],
+    )
+    add_config(p, "data.cache_dir=cache/demo data.max_len=128")
     p.add_argument("--force", action="store_true", help="rebuild an existing cache")
-    p = data_sub.add_parser(
-        "download", help="a recipe's public corpus, checked against its recorded sha256"
+    add_json(p, "the default: what scripts read")
+    p = command(
+        data_sub,
+        "download",
+        "a recipe's public corpus, checked against its recorded sha256",
+        "Fetch a recipe's public corpus into data/corpora/NAME, each file checked against its\n"
+        "recorded sha256 before it takes its name. Without NAME: list the corpora.",
+        [
+            "aiayn data download --list",
+            "aiayn data download multi30k",
+            "aiayn data download tinyshakespeare --output data/shakespeare",
+        ],
     )
     p.add_argument("name", nargs="?", help="multi30k, tinyshakespeare or wikitext-2 (none: --list)")
     p.add_argument("--list", action="store_true", help="list the corpora, their sources, licences")
-    p.add_argument("--output", help="the corpus's folder (default data/corpora/NAME)")
+    add_output(p, "the corpus's folder (default: data/corpora/NAME)")
     p.add_argument("--force", action="store_true", help="download files that are already right")
     p.add_argument(
-        "--mirror", help="base URL holding NAME/<upstream file> (default $AIAYN_DATA_MIRROR)"
+        "--mirror", help="base URL holding NAME/<upstream file> (default: $AIAYN_DATA_MIRROR)"
     )
 
-    p = sub.add_parser("params", help="print the model's parameter count")
-    add_config(p)
+    p = command(
+        sub,
+        "params",
+        "print the model's parameter count",
+        "Count the parameters of the model a config describes, without allocating it.",
+        [
+            "aiayn params --config configs/wmt14_en_de_base.yaml --vocab-size 37000",
+            "aiayn params --config configs/demo.yaml --json model.N=2",
+        ],
+    )
+    add_config(p, "model.preset=transformer_big model.N=8")
     p.add_argument("--vocab-size", type=int, help="vocabulary size (default: the tokenizer's)")
+    add_json(p)
 
-    p = sub.add_parser("demo-data", help="write a generated demo corpus")
-    p.add_argument("kind", choices=["numbers", "lm", "classify"])
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--seed", type=int, default=1)
+    p = command(
+        sub,
+        "demo-data",
+        "write a generated demo corpus",
+        "Write a small generated corpus: numbers (number words, English and German: a\n"
+        "translation task), lm (text for a language model) or classify (labelled sentences).",
+        [
+            "aiayn demo-data numbers --output data/demo/numbers",
+            "aiayn demo-data lm --output data/demo/lm --seed 2",
+            "aiayn demo-data numbers --output data/demo/short --digits 4 --n-train 5000",
+        ],
+    )
+    p.add_argument("kind", choices=["numbers", "lm", "classify"], help="which corpus")
+    add_output(p, "the corpus's directory", required=True)
+    p.add_argument("--seed", type=int, default=1, help="the generator's seed")
     p.add_argument(
         "--digits",
         type=int,
         nargs="+",
         choices=[4, 5, 6],
-        help="numbers: the lengths of the numbers above 999 (default 4 5 6)",
+        help="numbers: the lengths of the numbers above 999 (default: 4 5 6)",
     )
-    p.add_argument("--n-train", type=int, help="numbers: training pairs (default 40,000)")
+    p.add_argument("--n-train", type=int, help="numbers: training pairs (default: 40,000)")
 
 
 def cmd_train(args) -> int:
@@ -157,6 +218,11 @@ def cmd_params(args) -> int:
     with torch.device("meta"):  # count without allocating: big is 213M parameters
         model = build_model(cfg.model, vocab, PAD_ID)
     n = count_parameters(model)
+    if args.json:
+        m = cfg.model
+        shape = dict(kind=m.kind, N=m.N, d_model=m.d_model, d_ff=m.d_ff, h=m.h, vocab=vocab)
+        print(json.dumps({**shape, "parameters": n}, indent=1))
+        return 0
     print(
         f"{cfg.model.kind} N={cfg.model.N} d_model={cfg.model.d_model} d_ff={cfg.model.d_ff} "
         f"h={cfg.model.h} vocab={vocab} share_embeddings={cfg.model.share_embeddings}"
@@ -177,9 +243,13 @@ def cmd_demo_data(args) -> int:
     if args.n_train:
         extra["n_train"] = args.n_train
     if extra and args.kind != "numbers":
-        raise SystemExit("aiayn demo-data: --digits and --n-train are for the numbers corpus")
-    writer(Path(args.out), seed=args.seed, **extra)
-    print(f"{args.kind} corpus in {args.out}")
+        from aiayn.errors import ConfigError
+
+        raise ConfigError(
+            f"--digits and --n-train are for the numbers corpus, not {args.kind}: drop them"
+        )
+    writer(Path(args.output), seed=args.seed, **extra)
+    print(f"{args.kind} corpus in {args.output}")
     return 0
 
 
