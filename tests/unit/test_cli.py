@@ -7,11 +7,15 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import select
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
+from export_models import write_model  # tests/unit/export_models.py
 
 import aiayn
 from aiayn.cli import build_parser, main, parse
@@ -300,3 +304,93 @@ def test_the_zsh_script_is_the_bash_function_under_bashcompinit(capsys):
     assert zsh.startswith("#compdef aiayn\n") and "bashcompinit" in zsh
     assert "complete -o default -F _aiayn aiayn" in zsh
     assert zsh.split("bashcompinit\n", 2)[-1] == script(build_parser(), "bash").split("\n", 1)[1]
+
+
+# ---- bugs a user met (issue 56.2): each test failed before its fix -------------------------
+
+
+@pytest.fixture(scope="module")
+def exported(tok, tmp_path_factory) -> Path:
+    """A random 2-layer seq2seq model as `aiayn export` writes it."""
+    return write_model(tmp_path_factory.mktemp("model"), tok)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal of a missing GPU")
+def test_evaluate_runs_on_the_device_it_is_given(exported, capsys):
+    assert main(["evaluate", str(exported), "--device", "cuda"]) == 2
+    assert "--device=cuda but no CUDA device is visible" in capsys.readouterr().err
+
+
+def test_finish_names_a_missing_run_directory(tmp_path, capsys):
+    assert main(["finish", str(tmp_path / "nope"), "--last", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"aiayn finish: error: no run directory {tmp_path / 'nope'}" in err
+    assert "keep more" not in err
+
+
+@pytest.mark.parametrize("select", ["--best", "--last"])
+def test_finish_on_a_run_without_checkpoints_says_so(tmp_path, capsys, select):
+    (tmp_path / "run").mkdir()
+    assert main(["finish", str(tmp_path / "run"), select, "2"]) == 2
+    assert "has no checkpoints" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        (["demo-data", "lm", "--out", "x", "--n-train", "5"], {}, "are for the numbers corpus"),
+        (["translate", "MODEL"], {"WORLD_SIZE": "2"}, "on several ranks shares a file"),
+    ],
+)
+def test_errors_exit_2_through_aiayn_cmd_error(
+    exported, tmp_path, monkeypatch, capsys, argv, env, message
+):
+    """Not SystemExit(message), which exits 1 and reads like a crash (docs/cli.md's policy)."""
+    monkeypatch.chdir(tmp_path)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    argv = [str(exported) if a == "MODEL" else a for a in argv]
+    assert main(argv) == 2
+    assert f"aiayn {argv[0]}: error: " in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str | None:
+    """One line of proc's stdout, or None if none came within `timeout` seconds."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    return proc.stdout.readline().decode() if ready else None
+
+
+def test_translate_answers_each_line_of_a_pipe_before_the_next_is_sent(exported):
+    """A pipe that waits for each answer (a person at a terminal, a program feeding sentence
+    by sentence) gets it: before, translate read stdin to its end first."""
+    argv = [sys.executable, "-m", "aiayn", "translate", str(exported), "--device", "cpu"]
+    proc = subprocess.Popen(
+        [*argv, "decode.beam=1", "decode.max_len_b=3"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        answers = []
+        for line in ("dreihundert", "vierzig"):
+            proc.stdin.write(f"{line}\n".encode())
+            proc.stdin.flush()
+            answers.append(_read_line(proc, timeout=120))  # the model loads before the first
+            assert answers[-1] is not None, f"no answer to {line!r} while stdin stays open"
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()
+        assert proc.stdout.read() == b""
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_lines_that_wait_together_are_read_as_one_batch(tmp_path):
+    """What is readable at once is one batch (up to its size: then reading stops, and the
+    line not yet ended waits for the next read); the last line needs no break."""
+    from aiayn.infer.stream import available_batches
+
+    (tmp_path / "in.txt").write_bytes(b"a\nb\r\n\nc\nd\ne")
+    with open(tmp_path / "in.txt", "rb") as source:
+        assert list(available_batches(source, 4)) == [["a", "b", "", "c"], ["d"], ["e"]]

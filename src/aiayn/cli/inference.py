@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -106,6 +107,7 @@ def add_parsers(sub) -> None:
 def cmd_translate(args) -> int:
     from aiayn.checkpoint.inference import load_for_inference
     from aiayn.export.ct2_runtime import check_engine, translate_ct2
+    from aiayn.infer.stream import translate_stream
     from aiayn.infer.translate import translate
 
     check_engine(args.checkpoint, args.engine)
@@ -116,25 +118,35 @@ def cmd_translate(args) -> int:
     if args.input and args.output and args.engine == "torch":
         return _translate_file(args)
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        raise SystemExit(
-            "aiayn translate on several ranks shares a file: give --input and --output "
+        from aiayn.errors import ConfigError
+
+        raise ConfigError(
+            "translate on several ranks shares a file: give --input and --output "
             "(and --engine torch)"
         )
-    text = Path(args.input).read_text(encoding="utf-8") if args.input else sys.stdin.read()
-    lines = text.splitlines()
     if args.engine == "ctranslate2":
-        hyps = translate_ct2(
-            args.checkpoint, lines, args.overrides, device=args.device, threads=args.threads
-        )
+        from aiayn.export.ct2_runtime import Ct2Model
+
+        model = Ct2Model(args.checkpoint, args.overrides, args.device, args.threads)
+        batch = model.cfg.decode.batch_size
+
+        def translate_lines(lines: list[str]) -> list[str]:
+            return translate_ct2(model, lines)
     else:
         cfg, model, tok, _ = load_for_inference(args.checkpoint, args.overrides, args.device)
-        device = next(model.parameters()).device
-        hyps = translate(model, tok, lines, cfg.decode, device)
-    out = "".join(h + "\n" for h in hyps)
-    if args.output:
-        Path(args.output).write_text(out, encoding="utf-8")
-    else:
-        sys.stdout.write(out)
+        device, batch = next(model.parameters()).device, cfg.decode.batch_size
+
+        def translate_lines(lines: list[str]) -> list[str]:
+            return translate(model, tok, lines, cfg.decode, device)
+
+    # Up to 16 batches read ahead where lines are waiting (a file, a full pipe), sorted by
+    # length among themselves; a line typed alone is translated at once.
+    with contextlib.ExitStack() as files:
+        source = files.enter_context(open(args.input, "rb")) if args.input else sys.stdin.buffer
+        out = sys.stdout
+        if args.output:
+            out = files.enter_context(open(args.output, "w", encoding="utf-8"))
+        translate_stream(source, out, translate_lines, 16 * batch)
     return 0
 
 
@@ -178,7 +190,7 @@ def cmd_evaluate(args) -> int:
             args.checkpoint, args.split, args.overrides, device=args.device, threads=args.threads
         )
     else:
-        result = evaluate(args.checkpoint, args.split, args.overrides)
+        result = evaluate(args.checkpoint, args.split, args.overrides, args.device)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
