@@ -9,11 +9,13 @@ all follow (tests/unit/test_cli.py checks it on every subcommand).
 Exit codes (docs/cli.md): 0 done; 2 a person must act (a usage error, or an AiaynError: the
 message says what to change), printed as `aiayn CMD: error: ...` without a traceback; 1 a
 failure that is not the user's (a traceback: a bug, or a fault a launcher may restart); 75
-a preempted `train` that asks to be requeued (distributed/preemption.py)."""
+a preempted `train` that asks to be requeued (distributed/preemption.py); 141 the reader of
+stdout went away (a closed pipe)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import aiayn
@@ -22,6 +24,8 @@ from aiayn.cli.common import HelpFormatter, finish_args
 from aiayn.distributed.parent_death import end_with_launcher
 from aiayn.errors import AiaynError
 from aiayn.runtime import startup
+
+PIPE_CLOSED = 141  # 128 + SIGPIPE: what a tool the signal ended would report
 
 GROUPS = (training, inference, checkpoints, config_commands, completion)
 COMMANDS = {name: fn for group in GROUPS for name, fn in group.COMMANDS.items()}
@@ -70,3 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     except AiaynError as exc:
         print(f"aiayn {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:
+        # The reader went away (`aiayn config show | head`): nothing to report. Python would
+        # fail again flushing stdout at exit; point it at /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return PIPE_CLOSED

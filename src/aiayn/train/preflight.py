@@ -8,6 +8,7 @@ named but not looked up (that needs the network; the start pins its revision).""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,39 +22,43 @@ from aiayn.tokenizer import Tokenizer, check_contract
 
 def preflight(cfg: Config, world_size: int) -> tuple[list[str], list[str]]:
     """(what was checked and holds, the problems a start would stop on), one line each."""
+    checks = [partial(_split, cfg, name, split) for name, split in _splits(cfg)]
+    checks += [partial(_init_source, cfg), partial(_tokenizer, cfg)]
+    checks += [partial(_batch, cfg, world_size)]
     ok: list[str] = []
     problems: list[str] = []
-    for check in (_corpus, _init_source, _tokenizer, _world_size):
+    for check in checks:
         try:
-            ok += check(cfg, world_size)
+            ok += check()
         except AiaynError as exc:
             problems.append(str(exc))
     return ok, problems
 
 
-def _corpus(cfg: Config, world_size: int) -> list[str]:
+def _splits(cfg: Config) -> list[tuple[str, str]]:
+    """(name, split) of every split of the corpus the run reads."""
     data = cfg.data
-    if data.format == "hub":
-        return [f"data: Hub dataset {data.hub_name} (not looked up: that needs the network)"]
     splits = [("data.train", data.train), ("data.valid", data.valid), ("data.test", data.test)]
     splits += [(f"data.sources {s.name}", s.path) for s in data.sources]
-    splits += [(f"data.sources {s.name} valid", s.valid) for s in data.sources if s.valid]
-    found = []
-    for name, split in splits:
-        if split:
-            files = source_files(data, split)  # DataError naming what is missing
-            found.append(f"{name}: {len(files)} file(s) found ({split})")
-    return found
+    splits += [(f"data.sources {s.name} valid", s.valid) for s in data.sources]
+    return [(name, split) for name, split in splits if split]
 
 
-def _init_source(cfg: Config, world_size: int) -> list[str]:
+def _split(cfg: Config, name: str, split: str) -> list[str]:
+    if cfg.data.format == "hub":
+        return [f"{name}: {split} of {cfg.data.hub_name} (the Hub: not looked up offline)"]
+    files = source_files(cfg.data, split)  # DataError naming what is missing
+    return [f"{name}: {len(files)} file(s) found ({split})"]
+
+
+def _init_source(cfg: Config) -> list[str]:
     if cfg.init.source is None:
         return []
     found = locate(cfg.init.source)  # CheckpointError naming what is missing
     return [f"init.source: {found.kind} {found.checkpoint}"]
 
 
-def _tokenizer(cfg: Config, world_size: int) -> list[str]:
+def _tokenizer(cfg: Config) -> list[str]:
     path = cfg.tokenizer_path
     if not path.is_file():
         if cfg.init.source is not None:
@@ -68,7 +73,7 @@ def _tokenizer(cfg: Config, world_size: int) -> list[str]:
     return [f"tokenizer: {path} is the one {ckpts[-1]} recorded (the run resumes from it)"]
 
 
-def _world_size(cfg: Config, world_size: int) -> list[str]:
+def _batch(cfg: Config, world_size: int) -> list[str]:
     micro = cfg.train.accumulation(world_size)  # ConfigError when the ranks cannot share
     tokens = cfg.train.step_tokens(world_size)
     return [
