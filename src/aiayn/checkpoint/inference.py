@@ -45,5 +45,6 @@ def load_for_inference(
     check_architecture(found.config["model"], dataclasses.asdict(cfg.model), where)
     model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
     load_weights(model, found)
-    model.to(device if isinstance(device, torch.device) else pick_device(device)).eval()
+    where = device if isinstance(device, torch.device) else pick_device(device, 0, "--device")
+    model.to(where).eval()
     return cfg, model, tok, ckpt

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from aiayn.errors import AiaynError
 from aiayn.train.metrics_file import NAME as METRICS_FILE
 from aiayn.train.metrics_file import MetricsFile
 
@@ -35,6 +36,9 @@ def use_progress_bar() -> bool:
     return sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
 
 
+LOG_TIME = "%Y-%m-%dT%H:%M:%S"  # local time, to the second
+
+
 def setup_logging(run_dir: str | Path | None, rank: int = 0) -> None:
     """Lines on stderr and, on rank 0, in run_dir/train.log. Other ranks: warnings and errors,
     prefixed with their rank."""
@@ -43,7 +47,8 @@ def setup_logging(run_dir: str | Path | None, rank: int = 0) -> None:
         root.removeHandler(handler)
         handler.close()
     prefix = "" if rank == 0 else f"[rank {rank}] "
-    fmt = logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(message)s", "%H:%M:%S")
+    # ISO dates: a log read days later, or beside a scheduler's, says when each line was.
+    fmt = logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(message)s", LOG_TIME)
     console = _TqdmHandler() if rank == 0 and use_progress_bar() else logging.StreamHandler()
     console.setFormatter(fmt)
     root.addHandler(console)
@@ -56,6 +61,26 @@ def setup_logging(run_dir: str | Path | None, rank: int = 0) -> None:
     # Libraries' chatter (TensorBoard's directory watcher, datasets) is not our log.
     for name in ("tensorboard", "datasets", "fsspec", "urllib3"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def log_fatal(exc: BaseException) -> None:
+    """An error that stops training, written to train.log (rank 0's file handler) with its
+    traceback, or its message alone for an error the user can act on. Not to stderr: the
+    command prints it there itself (cli/__init__.py), once."""
+    user = isinstance(exc, AiaynError)
+    message = f"{type(exc).__name__}: {exc}" if not user else str(exc)
+    record = logging.LogRecord(
+        "aiayn",
+        logging.ERROR,
+        __file__,
+        0,
+        "training stopped: %s",
+        (message,),
+        None if user else (type(exc), exc, exc.__traceback__),
+    )
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def memory_bytes(device: torch.device) -> float:
