@@ -25,8 +25,8 @@ LARGE_WORLD = 16
 """From this many ranks (two nodes of 8 GPUs) a start that prepares its own data says so, and
 how to prepare it first. Below it a job is one node, and preparing at the first start is the
 convenience the demos and tests rely on; from it, every minute rank 0 spends training a
-tokenizer or merging a cache idles 15 or more GPUs on several nodes, and every rank that
-streams a Hub split multiplies the download, while a CPU job does the same work on CPUs
+tokenizer or merging a cache (or a few ranks copying a Hub split) idles 15 or more GPUs on
+several nodes, while a CPU job does the same work on CPUs
 (slurm/prepare.sbatch)."""
 
 PREPARE_FIRST = (
@@ -136,7 +136,7 @@ def prepare_data(
 def warn_serial_start(cfg: Config, world_size: int) -> list[str]:
     """At LARGE_WORLD ranks or more, warn of what this start prepares while the GPUs wait: a
     tokenizer that rank 0 trains, a token cache to build (rank 0 merges it alone), a Hub split
-    that every rank streams. Called by a training start on rank 0 (one line, not W), not by
+    that every rank reads whole. Called by a training start on rank 0 (one line, not W), not by
     `aiayn data prepare`, which is the way out; returns the warnings."""
     if world_size < LARGE_WORLD:
         return []
@@ -150,14 +150,15 @@ def warn_serial_start(cfg: Config, world_size: int) -> list[str]:
     hub = [c for c in _train_configs(cfg) if c.data.format == "hub"]
     if not cfg.data.cache and hub:
         out.append(
-            f"data.cache=false with a Hub dataset on {world_size} ranks: every rank streams the "
-            f"whole split from the Hub at every start ({world_size} times the download; the "
-            "Hub's rate limits can end the job). Set data.cache=true"
+            f"data.cache=false with a Hub dataset on {world_size} ranks: the split is copied "
+            "from the Hub once, then every rank reads and tokenises the whole copy at every "
+            f"start and keeps 1/{world_size} of it. Set data.cache=true"
         )
     missing = [root for root in _cache_roots(cfg) if not (root / MANIFEST).is_file()]
     if cfg.data.cache and missing:
         streamed = (
-            " (a Hub split: each rank streams it, whole where it has fewer shards than ranks)"
+            " (a Hub split is first copied from the Hub, each of its data files by one rank, "
+            "while the others wait)"
         )
         out.append(
             f"the token cache {', '.join(map(str, missing))} does not exist: the {world_size} "
