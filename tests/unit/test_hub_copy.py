@@ -89,6 +89,34 @@ def test_the_hub_is_read_once_and_the_copy_gives_the_streams_cache_stream_and_sa
     assert read[0] == 300
 
 
+def test_a_json_hub_split_is_copied_record_for_record(tmp_path, monkeypatch):
+    """A Hub split of JSON lines files (types inferred by datasets, a field null throughout
+    some parts) is copied in order, and reads back record for record as the stream gave it."""
+    monkeypatch.setattr(hub_copy, "_PART_ROWS", 4)
+    folder = tmp_path / "hub"
+    (folder / "data").mkdir(parents=True)
+    rows = [{"text": f"line {i}", "note": None if i >= 4 else f"n{i}"} for i in range(10)]
+    for f, chunk in enumerate((rows[:6], rows[6:])):
+        lines = "".join(json.dumps(r) + "\n" for r in chunk)
+        (folder / "data" / f"train-{f}.jsonl").write_text(lines)
+    cfg = Config(
+        run_dir=str(tmp_path / "run"),
+        model=ModelConfig(kind="lm", max_len=64),
+        data=DataConfig(format="hub", hub_name=str(folder), train="train", text_field="text"),
+    )
+    parts = hub_copy.materialise(cfg)
+    assert [Path(p).name for p in parts] == [
+        "part-00000-00000.parquet",
+        "part-00000-00001.parquet",
+        "part-00001-00000.parquet",
+    ]
+    from aiayn.data import open_split
+
+    copied = list(open_split(cfg.data, "train", "lm", local=parts))
+    assert copied == list(open_split(cfg.data, "train", "lm"))
+    assert [r["text"] for r in copied] == [r["text"] for r in rows]
+
+
 def test_a_run_without_a_hub_split_makes_no_copy(tmp_path, corpus):
     cfg = hub_cfg(tmp_path / "run", tmp_path / "hub")
     text = Config(run_dir=str(tmp_path / "run"), data=DataConfig(format="parallel", train="x"))

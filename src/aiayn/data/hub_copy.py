@@ -67,7 +67,9 @@ def local_parts(cfg: Config) -> list[str] | None:
     return [str(folder / p["file"]) for p in manifest["parts"]]
 
 
-def materialise(cfg: Config, rank: int = 0, world: int = 1, sync: Sync | None = None):
+def materialise(
+    cfg: Config, rank: int = 0, world: int = 1, sync: Sync | None = None
+) -> list[str] | None:
     """Copy the training split from the Hub unless a finished copy exists; return its parts
     (None where the run reads no Hub split). Every rank of `sync` calls it; each copies its
     share of the Hub's data files, and rank 0 writes the manifest once all have finished."""
@@ -104,6 +106,8 @@ def _copy_file(source, n_files: int, s: int, work: Path, rank: int) -> dict:
     import pyarrow.parquet as pq
 
     ds = source.shard(n_files, s)
+    # The types datasets states (a parquet file's, or inferred from a JSON file's start);
+    # None: each part's own, which the parquet reader reconciles (a column null in one part).
     schema = ds.features.arrow_schema if ds.features is not None else None
     parts = []
     with hub_errors(source.name):
