@@ -4,10 +4,12 @@
     python launch/wmt14.py [--big | --config FILE] [--nproc N] [key=value ...]
 
 Stages, each the `aiayn` command a user would type (printed before it runs):
-  1. tokenizer  `aiayn tokenizer train`: one BPE vocabulary of 37,000 shared by both sides
-                (§5.1), trained once
-  2. prepare    `aiayn data prepare`: the Hub revision pinned in the run, the training split
-                (4.5M pairs) read from the Hub and tokenised into the token cache. CPU work,
+  1. tokenizer  `aiayn tokenizer train`: the Hub revision pinned in the run, the training
+                split (4.5M pairs) copied once from the Hub to local parquet files beside the
+                token cache, and one BPE vocabulary of 37,000 shared by both sides (§5.1),
+                trained once on the copy
+  2. prepare    `aiayn data prepare`: the training split's copy (made here if stage 1 did
+                not) tokenised into the token cache. CPU work,
                 so that no GPU waits for it: on a cluster a CPU job before the GPU job
                 (docs/slurm.md#data-first-on-cpus-then-training-on-gpus)
   3. train      `aiayn train`, or N processes as launch/torchrun.sh starts them (--nproc N)

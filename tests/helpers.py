@@ -113,11 +113,12 @@ HUB_SPLITS = {"train": "train", "valid": "validation", "test": "test"}
 """The numbers corpus's file prefixes -> the Hub's split names (wmt/wmt14's)."""
 
 
-def hub_dataset(root: Path, corpus: Path, config: str = "de-en") -> Path:
+def hub_dataset(root: Path, corpus: Path, config: str = "de-en", train_files: int = 1) -> Path:
     """The numbers corpus (`corpus`/{train,valid,test}.{en,de}) as a local folder in the
     layout of the Hub's wmt/wmt14: `de-en/train-00000-of-00001.parquet` and so on, a column
     `translation` of {"de", "en"} structs, and the README's `configs:` front matter, without
-    which `datasets.load_dataset(root, "de-en")` knows only a config named "default"."""
+    which `datasets.load_dataset(root, "de-en")` knows only a config named "default". The
+    training split is cut into `train_files` data files in order, as the Hub cuts large ones."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -127,9 +128,13 @@ def hub_dataset(root: Path, corpus: Path, config: str = "de-en") -> Path:
         en = (corpus / f"{prefix}.en").read_text(encoding="utf-8").splitlines()
         de = (corpus / f"{prefix}.de").read_text(encoding="utf-8").splitlines()
         pairs = [{"de": d, "en": e} for e, d in zip(en, de, strict=True)]
-        pq.write_table(
-            pa.table({"translation": pairs}), root / config / f"{split}-00000-of-00001.parquet"
-        )
+        n = train_files if split == "train" else 1
+        size = -(-len(pairs) // n)
+        for i in range(n):
+            pq.write_table(
+                pa.table({"translation": pairs[i * size : (i + 1) * size]}),
+                root / config / f"{split}-{i:05d}-of-{n:05d}.parquet",
+            )
         listed.append(f"  - split: {split}\n    path: {config}/{split}-*\n")
     front = f"configs:\n- config_name: {config}\n  data_files:\n{''.join(listed)}"
     (root / "README.md").write_text(f"---\n{front}---\n", encoding="utf-8")

@@ -145,3 +145,34 @@ def test_a_prepare_killed_at_random_moments_leaves_nothing_read_then_completes(b
     assert interrupted, "no kill fell inside a build: the test did not test anything"
     procs.run(prepare(config, corpus, cache))
     assert files(root) == files(reference / "train") and not work.exists()
+
+
+def test_two_ranks_copy_a_hub_split_once_each_its_files_and_the_cache_is_built_from_the_copy(
+    big, tmp_path
+):
+    """A Hub-layout folder of two data files, two ranks: each rank copies one file, every
+    record read once, into local parquet parts; the ranks build the cache from the parts. Then,
+    the Hub folder gone and HF_HUB_OFFLINE=1, one process rebuilds the cache (--force) from the
+    copy alone, byte for byte (that the copy gives the Hub stream's cache: test_hub_copy.py)."""
+    corpus, config = big
+    hub = helpers.hub_dataset(tmp_path / "hub", corpus, train_files=2)
+    fields = ("data.format=hub", f"data.hub_name={hub}", "data.hub_config=de-en",
+              "data.valid=validation", "data.src_field=translation.en",
+              "data.tgt_field=translation.de")  # fmt: skip
+    cache = tmp_path / "cache"
+    procs.run([*prepare(config, corpus, cache, *helpers.torchrun(2)), *fields, "data.train=train"])
+    (copy,) = (cache / "hub").glob("*@unpinned/de-en/train")  # a local folder has no revision
+    manifest = json.loads((copy / "manifest.json").read_text())
+    total = len((corpus / "train.en").read_text().splitlines())
+    assert manifest["rows"] == total and manifest["hub_files"] == 2
+    by_rank = {r: sum(p["rows"] for p in manifest["parts"] if p["rank"] == r) for r in (0, 1)}
+    assert by_rank == {0: -(-total // 2), 1: total // 2}  # each rank read its Hub file only
+    built = files(cache / "train")
+
+    shutil.rmtree(hub)
+    again = [*prepare(config, corpus, cache), *fields, "data.train=train", "--force"]
+    env = {**procs.ENV, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = subprocess.run(again, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rebuilt = files(cache / "train")
+    assert built.pop(MANIFEST) and rebuilt.pop(MANIFEST) and built == rebuilt

@@ -4,6 +4,7 @@ wmt/wmt14's layout holding the numbers corpus (English words -> German words), t
 ten steps. What is checked is the plumbing (tokenizer, data prepare, train, the paper's average,
 both scores, the table), not the score, which takes GPU-hours (docs/recipes.md#wmt14)."""
 
+import json
 import os
 import re
 import subprocess
@@ -61,6 +62,9 @@ def test_the_wmt14_recipe_prepares_trains_averages_scores_both_ways_and_prints_i
 
     # data prepare built the token cache as a stage of its own; train only opened it.
     assert "+ aiayn data prepare" in out.stdout and '"examples": 2000' in out.stdout
+    # The tokenizer stage copied the Hub split once; prepare built the cache from that copy.
+    (copy,) = (run_dir / "data_cache" / "hub").glob("*/de-en/train/manifest.json")
+    assert json.loads(copy.read_text())["rows"] == 2000
     log = (run_dir / "train.log").read_text()
     assert "built in" not in log
     assert "1,600 tokens a step over all ranks = 800-token micro-batches x 2 accumulated" in log

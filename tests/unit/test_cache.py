@@ -675,7 +675,7 @@ def test_a_large_start_that_prepares_its_data_says_how_to_prepare_first(
     tmp_path, corpus, tok, caplog
 ):
     """At LARGE_WORLD ranks, a start whose tokenizer rank 0 would train, whose cache the
-    ranks would build, or whose Hub split every rank would stream warns once, naming the
+    ranks would build, or whose Hub split every rank would read whole warns once, naming the
     commands that prepare it first; below it, or with the data prepared, nothing is said."""
     from aiayn.data.prepare import LARGE_WORLD, warn_serial_start
 
@@ -696,7 +696,7 @@ def test_a_large_start_that_prepares_its_data_says_how_to_prepare_first(
     )
     streamed = Config(run_dir=str(tmp_path), data=hub, tokenizer=ready.tokenizer)
     (said,) = warn_serial_start(streamed, 64)
-    assert "every rank streams the whole split from the Hub" in said
+    assert "copied from the Hub once, then every rank reads and tokenises the whole copy" in said
 
 
 def test_a_plan_folder_that_cannot_be_written_leaves_each_rank_planning_for_itself(

@@ -147,6 +147,8 @@ def cmd_train(args) -> int:
 
 def cmd_tokenizer(args) -> int:
     from aiayn.config import load_config
+    from aiayn.data.hub_copy import materialise
+    from aiayn.data.hub_revision import pin_hub_revision
     from aiayn.data.prepare import prepare_tokenizer
     from aiayn.errors import TokenizerError
     from aiayn.train.monitor import setup_logging
@@ -158,6 +160,10 @@ def cmd_tokenizer(args) -> int:
             f"{cfg.tokenizer_path} exists; runs trained with it depend on it. Pass --force to "
             "replace it, or set tokenizer.path to a new file"
         )
+    # A Hub split: pinned as the run will read it, and copied once, so that `aiayn data
+    # prepare` (and the run) read the same revision from the copy, not the Hub again.
+    cfg = pin_hub_revision(cfg)
+    materialise(cfg)
     tok = prepare_tokenizer(cfg, retrain=True)
     print(json.dumps({"path": str(tok.path), **tok.contract()}, indent=1))
     return 0

@@ -20,6 +20,7 @@ resumable either way.
     prefetch.py             the next batches read on a thread while the step runs
     run_splits.py           the run's own copies of its dev and test splits
     hub_revision.py         a Hub dataset pinned to the commit the first start read
+    hub_copy.py             a Hub training split copied once to local parquet files
     prepare.py              the tokenizer and the token caches made ready before training
     demo.py                 the generated corpora of the demos and the tests
     corpora.py              the recipes' public corpora: files, pinned URLs, sha256, where

@@ -7,6 +7,7 @@ from __future__ import annotations
 from aiayn.config import Config
 from aiayn.data.cache import TokenCache
 from aiayn.data.cache_loader import CacheLoader
+from aiayn.data.hub_copy import local_parts
 from aiayn.data.loader_protocol import Loader
 from aiayn.data.mixed_cache_loader import MixedCacheLoader
 from aiayn.data.mixed_stream_loader import MixedStreamLoader
@@ -49,4 +50,6 @@ def make_loader(
     if cache is not None:
         node = dict(local_rank=local_rank, local_world_size=local_world_size)
         return CacheLoader(cache, cfg.data, tokenizer, **common, **node)
-    return StreamLoader(cfg.data, split, tokenizer, **common)
+    # A Hub training split is streamed from its local copy where prepare_data made one.
+    local = local_parts(cfg) if train and split == cfg.data.train else None
+    return StreamLoader(cfg.data, split, tokenizer, **common, local=local)

@@ -1,6 +1,7 @@
-"""A run's data made ready before training: the tokenizer (trained by rank 0 from the training
-stream if missing) and the training split's token cache (built by all ranks together), or a
-cache per data.sources entry. What `aiayn train`, `aiayn tokenizer train` and
+"""A run's data made ready before training: a Hub training split copied once to local files
+(data/hub_copy.py), the tokenizer (trained by rank 0 from the training stream if missing) and
+the training split's token cache (built by all ranks together), or a cache per data.sources
+entry. What `aiayn train`, `aiayn tokenizer train` and
 `aiayn data prepare` share."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 from aiayn.config import Config
 from aiayn.data import TokenCache, ensure_cache, sample_sentences
 from aiayn.data.cache import MANIFEST, cache_dir
+from aiayn.data.hub_copy import local_parts, materialise
 from aiayn.data.mixed_cache_loader import tag_ids
 from aiayn.data.mixture import as_train, cache_folder, tokenizer_sample
 from aiayn.distributed.env import DistEnv
@@ -23,8 +25,8 @@ LARGE_WORLD = 16
 """From this many ranks (two nodes of 8 GPUs) a start that prepares its own data says so, and
 how to prepare it first. Below it a job is one node, and preparing at the first start is the
 convenience the demos and tests rely on; from it, every minute rank 0 spends training a
-tokenizer or merging a cache idles 15 or more GPUs on several nodes, and every rank that
-streams a Hub split multiplies the download, while a CPU job does the same work on CPUs
+tokenizer or merging a cache (or a few ranks copying a Hub split) idles 15 or more GPUs on
+several nodes, while a CPU job does the same work on CPUs
 (slurm/prepare.sbatch)."""
 
 PREPARE_FIRST = (
@@ -36,7 +38,8 @@ PREPARE_FIRST = (
 
 
 def prepare_tokenizer(cfg: Config, retrain: bool = False) -> Tokenizer:
-    """Load the run's tokenizer, training it first from the training stream if it is missing."""
+    """Load the run's tokenizer, training it first from the training stream if it is missing
+    (from a Hub split's local copy where there is one)."""
     path = cfg.tokenizer_path
     if path.is_file() and not retrain:
         return Tokenizer(path)
@@ -50,7 +53,9 @@ def prepare_tokenizer(cfg: Config, retrain: bool = False) -> Tokenizer:
         path,
     )
     if not cfg.data.sources:
-        sentences = sample_sentences(cfg.data, cfg.model.kind, n, cfg.tokenizer.seed)
+        sentences = sample_sentences(
+            cfg.data, cfg.model.kind, n, cfg.tokenizer.seed, local=local_parts(cfg)
+        )
         return train_tokenizer(cfg.tokenizer, sentences, path)
     return train_tokenizer(*tokenizer_sample(cfg, n), path)
 
@@ -60,7 +65,23 @@ def prepare_data(
 ) -> tuple[Tokenizer, TokenCache | list[TokenCache] | None]:
     """The tokenizer (trained by rank 0 if missing) and, with data.cache, the training split's
     token cache (built by all ranks together if missing), or a list of each data.sources
-    entry's cache. Every rank calls it."""
+    entry's cache. Every rank calls it.
+
+    A Hub training split is first copied to local files by the ranks together (each node's
+    ranks, for a node-local cache), once: the tokenizer, the cache and a stream read the copy."""
+    shared = cfg.data.cache_scope == "shared"
+    # A node-local cache: each node's copy, built by its ranks together, verified by its first.
+    rank, world, sync = (
+        (env.rank, env.world_size, env.gather)
+        if shared
+        else (env.local_rank, env.local_world_size, env.node_gather)
+    )
+    # The Hub is copied only where something reads it: a restart, whose tokenizer and cache
+    # exist, reads neither the Hub nor the copy. Decided as rank 0 sees it, for all.
+    missing = [rebuild or not (root / MANIFEST).is_file() for root in _cache_roots(cfg)]
+    reads = not cfg.data.cache or not cfg.tokenizer_path.is_file() or any(missing)
+    missing, reads = sync((missing, reads))[0]
+    local = materialise(cfg, rank, world, sync) if reads else None
     if env.is_main:  # one writer: the others wait, then load what it trained
         tok = prepare_tokenizer(cfg)
     env.barrier()
@@ -78,13 +99,6 @@ def prepare_data(
                 env.world_size,
             )
         return tok, None
-    shared = cfg.data.cache_scope == "shared"
-    # A node-local cache: each node's copy, built by its ranks together, verified by its first.
-    rank, world, sync = (
-        (env.rank, env.world_size, env.gather)
-        if shared
-        else (env.local_rank, env.local_world_size, env.node_gather)
-    )
     if cfg.data.sources:  # a mixture: a cache per source, each keyed by its own corpus
         caches = [
             ensure_cache(
@@ -96,12 +110,22 @@ def prepare_data(
                 sync=sync,
                 rebuild=rebuild,
                 folder=cache_folder(source),
+                local=materialise(as_train(cfg, source), rank, world, sync) if copy else None,
             )
-            for source in cfg.data.sources
+            for source, copy in zip(cfg.data.sources, sync(missing)[0], strict=True)
         ]
     else:
         caches = [
-            ensure_cache(cfg, "train", tok, rank=rank, world_size=world, sync=sync, rebuild=rebuild)
+            ensure_cache(
+                cfg,
+                "train",
+                tok,
+                rank=rank,
+                world_size=world,
+                sync=sync,
+                rebuild=rebuild,
+                local=local,
+            )
         ]
     if not shared:
         for cache in caches:
@@ -112,7 +136,7 @@ def prepare_data(
 def warn_serial_start(cfg: Config, world_size: int) -> list[str]:
     """At LARGE_WORLD ranks or more, warn of what this start prepares while the GPUs wait: a
     tokenizer that rank 0 trains, a token cache to build (rank 0 merges it alone), a Hub split
-    that every rank streams. Called by a training start on rank 0 (one line, not W), not by
+    that every rank reads whole. Called by a training start on rank 0 (one line, not W), not by
     `aiayn data prepare`, which is the way out; returns the warnings."""
     if world_size < LARGE_WORLD:
         return []
@@ -126,14 +150,15 @@ def warn_serial_start(cfg: Config, world_size: int) -> list[str]:
     hub = [c for c in _train_configs(cfg) if c.data.format == "hub"]
     if not cfg.data.cache and hub:
         out.append(
-            f"data.cache=false with a Hub dataset on {world_size} ranks: every rank streams the "
-            f"whole split from the Hub at every start ({world_size} times the download; the "
-            "Hub's rate limits can end the job). Set data.cache=true"
+            f"data.cache=false with a Hub dataset on {world_size} ranks: the split is copied "
+            "from the Hub once, then every rank reads and tokenises the whole copy at every "
+            f"start and keeps 1/{world_size} of it. Set data.cache=true"
         )
     missing = [root for root in _cache_roots(cfg) if not (root / MANIFEST).is_file()]
     if cfg.data.cache and missing:
         streamed = (
-            " (a Hub split: each rank streams it, whole where it has fewer shards than ranks)"
+            " (a Hub split is first copied from the Hub, each of its data files by one rank, "
+            "while the others wait)"
         )
         out.append(
             f"the token cache {', '.join(map(str, missing))} does not exist: the {world_size} "

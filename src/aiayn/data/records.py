@@ -63,10 +63,20 @@ def _string_features(types: dict[str, str]):
     return Features({column: Value(t) for column, t in types.items()})
 
 
-def record_source(cfg: DataConfig, split: str, kind: str) -> Source:
-    """`split` of a Hub dataset, or of tsv, jsonl or parquet files (a path or a glob)."""
+def record_source(cfg: DataConfig, split: str, kind: str, local: list[str] | None = None) -> Source:
+    """`split` of a Hub dataset, or of tsv, jsonl or parquet files (a path or a glob).
+
+    `local`: the parquet parts of a Hub split's local copy (data/hub_copy.py), read in its
+    place: the same records in the same order, from local files shared among ranks by file."""
     if cfg.format == "hub":
         name = f"{cfg.hub_name} ({cfg.hub_config or 'default'}, split {split})"
+        if local:
+            return Source(
+                f"{name}, copied to {Path(local[0]).parent}",
+                lambda: _stream("parquet", local, {}),
+                _normalizer(cfg, kind, name),
+                shard_files=[[f] for f in local],
+            )
 
         def make() -> IterableDataset:
             import datasets
@@ -101,12 +111,15 @@ def record_source(cfg: DataConfig, split: str, kind: str) -> Source:
         kw, normalize = {}, _normalizer(cfg, kind, name)
         builder = {"jsonl": "json", "parquet": "parquet"}[cfg.format]
 
-    def make() -> IterableDataset:
-        import datasets
+    return Source(
+        name, lambda: _stream(builder, files, kw), normalize, shard_files=[[f] for f in files]
+    )
 
-        return datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kw)
 
-    return Source(name, make, normalize, shard_files=[[f] for f in files])
+def _stream(builder: str, files: list[str], kw: dict) -> IterableDataset:
+    import datasets
+
+    return datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kw)
 
 
 def _normalizer(cfg: DataConfig, kind: str, name: str) -> Callable[[dict], dict]:

@@ -23,11 +23,14 @@ from aiayn.runtime.durable import sha256_of
 KINDS = ("seq2seq", "lm", "classifier")
 
 
-def open_split(cfg: DataConfig, split: str, kind: str, check: bool = True) -> Source:
+def open_split(
+    cfg: DataConfig, split: str, kind: str, check: bool = True, local: list[str] | None = None
+) -> Source:
     """Open `split` (a prefix, path, glob or hub split name) of the corpus described by cfg.
 
     check=False leaves out reading every line-aligned file through (alignment, UTF-8) at
-    open: for a reader of some shards only, which checks those (Source.check_shard)."""
+    open: for a reader of some shards only, which checks those (Source.check_shard). `local`:
+    the parts of a Hub split's local copy, read in its place (data/hub_copy.py)."""
     if kind not in KINDS:
         raise DataError(f"unknown model kind {kind!r}; choose from {KINDS}")
     if not split:
@@ -43,7 +46,7 @@ def open_split(cfg: DataConfig, split: str, kind: str, check: bool = True) -> So
                 "data.format tsv, jsonl or parquet"
             )
         return line_files.text_source(cfg, split, check)
-    source = records.record_source(cfg, split, kind)
+    source = records.record_source(cfg, split, kind, local)
     records.check_first_record(source)
     return source
 
@@ -114,18 +117,20 @@ def file_ends(path: Path) -> dict:
     }
 
 
-def sample_sentences(cfg: DataConfig, kind: str, n: int, seed: int) -> list[str]:
+def sample_sentences(
+    cfg: DataConfig, kind: str, n: int, seed: int, local: list[str] | None = None
+) -> list[str]:
     """A deterministic, shuffled sample of at most n sentences of the training split.
 
     Reservoir sampling (Algorithm R) over the stream: memory stays at n sentences however large
     the corpus. Both sides go in for seq2seq: the vocabulary is joint (§3.4). Reading stops
     after 20 n sentences so that a web-scale stream does not take hours (WMT14 en-de, 9M
-    sentences, is read whole for the default n of 1M).
+    sentences, is read whole for the default n of 1M). `local` as for open_split.
     """
     rng = random.Random(seed)
     sample: list[str] = []
     seen = 0
-    for rec in open_split(cfg, cfg.train, kind):
+    for rec in open_split(cfg, cfg.train, kind, local=local):
         if seen >= 20 * n:
             break
         for text in (rec["src"], rec["tgt"]) if kind == "seq2seq" else (rec["text"],):

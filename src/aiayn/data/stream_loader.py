@@ -103,10 +103,11 @@ class StreamLoader:
         rank: int = 0,
         world_size: int = 1,
         pin_memory: bool = False,
+        local: list[str] | None = None,
     ):
         self._setup(data_cfg, tokenizer, kind, max_tokens, seed, train, rank, world_size)
         self.split, self.pin_memory = split, pin_memory
-        self.source = open_split(data_cfg, split, kind)
+        self.source = open_split(data_cfg, split, kind, local=local)
         self._pos = self._start()
         self._fingerprint = {
             "split": split,

@@ -44,10 +44,12 @@ def ensure_cache(
     sync: Sync | None = None,
     rebuild: bool = False,
     folder: str | None = None,
+    local: list[str] | None = None,
 ) -> TokenCache:
     """Open the cache of `split`, building it first if it is missing (or if rebuild). It
     lives in the folder `folder` of the cache directory (default: the split's name; a source of
-    a mixture has its own, mixture.cache_folder).
+    a mixture has its own, mixture.cache_folder). `local`: the parts of a Hub split's local
+    copy, read in its place (data/hub_copy.py).
 
     Every rank calls it; the ranks share the tokenising and rank 0 writes the result. An
     existing cache that does not fit the config is refused, never silently replaced. Each rank
@@ -79,7 +81,7 @@ def ensure_cache(
     expected = fingerprint(cfg, split, tok)
     started = time.perf_counter()
     shares: list[Share] = []
-    layouts = _all_ok(sync, lambda: open_share(cfg, split, rank, world_size, shares))
+    layouts = _all_ok(sync, lambda: open_share(cfg, split, rank, world_size, shares, local))
     if len(set(layouts)) > 1:  # the ranks would go different ways and wait for each other
         raise DataError(
             f"the ranks see different corpus files for {split} (rank 0 would read {layouts[0]}, "

@@ -65,9 +65,13 @@ class Share:
         return range(self.rank, n, self.world_size)
 
 
-def open_share(cfg: Config, split: str, rank: int, world_size: int, out: list) -> str:
-    """Open the source without checking it whole and decide how the ranks share it."""
-    source = open_split(cfg.data, getattr(cfg.data, split), cfg.model.kind, check=False)
+def open_share(
+    cfg: Config, split: str, rank: int, world_size: int, out: list, local: list[str] | None = None
+) -> str:
+    """Open the source without checking it whole and decide how the ranks share it (`local`:
+    a Hub split's local copy, data/hub_copy.py)."""
+    spec = getattr(cfg.data, split)
+    source = open_split(cfg.data, spec, cfg.model.kind, check=False, local=local)
     share = Share(source, rank, world_size)
     if world_size > 1:
         n_shards = source.dataset().num_shards
