@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.checkpoint import CHECKPOINTS_DIR
+from aiayn.checkpoint.format import EMA, ema_of
 from aiayn.checkpoint.inference import load_for_inference
 from aiayn.config import Config
 from aiayn.data import make_loader, open_split
@@ -21,6 +22,8 @@ from aiayn.infer.translate import translate
 def evaluate(checkpoint: str | Path, split: str = "test", overrides: list[str] = ()) -> dict:
     """Score a checkpoint on a data split: BLEU (seq2seq), perplexity (lm), accuracy."""
     cfg, model, tok, ckpt = load_for_inference(checkpoint, overrides, "auto")
+    # RUN/ema: the checkpoint's train.ema weights, named and written apart from its own
+    name = f"{ckpt.name}.{EMA}" if ema_of(checkpoint) is not None else ckpt.name
     device = next(model.parameters()).device
     # A training run's checkpoint (or its averaged model, RUN/averaged): the run may hold a
     # copy of the split.
@@ -34,7 +37,7 @@ def evaluate(checkpoint: str | Path, split: str = "test", overrides: list[str] =
             cfg,
             spec,
             lambda srcs: translate(model, tok, srcs, cfg.decode, device),
-            Path(cfg.run_dir) / "eval" / f"{split}.{ckpt.name}.hyp",
+            Path(cfg.run_dir) / "eval" / f"{split}.{name}.hyp",
         )
     elif kind == "lm":
         result = score_lines(model, tok, split_lines(cfg, spec), cfg, device)
@@ -43,7 +46,7 @@ def evaluate(checkpoint: str | Path, split: str = "test", overrides: list[str] =
     else:
         loader = make_loader(cfg, spec, tok, train=False)
         result = validation_metrics(model, list(loader), kind, tok.pad_id, device)
-    result["checkpoint"] = str(ckpt)
+    result["checkpoint"] = str(ckpt / EMA if name != ckpt.name else ckpt)
     result["split"] = split
     return result
 
