@@ -221,19 +221,24 @@ class DeepSpeedEngine:
             with self.ema.applied([p.data for _, p in named]):
                 yield
             return
-        # ZeRO-3 keeps its small parameters gathered between steps (persistent): gather them
-        # again from the partitions, once with the EMA's values and once with the weights'.
-        try:
-            with self.ema.applied([p.ds_tensor for _, p in named]):
-                self._gather_persistent()
-                yield
-        finally:
-            self._gather_persistent()
+        # ZeRO-3 gathers a parameter from the partitions for each forward, except its small
+        # ones (below stage3_param_persistence_threshold), which stay whole between steps:
+        # those get the EMA's whole value too, gathered one at a time (a collective; every
+        # rank has the same persistent parameters).
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    def _gather_persistent(self) -> None:
-        persistent = getattr(self.model.optimizer, "persistent_parameters", None)
-        if persistent:
-            persistent[0].all_gather(persistent)
+        whole = [
+            (i, p) for i, (_, p) in enumerate(named) if p.ds_status == ZeroParamStatus.AVAILABLE
+        ]
+        with self.ema.applied([p.ds_tensor for _, p in named]):
+            kept = [p.data.clone() for _, p in whole]
+            for i, p in whole:
+                p.data.copy_(self.ema.whole(i).to(p.device, p.dtype))
+            try:
+                yield
+            finally:
+                for (_, p), value in zip(whole, kept, strict=True):
+                    p.data.copy_(value)
 
     def save_shards(self, directory: Path) -> list[Path]:
         # Every rank writes its ZeRO partition; this is a collective.

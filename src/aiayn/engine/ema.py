@@ -99,15 +99,19 @@ class EMA:
                 if name not in index:
                     yield from base.each([name])  # a buffer, or a frozen parameter
                     continue
-                i = index[name]
-                if self._gather is None:
-                    yield name, self.shadow[i].view(self.pieces[i].shape)
-                else:
-                    whole = self._gather(i, self.shadow[i].reshape(-1))
-                    yield name, whole[: self.pieces[i].shape.numel()].view(self.pieces[i].shape)
+                yield name, self.whole(index[name])
 
         transient = base.transient or self._gather is not None
         return Weights(specs, base.metadata, each, transient=transient)
+
+    def whole(self, i: int) -> torch.Tensor:
+        """The EMA of trainable parameter i, whole: under ZeRO-3 gathered from every rank's
+        piece (a collective), and gone once the caller drops it."""
+        self.begin()
+        shape = self.pieces[i].shape
+        if self._gather is None:
+            return self.shadow[i].view(shape)
+        return self._gather(i, self.shadow[i].reshape(-1))[: shape.numel()].view(shape)
 
     @contextlib.contextmanager
     def applied(self, targets: list[torch.Tensor]) -> Iterator[None]:
