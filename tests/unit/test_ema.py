@@ -130,3 +130,18 @@ def test_init_optimizer_keep_refuses_the_ema(tmp_path):
     save(tmp_path, engine)
     with pytest.raises(CheckpointError, match="moving average"):
         load_moments(SimpleNamespace(), locate(tmp_path / "run" / "ema"), None)
+
+
+def test_init_source_records_the_ema_and_finds_it_again_at_a_restart(tmp_path):
+    from aiayn.train.init_source import resolve
+
+    engine = engine_for("train.ema=0.9")
+    train_steps(engine, 1)
+    ckpt = save(tmp_path, engine)
+    run_dir = tmp_path / "fine_tuned"
+    run_dir.mkdir()
+    given = str(tmp_path / "run" / "ema")
+    found, record = resolve(given, run_dir)
+    assert found.kind == "ema" and record["path"] == str((ckpt / "ema").resolve())
+    again, _ = resolve(given, run_dir)  # a restart: from the record, not looked up again
+    assert again.kind == "ema" and again.weights == found.weights == ckpt / "ema.safetensors"

@@ -1,9 +1,9 @@
 """The exponential moving average of the weights (train.ema), kept beside the model by the
 engine: after every optimizer step, ema = decay * ema + (1 - decay) * w, in fp32.
 
-Marian smooths by default and fairseq offers `--ema`: the average of the recent weights often
-scores like an average of the last checkpoints, at the cost of one fp32 copy of the weights
-and two foreach kernels a step (no host sync). Each rank keeps the EMA of what it holds: the
+Marian smooths by default and fairseq offers `--ema`: a cheap alternative or complement to
+averaging the last checkpoints (§6.1), at the cost of one fp32 copy of the weights and two
+foreach kernels a step (no host sync). Each rank keeps the EMA of what it holds: the
 whole trainable parameters under one process, DDP and ZeRO 0-2 (as every rank holds the
 weights), and its own ZeRO-3 partition of each under ZeRO-3, so the EMA is never whole on a
 rank. A save writes it as `ema.safetensors` beside `model.safetensors`, with the same names
