@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from helpers import scalars, torchrun, weights_at  # tests/helpers.py
 from processes import kill_tree, logged, wait_until  # tests/processes.py
@@ -133,20 +134,27 @@ def test_killed_zero3_run_resumes_bitwise(setup):
     bit, dropout on (each rank's RNG stream is checkpointed). ZeRO-3, whose save gathers the
     weights and writes every rank's partitions; ZeRO-2's kills and resumes are
     test_restarts.py's (SIGKILL and an exception on one rank, bitwise to the end), and a save
-    is the same writer under every stage."""
+    is the same writer under every stage.
+
+    Both keep the moving average of the weights (train.ema), each rank its partition's, which
+    ends bitwise equal too; the killed run validates that average (train.ema_validate, at its
+    last step, before its last save), the uninterrupted one the weights: swapping the EMA in
+    and the weights back must leave training as it was, bit for bit."""
     root, config = setup
     stage = 3
     steps = 60  # ~50 ms each: time for the kills to land before the run ends
-    options = (
+    common = (
         *DS,
         f"distributed.zero_stage={stage}",
         "model.dropout=0.1",
         "checkpoint.every_steps=5",
         "train.eval_every=0",
         f"train.max_steps={steps}",
+        "train.ema=0.9",
     )
+    options = (*common, "train.ema_validate=true")
     straight, killed = root / f"straight{stage}", root / f"killed{stage}"
-    run(torchrun(2) + aiayn(config, straight, *options))
+    run(torchrun(2) + aiayn(config, straight, *common))
     log = killed / "train.log"
     job = start(torchrun(2) + aiayn(config, killed, *options))
     try:
@@ -172,6 +180,13 @@ def test_killed_zero3_run_resumes_bitwise(setup):
     run(torchrun(2) + aiayn(config, killed, *options))
     assert log.read_text().count("resuming from") >= 2
     assert_close(weights_at(killed, steps), weights_at(straight, steps), atol=0.0)
+    ema = [load_file(run_dir / "checkpoints" / f"step_{steps:08d}" / "ema.safetensors")
+           for run_dir in (killed, straight)]  # fmt: skip
+    assert_close(*ema, atol=0.0)
+    assert ema[0].keys() == weights_at(killed, steps).keys()
+    # the killed run validated the EMA, the other the weights: another loss at the last step
+    ema_loss, raw_loss = (scalars(r, "valid/loss")[steps] for r in (killed, straight))
+    assert ema_loss != raw_loss, (ema_loss, raw_loss)
 
 
 def test_accelerate_launch_use_deepspeed(setup, ddp_run):

@@ -3,7 +3,10 @@ validation at scale), measured in 4 real processes: each rank's allocated host m
 every millisecond through each save and each validation, rises by its share of the weights
 file and a gathered weight or two at a save, by a layer's weights and the activations at a
 validation; never by a whole model. The same instrument sees the whole model in the gathered
-copy that validation built before (`full_module`), so the bounds can fail."""
+copy that validation built before (`full_module`), so the bounds can fail. The run keeps the
+moving average of the weights (train.ema): each rank holds the EMA of its partition, a quarter
+of the model, and a save writes a quarter of ema.safetensors beside its quarter of
+model.safetensors, gathering one tensor at a time."""
 
 import json
 import math
@@ -44,6 +47,7 @@ def test_zero3_saves_and_validates_at_four_ranks_without_a_whole_model(setup, tm
             "train.eval_every=2",
             "train.eval_bleu=24",  # the lockstep beam search too, not only the loss
             "checkpoint.every_steps=2",
+            "train.ema=0.999",
             "distributed.backend=deepspeed",
             "distributed.zero_stage=3",
             # DeepSpeed keeps up to 1e9 parameters gathered unless told to release them
@@ -63,9 +67,13 @@ def test_zero3_saves_and_validates_at_four_ranks_without_a_whole_model(setup, tm
     for r in ranks:
         # the control: a gathered copy is a whole model (and the instrument sees it)
         assert r["whole_model_copy"] > 0.95 * model, report
-        # a save: its 1/4 share of model.safetensors, kept until written, and the weights
-        # gathered one at a time beside it, DeepSpeed's buffers with each (0.40 measured)
-        assert r["save"] < model / WORLD + 5 * largest, report
+        # train.ema: the EMA of this rank's partition (DeepSpeed pads each to a multiple
+        # of the world size), never the whole of it
+        assert model / WORLD <= r["ema_held"] < model / WORLD + 4 * len(numels) * WORLD, report
+        # a save: its 1/4 shares of model.safetensors and of ema.safetensors, kept until
+        # written, and the weights and EMAs gathered one at a time beside them, DeepSpeed's
+        # buffers with each (0.40 measured without the EMA)
+        assert r["save"] < 2 * model / WORLD + 5 * largest, report
         # a validation: each layer's weights gathered for its forward, then released (0.21)
         assert r["validation"] < 0.3 * model, report
     print(report, file=sys.stderr)

@@ -19,7 +19,7 @@ from aiayn.checkpoint import manager
 from aiayn.eval import validation
 from aiayn.runtime.malloc import AllocatedPeak
 
-rises = {"save": 0, "validation": 0, "whole_model_copy": 0}
+rises = {"save": 0, "validation": 0, "whole_model_copy": 0, "ema_held": 0}
 
 
 def measured(name: str, method):
@@ -39,6 +39,8 @@ def with_control(method):
             with AllocatedPeak() as peak, engine.full_module():  # comes here
                 pass
             rises["whole_model_copy"] = peak.rise
+        if engine.ema is not None and engine.ema.shadow is not None:
+            rises["ema_held"] = sum(t.numel() * t.element_size() for t in engine.ema.shadow)
         return result
 
     return wrapped

@@ -1,6 +1,8 @@
 """SIGKILL at random moments, during saves too, then the same command again: the run ends with
-parameters and optimizer state bitwise equal to a run that was never interrupted."""
+parameters, optimizer state and the moving average of the weights (train.ema) bitwise equal to
+a run that was never interrupted."""
 
+import json
 import os
 import random
 import subprocess
@@ -10,8 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from aiayn.checkpoint import read_trainer_state
+from aiayn.checkpoint.tools import export
 
 import tiny  # tests/e2e/tiny.py, beside this file
 from helpers import checkpoint_dir, torchrun, weights_at  # tests/helpers.py
@@ -35,19 +39,26 @@ def overrides(run_dir: Path, corpus: Path) -> list[str]:
         "checkpoint.keep_last=2",
         f"train.max_steps={STEPS}",
         "train.threads=1",
+        "train.ema=0.99",  # its average is resumed bit for bit too
     )
 
 
-def final_state(run_dir: Path) -> tuple[dict, dict]:
-    trainer = read_trainer_state(checkpoint_dir(run_dir, STEPS))
-    return weights_at(run_dir, STEPS), trainer["engine"]
+def final_state(run_dir: Path) -> tuple[dict, dict, dict]:
+    ckpt = checkpoint_dir(run_dir, STEPS)
+    trainer = read_trainer_state(ckpt)
+    return weights_at(run_dir, STEPS), trainer["engine"], load_file(ckpt / "ema.safetensors")
 
 
 def assert_bitwise_equal(a: Path, b: Path) -> None:
-    (weights_a, engine_a), (weights_b, engine_b) = final_state(a), final_state(b)
+    (weights_a, engine_a, ema_a), (weights_b, engine_b, ema_b) = final_state(a), final_state(b)
     assert weights_a.keys() == weights_b.keys()
     differ = [k for k in weights_a if not torch.equal(weights_a[k], weights_b[k])]
     assert not differ, f"parameters differ: {differ[:5]}"
+    assert ema_a.keys() == weights_a.keys() == ema_b.keys()
+    differ = [k for k in ema_a if not torch.equal(ema_a[k], ema_b[k])]
+    assert not differ, f"the weights' moving averages differ: {differ[:5]}"
+    # ... and it is an average, not the weights: 0.99 moves slowly over 40 steps
+    assert not torch.equal(ema_a["out.weight"], weights_a["out.weight"])
     moments = [
         (k, name)
         for k, slot in engine_a["optimizer"]["state"].items()
@@ -174,6 +185,28 @@ def test_sigkill_at_random_moments_then_rerun_ends_bitwise_equal(
     assert_bitwise_equal(killed, straight)
     log = (killed / "train.log").read_text()
     assert log.count("resumed from") >= 1, what  # at least one kill came after a checkpoint
+
+
+def test_evaluate_and_export_take_the_runs_moving_average_by_the_name_ema(
+    tmp_path, numbers, straight
+):
+    """`aiayn evaluate --checkpoint RUN/ema` scores the EMA's weights, its hypotheses written
+    apart from the checkpoint's own; `aiayn export RUN/ema` writes those weights."""
+    cli = [sys.executable, "-m", "aiayn", "evaluate", "--checkpoint", str(straight / "ema")]
+    proc = subprocess.run(
+        [*cli, "--split", "test", "--json", f"data.test={numbers}/test"],
+        capture_output=True, text=True, env=ENV, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result, step = json.loads(proc.stdout), checkpoint_dir(straight, STEPS)
+    assert result["checkpoint"] == str(step / "ema")
+    assert Path(result["hypotheses_file"]).name == f"test.{step.name}.ema.hyp"
+    assert 0 <= result["bleu"] <= 100
+
+    out = export(straight / "ema", tmp_path / "ema.safetensors")
+    exported, ema = load_file(out), load_file(step / "ema.safetensors")
+    assert exported.keys() == ema.keys()
+    assert all(torch.equal(exported[k], ema[k]) for k in ema)
 
 
 @pytest.mark.distributed

@@ -50,6 +50,10 @@ class Unsharded:
     def weights(self):
         yield Weights.of(self.module)
 
+    @contextlib.contextmanager
+    def ema_weights(self):
+        yield None  # train.ema off
+
 
 def save(manager, step, model=None, cfg=None, metrics=None):
     model = model or Tied()

@@ -4,6 +4,7 @@ Layout of a run directory:
 
     run_dir/checkpoints/step_00001000/
         model.safetensors   weights (tied matrices stored once); loads without unpickling code
+        ema.safetensors     train.ema's moving average of them, the same names (RUN/ema)
         trainer.pt          optimizer, schedule, data position, RNG states, counters; its
                             tensors (Adam's moments) stand as {"__tensor__": key} ...
         trainer.safetensors ... for the tensors held here under those keys
@@ -45,6 +46,10 @@ FORMAT_VERSION = 1
 CHECKPOINTS_DIR = "checkpoints"  # under run_dir
 MODEL_FILE, TRAINER_FILE, MANIFEST_FILE = "model.safetensors", "trainer.pt", "manifest.json"
 TRAINER_TENSORS_FILE = "trainer.safetensors"
+# train.ema's moving average of the weights: model.safetensors' names, ties and layout, fp32.
+EMA_FILE = "ema.safetensors"
+# The name that picks it as a model: RUN/ema, RUN/best/ema, CKPT/ema (checkpoint/locate.py).
+EMA = "ema"
 # Pointer files in checkpoints/, each naming a step directory (checkpoint/retention.py).
 BEST, LATEST = "best", "latest"
 _TENSOR_KEY = "__tensor__"
@@ -175,6 +180,25 @@ def resolve_checkpoint(path: str | Path) -> Path:
         f"no valid checkpoint at {path}: pass a run_dir holding checkpoints/ or a "
         "checkpoints/step_XXXXXXXX directory"
     )
+
+
+def ema_of(path: str | Path) -> Path | None:
+    """The checkpoint (or run, or pointer) whose train.ema weights `path` names (RUN/ema,
+    RUN/best/ema, CKPT/ema), or None where `path` names something else: an existing
+    directory or file called ema is itself, as before."""
+    path = Path(path)
+    return path.parent if path.name == EMA and not path.exists() else None
+
+
+def ema_weights(ckpt: Path, manifest: dict[str, Any]) -> Path:
+    """The checkpoint's ema.safetensors, which CKPT/ema names; CheckpointError without one."""
+    if EMA_FILE not in manifest["files"]:
+        raise CheckpointError(
+            f"{ckpt}/{EMA} names the moving average of the checkpoint's weights, and it holds "
+            "none: it was saved without train.ema (or is an average). Name the checkpoint "
+            "itself, or train with train.ema set"
+        )
+    return ckpt / EMA_FILE
 
 
 def _follow(path: Path) -> Path:

@@ -59,10 +59,11 @@ def load_moments(engine, found: Located, cfg) -> None:
     from aiayn.engine.state import trainable
 
     if found.kind != "checkpoint":
+        what = {"export": "an export", "ema": "a moving average of the weights (train.ema)"}
         raise CheckpointError(
             f"init.optimizer=keep takes Adam's moments from a training checkpoint, and "
-            f"{found.checkpoint} is an {'export' if found.kind == 'export' else 'averaged model'}"
-            ", which holds weights only: name one of the run's checkpoints, or set "
+            f"{found.name} is {what.get(found.kind, 'an averaged model')}, whose weights "
+            "no Adam state belongs to: name one of the run's checkpoints, or set "
             "init.optimizer=reset"
         )
     source_cfg = found.config.get("train", {})

@@ -14,8 +14,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from safetensors import safe_open
+
 from aiayn.checkpoint import reshard
 from aiayn.checkpoint.format import (
+    EMA_FILE,
     MANIFEST_FILE,
     checkpoints_in,
     latest_valid,
@@ -152,6 +155,7 @@ def load_state(run: Any, ckpt: Path, startup: StartupTimes) -> dict[str, Any]:
             lazy=lambda key: key.startswith("/engine/"),
         )
         _load_engine(run, ckpt, trainer_state, manifest)
+        _load_ema(run.engine, ckpt, manifest)
         _warn_of_another_batch(run.cfg.train, run.env.world_size, manifest)
     with startup.phase("data position"):
         run.loader.load_state_dict(trainer_state["data"])  # the position of all ranks
@@ -181,6 +185,24 @@ def _load_engine(run: Any, ckpt: Path, trainer_state: dict, manifest: dict) -> N
             size_text(busiest),
             size_text(state.bytes_stored),
         )
+
+
+def _load_ema(engine: Any, ckpt: Path, manifest: dict) -> None:
+    """train.ema: this rank's share of the checkpoint's ema.safetensors (under ZeRO-3 its
+    partition of each parameter, read by element range), on any topology: the file holds
+    whole tensors by name, as model.safetensors does. A checkpoint saved without one (train.ema
+    turned on at this resume) leaves the EMA to start from the weights resumed."""
+    if engine.ema is None:
+        return
+    if EMA_FILE not in manifest["files"]:
+        log.warning(
+            "%s holds no moving average of the weights (it was saved without train.ema): "
+            "the EMA starts from the weights resumed",
+            ckpt,
+        )
+        return
+    with safe_open(str(ckpt / EMA_FILE), framework="pt") as fh:
+        engine.ema.load(lambda key, start, end: reshard.Rows(fh, key).read(start, end))
 
 
 def _warn_of_another_batch(train: Any, world_size: int, manifest: dict) -> None:

@@ -36,11 +36,14 @@ from safetensors.torch import load_file, save_file
 from aiayn.checkpoint.format import (
     ARCHITECTURE_FIELDS,
     CHECKPOINTS_DIR,
+    EMA,
     FORMAT_VERSION,
     MANIFEST_FILE,
     MODEL_FILE,
     TOKENIZER_FILE,
     checkpoints_in,
+    ema_of,
+    ema_weights,
     read_manifest,
     resolve_checkpoint,
     step_of,
@@ -217,8 +220,10 @@ def export(source: str | Path, output: str | Path, dtype: str = "fp32") -> Path:
     """Write the weights of `source` (a step dir, or a run dir's latest valid checkpoint) to
     one safetensors file, its config and tokenizer beside it. Returns the weights' path."""
     weights, _, tokenizer = _export_targets(output, dtype)
-    ckpt = resolve_checkpoint(source)
+    ema = ema_of(source)  # RUN/ema: the checkpoint's train.ema weights
+    ckpt = resolve_checkpoint(ema or source)
     manifest = read_manifest(ckpt, verify=False)  # resolve_checkpoint verified it
+    stored = ckpt / MODEL_FILE if ema is None else ema_weights(ckpt, manifest)
     weights.parent.mkdir(parents=True, exist_ok=True)
     tmp_tok = weights.parent / f".{tokenizer.name}.tmp"
     if not _copy_tokenizer(ckpt, manifest, tmp_tok):
@@ -226,16 +231,20 @@ def export(source: str | Path, output: str | Path, dtype: str = "fp32") -> Path:
             f"the tokenizer {ckpt} was trained with is not found: pass the run's tokenizer "
             "with tokenizer.path=... in the checkpoint's config, or restore the file"
         )
-    with safe_open(ckpt / MODEL_FILE, framework="pt") as fh:
+    with safe_open(stored, framework="pt") as fh:
         metadata = dict(fh.metadata() or {})
     return _write_export(
         weights,
-        load_file(ckpt / MODEL_FILE),
+        load_file(stored),
         metadata,
         dtype,
         manifest["config"],
         tmp_tok,
-        {"step": manifest["step"], "tokenizer": manifest["tokenizer"], "source": str(ckpt)},
+        {
+            "step": manifest["step"],
+            "tokenizer": manifest["tokenizer"],
+            "source": str(ckpt if ema is None else ckpt / EMA),
+        },
     )
 
 

@@ -32,6 +32,7 @@ import torch
 from aiayn.checkpoint import staging
 from aiayn.checkpoint.failures import FailedSaves, Seen, free_bytes, message
 from aiayn.checkpoint.format import (
+    EMA_FILE,
     FORMAT_VERSION,
     MANIFEST_FILE,
     MODEL_FILE,
@@ -134,13 +135,17 @@ class Writer:
         copy = self._staging.copy if self.async_save else _as_is
         shares = {}
         # A collective under ZeRO-3 (each weight gathered in turn, every rank taking part), so
-        # that no rank holds the whole model: each keeps the parts in its range.
-        with engine.weights() as weights:
-            layout = TensorFile.of(weights.specs, weights.metadata)
-            lo, hi = layout.share(rank, world)
-            keep = host_copy if weights.transient and not self.async_save else copy
-            parts = layout.slices(weights.each(layout.names), lo, hi, keep)
-            shares[MODEL_FILE] = (parts, lo, hi)
+        # that no rank holds the whole model: each keeps the parts in its range. train.ema's
+        # average of the weights likewise, into a file of the same layout.
+        for name, source in ((MODEL_FILE, engine.weights), (EMA_FILE, engine.ema_weights)):
+            with source() as weights:
+                if weights is None:  # no EMA
+                    continue
+                layout = TensorFile.of(weights.specs, weights.metadata)
+                lo, hi = layout.share(rank, world)
+                keep = host_copy if weights.transient and not self.async_save else copy
+                parts = layout.slices(weights.each(layout.names), lo, hi, keep)
+                shares[name] = (parts, lo, hi)
         marks.add("weights")
         layout = TensorFile.of(state_tensors, None)
         lo, hi = layout.share(rank, world)

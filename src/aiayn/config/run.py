@@ -71,7 +71,8 @@ class InitConfig(Section):
     source: str | None = None
     """Start this run from a trained model's weights (fine-tuning, or continuing with new
     settings): a run directory (its latest valid checkpoint; RUN/best, RUN/latest and
-    RUN/averaged name those), a checkpoint step directory, an averaged model (aiayn average,
+    RUN/averaged name those), a checkpoint step directory, a checkpoint's moving average of
+    the weights (train.ema: RUN/ema, CKPT/ema), an averaged model (aiayn average,
     aiayn finish), a FILE.safetensors written by aiayn export or aiayn import-hf, or a Hugging
     Face MarianMT (OPUS-MT) directory or hub name, imported once into run_dir/init_source/ at
     the first start (docs/fine_tuning.md#opus-mt). The weights only: the step,

@@ -183,6 +183,20 @@ class TrainConfig(Section):
     Hopper, and 24.9% with flash alone; benchmarks/README.md). Another value allows that kernel
     alone. Each falls back to torch's math path where it does not apply (flash takes no
     padding mask). mfu.py --attention-kernels compares them on a GPU. No effect on CPU."""
+    ema: float | None = bounded(None, low=0, high=1, high_open=True)
+    """Keep an exponential moving average of the weights: after every optimizer step
+    ema = ema * decay + w * (1 - decay), in fp32, beside the model (under ZeRO-3 each rank the
+    EMA of its own partition). None: off. Marian smooths with 1e-4 per step (decay 0.9999),
+    fairseq's --ema-decay is 0.9999; a short run wants less (0.999). Each checkpoint holds it
+    as ema.safetensors beside model.safetensors, and a resume restores it bit for bit;
+    `RUN/ema` (also RUN/best/ema, CKPT/ema) names those weights to evaluate, translate,
+    export and init.source. A resume from a checkpoint without one starts it from the weights
+    resumed. Costs one fp32 copy of each rank's share of the weights."""
+    ema_validate: bool = False
+    """Validate the EMA of the weights instead of the weights themselves (needs train.ema):
+    the validation scores, checkpoint.best_metric's ranking (so RUN/best is the checkpoint
+    whose EMA scored best: use RUN/best/ema) and train.patience all follow the EMA. Training
+    is unchanged: the weights are swapped back bit for bit after each validation."""
     memory_probe: Literal["auto", "always", "never"] = "auto"
     """Before the first step (of a new or resumed run), one forward and backward pass of the
     epoch's largest batch, gradients then dropped and no random state moved, so that an
@@ -204,6 +218,16 @@ class TrainConfig(Section):
         return self.max_tokens * self.accumulation(world_size) * world_size
 
     def validate(self) -> list[str]:
+        problems = []
+        if self.ema_validate and self.ema is None:
+            problems.append(
+                "train.ema_validate=true validates the moving average of the weights, and "
+                "train.ema is off: set train.ema to a decay (e.g. train.ema=0.999), or "
+                "train.ema_validate=false"
+            )
+        return problems + self._batch_problems()
+
+    def _batch_problems(self) -> list[str]:
         per_step = self.tokens_per_step
         if per_step is None:
             return []

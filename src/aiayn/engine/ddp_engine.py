@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from aiayn.config import Config
 from aiayn.distributed.env import DistEnv
 from aiayn.engine import parallelize
+from aiayn.engine.ema import EMA, whole_pieces
 from aiayn.engine.optim import (
     build_optimizer,
     clip_gradients,
@@ -48,6 +49,11 @@ class LocalEngine:
         )
         self.skipped_steps = 0
         parallelize.apply(self.module, cfg)
+        self.ema = None  # train.ema: every rank holds the whole weights, and their whole EMA
+        if cfg.train.ema is not None:
+            named = trainable(self.module)
+            params = [p for _, p in named]
+            self.ema = EMA(cfg.train.ema, whole_pieces(self.module, named), lambda: params)
 
     @property
     def lr(self) -> float:
@@ -70,6 +76,8 @@ class LocalEngine:
         return replicas_differ(self.module, env)
 
     def step(self) -> torch.Tensor:
+        if self.ema is not None:
+            self.ema.begin()  # before the first update: the average includes the start
         # The norm stays a tensor so the caller decides when to pay for a host sync.
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_gradients(self.module.parameters(), self.clip_norm)
@@ -87,6 +95,8 @@ class LocalEngine:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update()
         return grad_norm.detach()
 
     def train(self, mode: bool = True) -> None:
@@ -99,6 +109,17 @@ class LocalEngine:
     @contextlib.contextmanager
     def weights(self):
         yield Weights.of(self.module)
+
+    @contextlib.contextmanager
+    def ema_weights(self):
+        if self.ema is None:
+            yield None
+            return
+        with self.weights() as base:
+            yield self.ema.weights(base)
+
+    def ema_applied(self):
+        return self.ema.applied([p for _, p in trainable(self.module)])
 
     def save_shards(self, directory: Path) -> list[Path]:
         return []  # the ranks' byte ranges of the checkpoint's tensor files hold all of it

@@ -18,6 +18,7 @@ from torch import nn
 from aiayn.config import Config
 from aiayn.distributed.env import DistEnv
 from aiayn.engine import deepspeed_config, op_builds, parallelize
+from aiayn.engine.ema import EMA, Piece, file_keys, whole_pieces
 from aiayn.engine.optim import clip_gradients, load_schedule, load_torch_adam, paper_schedule
 from aiayn.engine.precision import autocast
 from aiayn.engine.replicas import replicas_differ
@@ -76,6 +77,32 @@ class DeepSpeedEngine:
                 self._grad_norm = clip_gradients(params, cfg.train.clip_norm)
 
             self.optimizer.register_step_pre_hook(clip)
+        self.ema = None if cfg.train.ema is None else self._ema(cfg.train.ema)
+
+    def _ema(self, decay: float) -> EMA:
+        """train.ema: stages 0-2 hold the whole weights on every rank, and each rank their
+        whole EMA; under stage 3 each rank keeps the EMA of its own partition of each
+        parameter (elements [r * n, (r + 1) * n) of the flattened tensor, zero-padded as
+        DeepSpeed pads it), so no rank ever holds the whole EMA."""
+        named = trainable(self.module)
+        if self.zero_stage < 3:
+            params = [p for _, p in named]
+            return EMA(decay, whole_pieces(self.module, named), lambda: params)
+        keys = file_keys(self.module)
+        pieces = []
+        for _, p in named:
+            n = p.ds_tensor.ds_numel
+            start = p._z3_optimizer._get_param_partition_rank(p) * n
+            pieces.append(Piece(keys[id(p)], p.ds_shape, start, min(start + n, p.ds_numel), n))
+
+        def gather(i: int, mine: torch.Tensor) -> torch.Tensor:
+            # One parameter at a time, as a save of the model gathers it.
+            mine = mine.to(self.device)
+            parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(parts, mine)
+            return torch.cat(parts)
+
+        return EMA(decay, pieces, lambda: [p.ds_tensor for _, p in named], gather)
 
     @property
     def lr(self) -> float:
@@ -111,7 +138,11 @@ class DeepSpeedEngine:
         return replicas_differ(self.module, env)
 
     def step(self) -> torch.Tensor:
+        if self.ema is not None:
+            self.ema.begin()  # before the first update: the average includes the start
         self.model.step()
+        if self.ema is not None:
+            self.ema.update()
         if self._grad_norm is not None:
             norm, self._grad_norm = self._grad_norm, None
             return norm.detach()
@@ -174,6 +205,40 @@ class DeepSpeedEngine:
                     yield name, params[name].data.to(dtype)
 
         yield Weights(specs, metadata or None, each, transient=True)
+
+    @contextlib.contextmanager
+    def ema_weights(self):
+        if self.ema is None:
+            yield None
+            return
+        with self.weights() as base:
+            yield self.ema.weights(base)
+
+    @contextlib.contextmanager
+    def ema_applied(self):
+        named = trainable(self.module)
+        if self.zero_stage < 3:
+            with self.ema.applied([p.data for _, p in named]):
+                yield
+            return
+        # ZeRO-3 gathers a parameter from the partitions for each forward, except its small
+        # ones (below stage3_param_persistence_threshold), which stay whole between steps:
+        # those get the EMA's whole value too, gathered one at a time (a collective; every
+        # rank has the same persistent parameters).
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        whole = [
+            (i, p) for i, (_, p) in enumerate(named) if p.ds_status == ZeroParamStatus.AVAILABLE
+        ]
+        with self.ema.applied([p.ds_tensor for _, p in named]):
+            kept = [p.data.clone() for _, p in whole]
+            for i, p in whole:
+                p.data.copy_(self.ema.whole(i).to(p.device, p.dtype))
+            try:
+                yield
+            finally:
+                for (_, p), value in zip(whole, kept, strict=True):
+                    p.data.copy_(value)
 
     def save_shards(self, directory: Path) -> list[Path]:
         # Every rank writes its ZeRO partition; this is a collective.

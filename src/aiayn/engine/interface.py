@@ -19,6 +19,7 @@ from torch import nn
 from aiayn.config import Config
 from aiayn.distributed.env import DistEnv
 from aiayn.engine.ddp_engine import DDPEngine, LocalEngine
+from aiayn.engine.ema import EMA
 from aiayn.engine.state import Portable, Weights
 
 
@@ -31,6 +32,7 @@ class Engine(Protocol):
     optimizer: Any
     loads_weights: bool  # True: model.safetensors is loaded into `module` before the state
     partitioned: bool  # True: `module`'s forward is a collective (ZeRO-3 gathers each layer)
+    ema: EMA | None  # train.ema: this rank's share of the weights' moving average, or None
 
     @property
     def lr(self) -> float: ...
@@ -60,6 +62,14 @@ class Engine(Protocol):
     def weights(self) -> ContextManager[Weights]:
         """What a save writes into model.safetensors, each rank its byte range of it: without
         the whole model on any rank where parameters are partitioned (a collective there)."""
+
+    def ema_weights(self) -> ContextManager[Weights | None]:
+        """What a save writes into ema.safetensors (train.ema; None when off): `weights()`
+        with the EMA's values, gathered one tensor at a time where it is partitioned."""
+
+    def ema_applied(self) -> ContextManager[None]:
+        """The EMA's values in the model while the `with` lasts, then the weights back bit
+        for bit (train.ema_validate)."""
 
     def replicas_differ(self, env: DistEnv) -> bool: ...
 

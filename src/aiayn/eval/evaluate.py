@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.checkpoint import CHECKPOINTS_DIR
+from aiayn.checkpoint.format import EMA, ema_of
 from aiayn.checkpoint.inference import load_for_inference
 from aiayn.config import Config
 from aiayn.data import make_loader, open_split
@@ -24,6 +25,8 @@ def evaluate(
     """Score a checkpoint on a data split: BLEU (seq2seq), perplexity (lm), accuracy.
     `device`: auto, cpu or cuda (`aiayn evaluate --device`)."""
     cfg, model, tok, ckpt = load_for_inference(checkpoint, overrides, device)
+    # RUN/ema: the checkpoint's train.ema weights, named and written apart from its own
+    name = f"{ckpt.name}.{EMA}" if ema_of(checkpoint) is not None else ckpt.name
     device = next(model.parameters()).device
     # A training run's checkpoint (or its averaged model, RUN/averaged): the run may hold a
     # copy of the split.
@@ -37,7 +40,7 @@ def evaluate(
             cfg,
             spec,
             lambda srcs: translate(model, tok, srcs, cfg.decode, device),
-            Path(cfg.run_dir) / "eval" / f"{split}.{ckpt.name}.hyp",
+            Path(cfg.run_dir) / "eval" / f"{split}.{name}.hyp",
         )
     elif kind == "lm":
         result = score_lines(model, tok, split_lines(cfg, spec), cfg, device)
@@ -46,7 +49,7 @@ def evaluate(
     else:
         loader = make_loader(cfg, spec, tok, train=False)
         result = validation_metrics(model, list(loader), kind, tok.pad_id, device)
-    result["checkpoint"] = str(ckpt)
+    result["checkpoint"] = str(ckpt / EMA if name != ckpt.name else ckpt)
     result["split"] = split
     return result
 

@@ -5,6 +5,7 @@ evaluate`."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from aiayn.config import Config
@@ -38,10 +39,13 @@ class DevSets:
         return bool(every and step % every == 0) or last
 
     def validate(self, engine, metrics, step: int) -> dict[str, float] | None:
-        """Every dev set validated (every rank calls it); data.valid's scores, or None."""
-        valid = self.valid.run(engine, metrics, step, self.env) if self.valid else None
-        for each in self.per_source:  # scored and shown; data.valid ranks
-            each.run(engine, metrics, step, self.env)
+        """Every dev set validated (every rank calls it); data.valid's scores, or None. With
+        train.ema_validate, of the EMA of the weights, swapped in for the while."""
+        swapped = engine.ema_applied() if self.cfg.train.ema_validate else contextlib.nullcontext()
+        with swapped:
+            valid = self.valid.run(engine, metrics, step, self.env) if self.valid else None
+            for each in self.per_source:  # scored and shown; data.valid ranks
+                each.run(engine, metrics, step, self.env)
         return valid
 
 

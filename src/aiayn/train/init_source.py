@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aiayn.checkpoint.format import ARCHITECTURE_FIELDS, read_manifest
+from aiayn.checkpoint.format import ARCHITECTURE_FIELDS, ema_of, read_manifest
 from aiayn.checkpoint.load import load_weights
-from aiayn.checkpoint.locate import Located, fingerprint, locate
+from aiayn.checkpoint.locate import Located, exists, fingerprint, locate
 from aiayn.config import Config
 from aiayn.distributed.env import DistEnv
 from aiayn.errors import CheckpointError, ConfigError
@@ -64,7 +64,7 @@ def describe(given: str, found: Located) -> dict[str, Any]:
     """What a run records of its source (RUN/init_source.json, each checkpoint's manifest)."""
     return {
         "given": given,
-        "path": str(found.checkpoint.resolve()),
+        "path": str(found.name.resolve()),  # CKPT/ema for its train.ema weights
         "kind": found.kind,
         "step": found.step,
         "sha256": fingerprint(found),
@@ -107,7 +107,7 @@ def resolve(given: str, run_dir: Path) -> tuple[Located, dict[str, Any]]:
         )
     path = Path(before["path"])
     try:  # the recorded checkpoint itself: RUN/latest is not looked up again
-        found = locate(path) if path.exists() else None
+        found = locate(path) if exists(path) else None
     except CheckpointError as exc:
         raise CheckpointError(
             f"the source this run started from cannot be read: {exc} (init.source={given}, "
@@ -132,8 +132,8 @@ def resolve(given: str, run_dir: Path) -> tuple[Located, dict[str, Any]]:
 def _imported(given: str, run_dir: Path) -> Path | None:
     """A Hugging Face MarianMT directory (or hub name) imported once into the run (as `aiayn
     import-hf` does), which is then the source the record pins; None for aiayn's own."""
-    if not is_hf_model(given):
-        return None
+    if not is_hf_model(given) or (ema_of(given) is not None and exists(Path(given))):
+        return None  # RUN/ema of a local run: one slash reads like a hub name
     out = run_dir / "init_source" / "imported.safetensors"
     if not out.is_file():  # a start killed after the import finds it done
         log.info("init.source=%s: a Hugging Face model, imported into %s", given, out)
