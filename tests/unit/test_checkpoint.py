@@ -51,13 +51,19 @@ class Unsharded:
         yield Weights.of(self.module)
 
 
+def save_meta(cfg=None) -> dict:
+    return {"config": {"model": vars(cfg or ModelConfig())}, "tokenizer": CONTRACT}
+
+
 def save(manager, step, model=None, cfg=None, metrics=None):
     model = model or Tied()
-    meta = {"config": {"model": vars(cfg or ModelConfig())}, "tokenizer": CONTRACT}
+    meta = save_meta(cfg)
     if metrics is not None:
         meta["metrics"] = metrics
     state = {"progress": {"step": step}, "rng": torch.get_rng_state()}
-    return manager.save(step, Unsharded(model), state, meta)
+    path = manager.save(step, Unsharded(model), state, meta)
+    manager.join_writes()  # the retention deletes in the background
+    return path
 
 
 def test_save_then_load_round_trips_weights_and_state(tmp_path):
@@ -82,6 +88,38 @@ def test_only_the_last_k_are_kept_and_latest_is_the_newest(tmp_path):
     assert manager.latest().name == "step_00000004"
     assert resolve_checkpoint(tmp_path).name == "step_00000004"
     assert resolve_checkpoint(tmp_path / "checkpoints").name == "step_00000004"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_retention_deletes_off_the_save_and_a_crash_in_it_leaves_the_kept_loadable(
+    tmp_path, monkeypatch
+):
+    """The deletions run in a thread of their own, after save() returned; one that dies
+    halfway through a checkpoint's files (a crash) leaves no half-deleted step_* folder: the
+    kept checkpoints list and verify, and the next save removes what was left."""
+    import aiayn.checkpoint.retention as retention
+
+    manager = CheckpointManager(tmp_path, every_steps=1, keep_last=1, is_writer=True)
+    save(manager, 1)
+    started = []
+
+    def crash_halfway(path, ignore_errors=False):
+        started.append(path.name)
+        next(p for p in path.iterdir() if p.name == "model.safetensors").unlink()
+        raise SystemExit("crashed")  # ends the retention thread, as a crash would
+
+    # retention's own shutil only: the writer's removals of its folders stay real.
+    monkeypatch.setattr(retention, "shutil", SimpleNamespace(rmtree=crash_halfway))
+    path = manager.save(2, Unsharded(Tied()), {"progress": {"step": 2}}, save_meta())
+    manager.join_writes()
+    assert path.name == "step_00000002" and started == [".trash-step_00000001"]
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in manager.checkpoints()] == ["step_00000002"]
+    assert (root / ".trash-step_00000001").is_dir()  # what the crash left
+    read_manifest(manager.latest())  # verified: checksums and sizes
+    monkeypatch.undo()
+    save(manager, 3)
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step_00000003"]
 
 
 def test_a_corrupt_or_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):

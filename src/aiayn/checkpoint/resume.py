@@ -13,11 +13,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from aiayn.checkpoint import reshard
+from aiayn.checkpoint import reshard, rng_file
 from aiayn.checkpoint.format import (
     checkpoints_in,
     latest_valid,
     load_checkpoint,
+    rank_reads,
     read_manifest,
     read_stored,
 )
@@ -39,8 +40,9 @@ def resume_point(root: Path, resume: str, env: DistEnv | None = None) -> Path | 
     its verdict: the same checkpoint to resume from, or the same error. Verifying on every
     rank would read the whole checkpoint, every ZeRO shard, once per rank from shared
     storage, and let ranks that see the directory differently pick different steps. Each
-    rank then checks that it sees that checkpoint's files at their recorded sizes (no
-    hashing): ranks whose run_dir is not the same storage stop together, saying so."""
+    rank then checks that it sees the files of that checkpoint it reads at their recorded
+    sizes (no hashing; one stat each, and not the other ranks' shards): ranks whose run_dir
+    is not the same storage stop together, saying so."""
     if env is None or not env.distributed:
         return _choose(root, resume)
     name = env.decide(lambda: _chosen_name(root, resume))
@@ -48,7 +50,7 @@ def resume_point(root: Path, resume: str, env: DistEnv | None = None) -> Path | 
     problem = None
     if ckpt is not None:
         try:
-            read_manifest(ckpt, verify=False)
+            read_manifest(ckpt, verify=False, files=rank_reads(env.rank))
         except CheckpointError as exc:
             problem = str(exc)
     if not env.sum([float(problem is not None)])[0]:
@@ -102,12 +104,18 @@ def load_state(run: Any, ckpt: Path, startup: StartupTimes) -> dict[str, Any]:
             tokenizer=run.tok,
             verify=False,
             lazy=lambda key: key.startswith("/engine/"),
+            files=_checked,
         )
         _load_engine(run, ckpt, trainer_state, manifest)
         _warn_of_another_batch(run.cfg.train, run.env.world_size, manifest)
     with startup.phase("data position"):
         run.loader.load_state_dict(trainer_state["data"])  # the position of all ranks
     return trainer_state
+
+
+def _checked(name: str) -> bool:
+    """No file's size is checked again: resume_point checked this rank's."""
+    return False
 
 
 def _load_engine(run: Any, ckpt: Path, trainer_state: dict, manifest: dict) -> None:
@@ -118,7 +126,9 @@ def _load_engine(run: Any, ckpt: Path, trainer_state: dict, manifest: dict) -> N
     here = reshard.Topology.of(cfg, env.world_size)
     if saved.same_layout(here):  # the engine reads its own format: a bitwise resume
         if engine.loads_weights:
-            load_checkpoint(ckpt, engine.module, verify=False, with_trainer_state=False)
+            load_checkpoint(
+                ckpt, engine.module, verify=False, with_trainer_state=False, files=_checked
+            )
         engine.load_state_dict(read_stored(trainer_state["engine"], ckpt), ckpt)
     else:  # weights and optimizer state resharded by parameter name
         log.warning("checkpoint written by %s, resuming on %s: resharding its state", saved, here)
@@ -160,16 +170,23 @@ def _warn_of_another_batch(train: Any, world_size: int, manifest: dict) -> None:
         )
 
 
-def restore_rng(run: Any, rngs: list, step: int) -> None:
-    """This rank's dropout stream from the checkpoint's RNG states (`rngs`, in rank order);
-    on another world size, fresh distinct streams derived from the step resumed at."""
+def restore_rng(run: Any, ckpt: Path, trainer_state: dict, step: int) -> None:
+    """This rank's dropout stream from the checkpoint's RNG states: its own, read from
+    rng.safetensors (checkpoint/rng_file.py), or from trainer_state["rng"] (every rank's, in
+    rank order) in checkpoints written before; on another world size, fresh distinct streams
+    derived from the step resumed at."""
     env = run.env
-    if len(rngs) == env.world_size:
-        load_rng_state(rngs[env.rank])
+    if "rng" in trainer_state:
+        saved = len(trainer_state["rng"])
+        mine = trainer_state["rng"][env.rank] if saved == env.world_size else None
+    else:
+        saved, mine = rng_file.read_own(ckpt, env.rank)
+    if saved == env.world_size and mine is not None:
+        load_rng_state(mine)
     else:  # another world size: fresh, distinct streams, derived from the step
         log.warning(
             "checkpoint has RNG states of %d ranks, this run has %d: dropout reseeded",
-            len(rngs),
+            saved,
             env.world_size,
         )
         seed_everything(run.cfg.train.seed + 1_000_003 * env.rank + step)
