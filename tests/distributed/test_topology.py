@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import consumed, scalars, torchrun, weights_at  # tests/helpers.py
-from procs import EXAMPLES, STEPS, aiayn, assert_close, run
+from procs import EXAMPLES, STEPS, aiayn, assert_close, checkpoint_io, run
 
 pytestmark = pytest.mark.distributed
 HALF = STEPS // 2
@@ -130,6 +130,39 @@ def test_resume_on_another_topology_continues_the_same_run(setup, straight, chai
         # (the whole of them per rank before: W_new x the state in all).
         shares = [kib(read) / kib(stored) for read, stored in READS.findall(log)]
         assert len(shares) == 2 and shares[0] < 0.3 and shares[1] < 0.55, shares
+        assert_own_files_only(log)
+
+
+def assert_own_files_only(log: str) -> None:
+    """ZeRO-3 saves at W = 2, 4, 2 (steps 10, 15, 20) and restarts at W = 4 and 2: what the
+    busiest rank other than 0 stats, opens, lists and gathers is the same at both W, and
+    rank 0's differs only by its gathers (each rank's ranges and RNG state, 1 record per
+    rank). Before, every rank listed the DeepSpeed folder (2 files per rank) at a save and
+    a load, and statted every rank's partition (aiayn/runtime/io_counts.py counts)."""
+    lines = checkpoint_io(log)
+    assert [what for what, _, _ in lines] == [
+        "at the save of step 10",
+        "at the restart",
+        "at the save of step 15",
+        "at the restart",
+        "at the save of step 20",
+    ]
+    (_, r0_10, save_10), (_, _, restart_4), (_, r0_15, save_15) = lines[:3]
+    (_, _, restart_2), (_, r0_20, save_20) = lines[3:]
+    assert save_10 == save_15 == save_20, (save_10, save_15, save_20)
+    assert save_10[2:] == (0, 0), save_10  # no listing, nothing gathered
+    # Both restarts reshard (the topology changed): each rank maps every saved rank's
+    # optimizer partition (torch.load's mmap) and reads its share of each, so its opens
+    # follow the saved W (2, then 4), one file each; nothing else differs. A restart on
+    # the same topology opens its own partition only (DeepSpeedEngine._read_own_files_only).
+    stats, opens, listings, gathered = restart_4
+    assert restart_2 == (stats, opens + 4 - 2, listings, gathered), (restart_4, restart_2)
+    assert gathered == 0, restart_4
+    # Rank 0's opens also count the retention's reads of the kept manifests (one per kept
+    # checkpoint, in the background: they land in this save or the next), not rank files.
+    assert r0_10[0] == r0_15[0] == r0_20[0] and r0_10[2] == r0_15[2] == r0_20[2]
+    assert abs(r0_15[1] - r0_10[1]) <= 2, (r0_10, r0_15, r0_20)
+    assert r0_15[3] / 3 == pytest.approx(r0_10[3], rel=0.02), (r0_10, r0_15)
 
 
 def test_a_resume_without_the_optimizer_state_would_fail_those_tolerances(setup, straight):
