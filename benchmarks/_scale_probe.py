@@ -6,10 +6,12 @@ Runs `aiayn ARGS...` in this process, counting the bytes it reads from corpus fi
 line-aligned corpus file is opened through aiayn.data.line_files.open_bytes) and how many it
 opens, and at exit writes OUT_DIR/rank<RANK>.json: those two, the bytes sha256_of hashed
 (verifying checkpoints and caches, writing their manifests), the process's read(2) bytes
-(/proc/self/io rchar: imports included), the bytes it wrote while saving a checkpoint (wchar
-during CheckpointManager.save), how far its allocated host memory rose during a save and during a
-validation (sampled; under ZeRO-3 one layer's weights, never the whole model), the same two
-rises in CUDA memory allocated when the run is on a GPU, and its peak resident memory.
+(/proc/self/io rchar: imports included), its checkpoint metadata calls, opens and the bytes it
+gathered from other ranks (aiayn.runtime.io_counts), the bytes it wrote while saving a
+checkpoint (wchar during CheckpointManager.save), how far its allocated host memory rose during
+a save and during a validation (sampled; under ZeRO-3 one layer's weights, never the whole
+model), the same two rises in CUDA memory allocated when the run is on a GPU, and its peak
+resident memory.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch  # noqa: E402
 from aiayn.checkpoint import manager  # noqa: E402
 from aiayn.data import line_files  # noqa: E402
 from aiayn.eval import validation  # noqa: E402
-from aiayn.runtime import durable  # noqa: E402
+from aiayn.runtime import durable, io_counts  # noqa: E402
 from aiayn.runtime.malloc import AllocatedPeak  # noqa: E402
 
 counts = {
@@ -132,6 +134,9 @@ def _report(out: Path, started: float) -> None:
     report = {
         **counts,
         "hashed_bytes": durable.bytes_hashed(),
+        # What it did to the checkpoints' files and gathered from the other ranks in the run
+        # (aiayn.runtime.io_counts: stats, opens, listings, gathered_bytes).
+        **{f"ckpt_{k}": v for k, v in io_counts.counts().items()},
         "rchar": io.get("rchar"),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "seconds": time.perf_counter() - started,
