@@ -406,3 +406,43 @@ def test_a_resume_whose_steps_take_another_batch_says_so(caplog):
         _warn_of_another_batch(per_rank.train, 1, grown)
     assert "took 2,400 tokens over 2 rank(s), this run's take 1,200 over 1" in caplog.text
     assert "set train.tokens_per_step=2400 (and train.grad_accum=null)" in caplog.text
+
+
+def test_a_rank_checks_the_shared_files_and_its_own_deepspeed_partitions_only():
+    from aiayn.checkpoint.format import rank_reads
+
+    names = [
+        "model.safetensors",
+        "trainer.pt",
+        "rng.safetensors",
+        "deepspeed/mp_rank_00_model_states.pt",
+        *(f"deepspeed/zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in (1, 11)),
+        *(f"deepspeed/bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (1, 11)),
+    ]
+    picked = [n for n in names if rank_reads(1)(n)]
+    assert picked == names[:5] + [names[6]]
+
+
+def test_each_rank_reads_its_own_rng_state_from_the_one_file(tmp_path):
+    """Rank 0 writes every rank's RNG streams; rank r gets back exactly its own, which
+    draws the same numbers; a rank past the saved world size gets none."""
+    import random
+
+    import numpy as np
+
+    from aiayn.checkpoint import rng_file
+    from aiayn.runtime.seeding import load_rng_state, rng_state, seed_everything
+
+    states, draws = [], []
+    for rank in range(3):
+        seed_everything(rank)
+        random.gauss(0, 1)  # a cached Gaussian in Python's state: its float must survive
+        states.append(rng_state())
+        draws.append((random.gauss(0, 1), np.random.rand(), torch.rand(2).tolist()))
+    (tmp_path / rng_file.RNG_FILE).write_bytes(rng_file.encode(states))
+    for rank in range(3):
+        world, mine = rng_file.read_own(tmp_path, rank)
+        load_rng_state(mine)
+        assert world == 3
+        assert (random.gauss(0, 1), np.random.rand(), torch.rand(2).tolist()) == draws[rank]
+    assert rng_file.read_own(tmp_path, 3) == (3, None)
