@@ -1,6 +1,7 @@
 import contextlib
 import json
 import logging
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -446,3 +447,24 @@ def test_each_rank_reads_its_own_rng_state_from_the_one_file(tmp_path):
         assert world == 3
         assert (random.gauss(0, 1), np.random.rand(), torch.rand(2).tolist()) == draws[rank]
     assert rng_file.read_own(tmp_path, 3) == (3, None)
+
+
+def test_the_counter_sees_opens_and_listings_under_the_watched_folder_only(tmp_path):
+    """What the save and restart log lines count (runtime/io_counts.py): opens and listings
+    under a run's checkpoints/ (a library's too: DeepSpeed's torch.load, its glob), nothing
+    elsewhere."""
+    import glob
+
+    from aiayn.runtime import io_counts
+
+    watched = tmp_path / "checkpoints"
+    watched.mkdir()
+    io_counts.watch(watched)
+    before = io_counts.counts()
+    (watched / "a.pt").write_bytes(b"x")
+    (tmp_path / "elsewhere").write_bytes(b"x")
+    os.close(os.open(watched / "a.pt", os.O_RDONLY))
+    glob.glob(str(watched / "*.pt"))
+    sorted(tmp_path.iterdir())
+    got = io_counts.since(before)
+    assert (got["opens"], got["listings"], got["stats"]) == (2, 1, 0), got

@@ -46,12 +46,15 @@ def _audit(event: str, args: tuple) -> None:
     kind = _EVENTS.get(event)
     if kind is None or not args or not isinstance(args[0], str | bytes | os.PathLike):
         return
-    path = os.fsdecode(args[0])
-    if not os.path.isabs(path):
-        path = os.path.abspath(path)
-    path += os.sep if kind == "listings" else ""
-    if any(path.startswith(folder) for folder in _watched):
-        _counts[kind] += 1
+    try:
+        path = os.fsdecode(args[0])
+        if not os.path.isabs(path):
+            path = os.path.abspath(path)
+        path += os.sep if kind == "listings" else ""
+        if any(path.startswith(folder) for folder in _watched):
+            _counts[kind] += 1
+    except Exception:  # noqa: BLE001 (a hook that raises fails the open it audits)
+        pass
 
 
 def opened(n: int = 1) -> None:
