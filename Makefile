@@ -1,15 +1,38 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   trains the offline demo end to end (tokenizer, model, test BLEU / exact match)
 #   make test   passes the tests
-# Each creates .venv and installs torch before the project: with no torch installed, a loose
-# requirement would pull several GB of CUDA packages even on a CPU-only machine. make test also
-# creates .venv-bench (below): the HF export test loads its exports there with transformers.
+# Each creates .venv (make install alone does only that) and installs torch before the project:
+# with no torch installed, a loose requirement would pull several GB of CUDA packages even on a
+# CPU-only machine. make test also creates .venv-bench (below): the HF export test loads its
+# exports there with transformers.
 
 VENV ?= .venv
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+
+# Where torch comes from. Where no CUDA device is seen (no nvidia-smi, or it lists no GPU),
+# PyTorch's CPU wheels: PyPI's Linux torch is the CUDA build, several GB a CPU cannot use. With a
+# GPU, pip's own index (PyPI: the CUDA build torch was released with). Override with another
+# build's index, e.g. TORCH_INDEX=https://download.pytorch.org/whl/cu128, or TORCH_INDEX= for
+# pip's index whatever the machine. An index that does not answer (a machine that reaches only a
+# mirror) is said so and pip's index used instead, rather than pip retrying it per package.
+CPU_TORCH_INDEX := https://download.pytorch.org/whl/cpu
+GPUS_SEEN := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+TORCH_INDEX ?= $(if $(filter 0,$(GPUS_SEEN)),$(CPU_TORCH_INDEX))
+
+# $(call install_torch,VENV): torch $(TORCH_VERSION) into VENV, from TORCH_INDEX if it answers.
+define install_torch
+if [ -n "$(TORCH_INDEX)" ] && $(1)/bin/python -c 'import sys, urllib.request; \
+	urllib.request.urlopen(sys.argv[1], timeout=15)' "$(TORCH_INDEX)/torch/" 2>/dev/null; then \
+	$(1)/bin/python -m pip install --quiet torch==$(TORCH_VERSION) --index-url "$(TORCH_INDEX)"; \
+else \
+	if [ -n "$(TORCH_INDEX)" ]; then echo "$(TORCH_INDEX) does not answer: torch" \
+		"$(TORCH_VERSION) from pip's index instead (from PyPI on Linux: the CUDA build)" >&2; fi; \
+	$(1)/bin/python -m pip install --quiet torch==$(TORCH_VERSION); \
+fi
+endef
 
 # The benchmarks' peers (transformers) live in a venv of their own: DeepSpeed and accelerate
 # change behaviour when transformers is importable, so it never enters the training venv. The
@@ -24,7 +47,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
+	$(call install_torch,$(VENV))
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $@
 
@@ -98,7 +121,7 @@ DURATIONS ?= 15
 
 test: install $(BENCH_STAMP)
 	status=0; \
-	$(BIN)/pytest -q -n auto -m "not distributed and not slurm" --durations=$(DURATIONS) \
+	$(BIN)/pytest -q -n auto --dist loadgroup -m "not distributed and not slurm" --durations=$(DURATIONS) \
 		$(PYTEST_ARGS) || status=1; \
 	$(BIN)/pytest -q -n $(DIST_WORKERS) --dist loadfile -m "distributed and not slurm" \
 		--durations=$(DURATIONS) $(PYTEST_ARGS) || status=1; \
@@ -119,7 +142,7 @@ format: install
 $(BENCH_STAMP): pyproject.toml
 	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(BENCH_VENV)/bin/python -m pip install --quiet torch==$(TORCH_VERSION)
+	$(call install_torch,$(BENCH_VENV))
 	$(BENCH_VENV)/bin/python -m pip install --quiet -e ".[bench]"
 	touch $@
 

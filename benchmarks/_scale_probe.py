@@ -6,8 +6,9 @@ Runs `aiayn ARGS...` in this process, counting the bytes it reads from corpus fi
 line-aligned corpus file is opened through aiayn.data.line_files.open_bytes) and how many it
 opens, and at exit writes OUT_DIR/rank<RANK>.json: those two, the bytes sha256_of hashed
 (verifying checkpoints and caches, writing their manifests), the process's read(2) bytes
-(/proc/self/io rchar: imports included), its checkpoint metadata calls, opens and the bytes it
-gathered from other ranks (aiayn.runtime.io_counts), the bytes it wrote while saving a
+(/proc/self/io rchar: imports included), its stat calls on the checkpoints' files (every
+os.stat, libraries' included), the opens and listings of them and the bytes it gathered from
+other ranks (aiayn.runtime.io_counts), the bytes it wrote while saving a
 checkpoint (wchar during CheckpointManager.save), how far its allocated host memory rose during
 a save and during a validation (sampled; under ZeRO-3 one layer's weights, never the whole
 model), the same two rises in CUDA memory allocated when the run is on a GPU, and its peak
@@ -44,6 +45,7 @@ counts = {
     "valid_peak_growth": 0,
     "save_cuda_growth": 0,
     "valid_cuda_growth": 0,
+    "ckpt_stat_calls": 0,
 }
 
 
@@ -129,6 +131,22 @@ def _measured(name: str, method, counts_writes: bool = False):
     return wrapped
 
 
+_stat = os.stat
+
+
+def _counting_stat(path, *args, **kwargs):
+    """os.stat, counting the calls on the checkpoints' files (pathlib's is_file and stat,
+    os.path.exists, DeepSpeed's checks): every stat call, where io_counts has the ones aiayn
+    makes itself."""
+    try:
+        name = os.fspath(path)
+        if isinstance(name, str) and "/checkpoints/" in os.path.abspath(name) + "/":
+            counts["ckpt_stat_calls"] += 1
+    except TypeError:  # a file descriptor
+        pass
+    return _stat(path, *args, **kwargs)
+
+
 def _report(out: Path, started: float) -> None:
     io = _io()
     report = {
@@ -148,6 +166,9 @@ def _report(out: Path, started: float) -> None:
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     line_files.open_bytes = _counting_open
+    os.stat = _counting_stat
+    run_dir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("run_dir="))
+    io_counts.watch(Path(run_dir) / "checkpoints")  # opens and listings from the start
     manager.CheckpointManager.save = _measured("save", manager.CheckpointManager.save, True)
     validation.Validation.run = _measured("valid", validation.Validation.run)
     atexit.register(_report, out, time.perf_counter())

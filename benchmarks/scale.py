@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         "corpus MiB read: max rank / all",
         "corpus files opened: max rank",
         "MiB hashed: max rank / all",
-        "checkpoint stats + listings: rank 0 / max other",
+        "checkpoint stat calls + listings: rank 0 / max other",
         "KiB gathered from the others: rank 0 / max other",
         "read(2) MiB: max rank",
         "peak RSS MiB: max rank",
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
                     str(max(r["corpus_opens"] for r in got)),
                     f"{mib(max(r['hashed_bytes'] for r in got))} / "
                     f"{mib(sum(r['hashed_bytes'] for r in got))}",
-                    per_rank(got, lambda r: r["ckpt_stats"] + r["ckpt_listings"]),
+                    per_rank(got, lambda r: r["ckpt_stat_calls"] + r["ckpt_listings"]),
                     per_rank(got, lambda r: r["ckpt_gathered_bytes"] / 1024),
                     mib(max(r["rchar"] or 0 for r in got)),
                     f"{max(r['peak_rss_mib'] for r in got):.0f}",

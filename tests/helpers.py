@@ -69,6 +69,29 @@ def events(run_dir: Path):
     return acc
 
 
+def metrics_file_matches_events(run_dir: Path) -> dict[str, dict[int, float]]:
+    """Assert that run_dir/metrics.jsonl holds each (tag, step) once and exactly TensorBoard's
+    scalars: the same tags, steps in the same order, values equal once rounded to TensorBoard's
+    float32. Returns tag -> step -> value from the file."""
+    import numpy as np
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged: dict[str, dict[int, float]] = {}
+    for row in rows:
+        step = row.pop("step")
+        assert isinstance(row.pop("time"), float)
+        for tag, value in row.items():
+            assert step not in logged.setdefault(tag, {}), f"{tag} at step {step} twice"
+            logged[tag][step] = value
+    acc = events(run_dir)
+    assert sorted(logged) == sorted(acc.Tags()["scalars"])
+    for tag, by_step in logged.items():
+        board = [(e.step, e.value) for e in acc.Scalars(tag)]
+        mine = [(step, float(np.float32(v))) for step, v in by_step.items()]
+        assert mine == board, tag
+    return logged
+
+
 def scalars(run_dir: Path, tag: str) -> dict[int, float]:
     """Step -> value of one TensorBoard scalar the run logged, in the order logged."""
     return {e.step: e.value for e in events(run_dir).Scalars(tag)}

@@ -1,6 +1,7 @@
 """launch/*.sh: each prints the command it runs, then runs it to the end (tiny run, CPU)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,9 +34,10 @@ WRAPPERS = {
     "multinode": (
         "multinode.sh",
         [],
-        {"NNODES": "1", "NODE_RANK": "0", "MASTER": "127.0.0.1:{port}"},
+        # PYTHON of several words, as a container runtime's prefix: `env` execs the rest.
+        {"NNODES": "1", "NODE_RANK": "0", "MASTER": "127.0.0.1:{port}", "PYTHON": "env python"},
         1,
-        "--rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:",
+        "+ env python -m aiayn.distributed.run --nnodes=1 --node_rank=0",
     ),
     "accelerate": (
         "accelerate.sh",
@@ -89,4 +91,7 @@ def test_a_launch_wrapper_prints_its_command_and_trains(tmp_path, corpus, name):
     assert printed.startswith("+ ") and says in printed, printed
     assert f"--config {empty}" in printed and "train.max_steps=2" in printed
     assert f"x {ranks} ranks per step" in (run_dir / "train.log").read_text()
+    if name == "multinode":  # this run's rendezvous id, not one every run shares
+        assert re.search(r" --rdzv-backend=c10d --rdzv-endpoint=127\.0\.0\.1:\d+ "
+                         r"--rdzv-id=aiayn-\d+ ", printed), printed  # fmt: skip
     assert (run_dir / "checkpoints" / "step_00000002").is_dir()

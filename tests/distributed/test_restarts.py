@@ -89,13 +89,14 @@ def final_state(run_dir: Path, backend: str) -> dict[str, torch.Tensor]:
 
 
 def clock(line: str) -> int:
-    """A log line's HH:MM:SS stamp, in seconds of the day (local time, truncated)."""
-    h, m, s = map(int, line[:8].split(":"))
+    """A log line's stamp (ISO: YYYY-MM-DDTHH:MM:SS), in seconds of the day (local time,
+    truncated)."""
+    h, m, s = map(int, line.split()[0].split("T")[1].split(":"))
     return 3600 * h + 60 * m + s
 
 
 def seconds_between(*lines: str) -> list[int]:
-    """Whole seconds between consecutive log lines, from their HH:MM:SS stamps."""
+    """Whole seconds between consecutive log lines, from their stamps."""
     return [(clock(b) - clock(a)) % 86400 for a, b in itertools.pairwise(lines)]
 
 

@@ -1,5 +1,5 @@
-"""Resuming on another topology, with real processes: ZeRO-3 on 2 ranks <-> DDP on 1, and
-ZeRO-3 -> ZeRO-2 -> ZeRO-0 -> DDP, each against an uninterrupted run.
+"""Resuming on another topology, with real processes: ZeRO-3 on 2 ranks -> DDP on 1 -> ZeRO-3 ->
+ZeRO-2 -> ZeRO-0 -> DDP, and ZeRO-3 on 2 -> 4 -> 2 ranks, each against an uninterrupted run.
 
 Every run fixes the step's batch over all ranks (train.tokens_per_step), so one process
 accumulates 2 micro-batches where 2 ranks take 1 each (the loader hands global batches r, r+W,
@@ -101,10 +101,10 @@ def assert_continues(run_dir: Path, reference: Path, weights_atol: float, loss_r
 @pytest.mark.parametrize(
     "chain",
     [
-        ["zero3x2", "ddp1"],  # the issue's test
-        ["ddp1", "zero3x2"],  # and the reverse
-        # Stage changes; every engine's files are read back and every engine loads.
-        ["zero3x2", "zero2x2", "zero0x1", "ddp1"],
+        # ZeRO-3 on 2 ranks -> DDP on 1 and back (the issue's test and its reverse), then the
+        # stage changes: every engine's files are read back and every engine loads. One chain
+        # of launches: each change costs one launch, not a launch and a reference run.
+        ["zero3x2", "ddp1", "zero3x2", "zero2x2", "zero0x1", "ddp1"],
         # The world size changes, 2 -> 4 -> 2: each rank reads its partition only.
         ["zero3x2acc2", "zero3x4", "zero3x2acc2"],
     ],

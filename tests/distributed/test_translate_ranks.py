@@ -1,6 +1,8 @@
 """`aiayn translate --input --output` under torchrun: two ranks share the file's chunks and
-write what one process writes, line for line (aiayn/infer/translate_file.py)."""
+write what one process writes, line for line (aiayn/infer/translate_file.py); rank 0 alone
+verifies the checkpoint."""
 
+import json
 import re
 import sys
 
@@ -26,3 +28,8 @@ def test_two_ranks_translate_a_file_as_one_process_does(setup, ddp_run, tmp_path
     assert sorted(shares) == [0, 1] and sum(shares.values()) == 400
     assert all(120 < n < 280 for n in shares.values()), shares
     assert not (tmp_path / "two.de.parts").exists()
+    # One rank verified the checkpoint for both (and hashed the tokenizer to find it).
+    hashed = re.search(r"checksums at start: ([\d,]+) bytes hashed by (\d) of 2 rank", out)
+    files = json.loads((ddp_run / "checkpoints" / "step_00000020" / "manifest.json").read_text())
+    assert hashed is not None and hashed.group(2) == "1", out[-2000:]
+    assert int(hashed.group(1).replace(",", "")) >= sum(f["bytes"] for f in files["files"].values())

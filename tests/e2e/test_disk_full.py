@@ -90,6 +90,9 @@ def test_a_full_disk_keeps_the_last_checkpoint_goes_on_then_stops_and_resumes(
     log = (run_dir / "train.log").read_text()
     assert "checkpoint step 10 was not written: no space left on device" in log
     assert "(1 of checkpoint.max_failed_saves=2 failed in a row)" in log
+    # The error that stopped the run is in its log too, without a traceback (the user's to fix).
+    assert f"ERROR training stopped: {text.splitlines()[0]}" in log
+    assert "Traceback" not in log
     # Training went on past the first failure; an async write's failure is learned at the
     # next save, so that run stops one save later.
     assert steps_trained(run_dir) == (20 if async_save else 15)

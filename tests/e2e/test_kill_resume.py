@@ -21,6 +21,8 @@ STEPS = 40
 # One thread per process: the same reduction order in every run, and the runs leave the other
 # core to the poller that watches for a save in progress.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# The one-process tests share the uninterrupted run: on one xdist worker (make test: loadgroup).
+pytestmark = pytest.mark.xdist_group("kill_resume")
 
 
 def overrides(run_dir: Path, corpus: Path) -> list[str]:
@@ -142,23 +144,34 @@ def config_file(tmp_path_factory) -> Path:
     return path
 
 
+def one_process(config_file: Path, run_dir: Path, corpus: Path, *extra: str) -> list[str]:
+    train = [sys.executable, "-m", "aiayn", "train", "--config", str(config_file)]
+    return train + overrides(run_dir, corpus) + list(extra)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, numbers, config_file) -> Path:
+    """The uninterrupted run, saving synchronously: how a run saves does not change what it
+    computes, so both save modes' killed runs end as this one does."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    run_to_end(one_process(config_file, run_dir, numbers, "checkpoint.async_save=false"))
+    return run_dir
+
+
 @pytest.mark.parametrize("save_mode", ["sync", "async"])
 def test_sigkill_at_random_moments_then_rerun_ends_bitwise_equal(
-    tmp_path, numbers, config_file, save_mode
+    tmp_path, numbers, config_file, straight, save_mode
 ):
     """With checkpoint.async_save the kills during a save land in the background write."""
 
     def cmd(run_dir):
-        train = [sys.executable, "-m", "aiayn", "train", "--config", str(config_file)]
-        return (
-            train + overrides(run_dir, numbers) + [f"checkpoint.async_save={save_mode == 'async'}"]
-        )
+        mode = f"checkpoint.async_save={save_mode == 'async'}"
+        return one_process(config_file, run_dir, numbers, mode)
 
-    run_to_end(cmd(tmp_path / "straight"))
     killed = tmp_path / "killed"
     what = kill_and_resume(lambda: cmd(killed), killed, random_trials(seed=4, n_steps=3, n_saves=2))
     assert sum("during a save" in w for w in what) == 2, what
-    assert_bitwise_equal(killed, tmp_path / "straight")
+    assert_bitwise_equal(killed, straight)
     log = (killed / "train.log").read_text()
     assert log.count("resumed from") >= 1, what  # at least one kill came after a checkpoint
 

@@ -13,7 +13,7 @@ from aiayn.config import load_config
 from aiayn.train import train
 
 import tiny  # tests/e2e/tiny.py, beside this file
-from helpers import events, free_port  # tests/helpers.py
+from helpers import events, free_port, metrics_file_matches_events  # tests/helpers.py
 from processes import logged, wait_until  # tests/processes.py
 
 TRAIN_TAGS = {
@@ -75,6 +75,8 @@ def test_events_hold_every_tag_with_increasing_steps(tmp_path, numbers):
     samples = acc.Tensors("valid/samples/text_summary")
     assert "**source:**" in samples[-1].tensor_proto.string_val[0].decode()
     assert acc.PluginTagToContent("hparams")  # the config with the final metrics
+    lines = metrics_file_matches_events(tmp_path / "run")  # startup_s/* and hparam/* too
+    assert list(lines["valid/bleu"]) == [6, 12] and "hparam/valid_bleu" in lines
     log = (tmp_path / "run" / "train.log").read_text()
     assert "parameters" in log and "train step 12 | loss" in log and "valid step 12 |" in log
 
@@ -107,6 +109,10 @@ def test_a_run_killed_and_resumed_has_no_duplicated_steps(tmp_path, numbers):
     )
     acc = events(run_dir)
     assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 21))
+    lines = metrics_file_matches_events(run_dir)  # lines past step 10 dropped at the restart
+    assert list(lines["train/loss"]) == list(range(1, 21))
+    assert list(lines["checkpoint/failed_saves"]) == [10, 20]
+    assert sorted(lines["startup_s/total"]) == [1, 11]  # each start's first step
     assert "resumed from" in log.read_text()
 
 

@@ -1,7 +1,7 @@
 import shutil
 
 import pytest
-from jobs import DEMO, describe, submit  # tests/slurm/jobs.py
+from jobs import DEMO, describe, submit, wrapper  # tests/slurm/jobs.py
 
 from aiayn.config import load_config
 from aiayn.data import demo, sample_sentences
@@ -39,9 +39,10 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def straight(slurm, corpus, tmp_path_factory):
-    """The demo config on 2 nodes x 1 process, never interrupted."""
+    """The demo config on 2 nodes x 1 process, never interrupted; its python started through
+    a wrapper script, as a container runtime would start it (PYTHON of two words)."""
     run_dir = tmp_path_factory.mktemp("straight") / "run"
-    job_id, out = submit(slurm, corpus, run_dir)
+    job_id, out = submit(slurm, corpus, run_dir, prefix=[str(wrapper(run_dir.parent))])
     job = slurm.wait(job_id, timeout=300)
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", describe(job, out, run_dir)
     return run_dir, job, out

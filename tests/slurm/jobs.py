@@ -33,13 +33,27 @@ def demo_overrides(corpus, run_dir: Path) -> list[str]:
     ]
 
 
-def job_env() -> dict[str, str]:
-    """The job runs this interpreter and this checkout (sbatch passes the environment on)."""
+def job_env(prefix: list[str] = ()) -> dict[str, str]:
+    """The job runs this interpreter and this checkout (sbatch passes the environment on);
+    through `prefix` (PYTHON of several words, as a container runtime's) when given."""
     return {
         **os.environ,
-        "PYTHON": sys.executable,
+        "PYTHON": " ".join([*prefix, sys.executable]),
         "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
     }
+
+
+def wrapper(directory: Path) -> Path:
+    """A stand-in for a container runtime (`apptainer exec IMAGE`): it notes on which node it
+    ran what, in wrapped.log beside it, then execs its arguments."""
+    script = directory / "wrap.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'echo "${{SLURMD_NODENAME:-?}} $*" >> "{directory / "wrapped.log"}"\n'
+        'exec "$@"\n'
+    )
+    script.chmod(0o755)
+    return script
 
 
 def sbatch_args(corpus, run_dir: Path, out: Path) -> list[str]:
@@ -49,9 +63,9 @@ def sbatch_args(corpus, run_dir: Path, out: Path) -> list[str]:
             str(SBATCH), str(DEMO), *demo_overrides(corpus, run_dir)]  # fmt: skip
 
 
-def submit(slurm, corpus, run_dir: Path) -> tuple[int, Path]:
+def submit(slurm, corpus, run_dir: Path, prefix: list[str] = ()) -> tuple[int, Path]:
     out = run_dir.parent / f"{run_dir.name}.slurm.out"
-    return slurm.sbatch(sbatch_args(corpus, run_dir, out), env=job_env()), out
+    return slurm.sbatch(sbatch_args(corpus, run_dir, out), env=job_env(prefix)), out
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -16,6 +16,8 @@ from jobs import (  # tests/slurm/jobs.py
     submit,
 )
 
+from minicluster import MiniCluster  # tests/slurm/minicluster.py
+
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
@@ -24,6 +26,13 @@ def test_the_demo_trains_to_the_end_on_two_nodes_and_its_loss_falls(straight):
     assert job["NumNodes"] == "2" and job["Restarts"] == "0"
     text = out.read_text()
     assert "job " in text and "restart 0 (SLURM_RESTART_COUNT): 2 node(s)" in text
+    assert f" --rdzv-id=aiayn-{job['JobId']}-0 " in text  # this job's, this start's
+    # PYTHON="wrap.sh python": every python the script starts went through the prefix, the
+    # launcher on each node and the node policy in the batch shell.
+    wrapped = (run_dir.parent / "wrapped.log").read_text().splitlines()
+    launchers = {line.split()[0] for line in wrapped if "-m aiayn.distributed.run " in line}
+    assert launchers == set(MiniCluster.NODES), wrapped  # the job's two nodes
+    assert any("-m aiayn.distributed.node_exclusion at-start" in line for line in wrapped)
     log = (run_dir / "train.log").read_text()
     assert "x 2 ranks per step" in log and "backend ddp" in log
     assert f"training done at step {STEPS}" in log

@@ -14,7 +14,9 @@ SPEC.json: {"corpus": a dir with train.de and train.en, "root": output dir, "spm
 (check: {"dirs": [...], ...} with the same texts). RESULTS.json: {dir: {"src_ids",
 "tgt_ids" (MarianTokenizer's, eos included), "pad", "eos", "start", "logits" (each row's
 decoder logits for start + tgt_ids without eos, (len, V)), "greedy" (generate with pad banned,
-after the start token, cut at eos)}}. Exit status 3 if transformers is missing.
+after the start token, cut at eos), "decode_rows" (target ids holding pieces only the source
+model knows) and "decoded" (MarianTokenizer's text of each)}}. Exit status 3 if transformers
+is missing.
 """
 
 import json
@@ -146,12 +148,34 @@ def compute(directory: Path, spec: dict) -> dict:
     return {
         "src_ids": src_ids,
         "tgt_ids": tgt_ids,
+        **decoded(tok, tgt_ids),
         "pad": cfg.pad_token_id,
         "eos": cfg.eos_token_id,
         "start": cfg.decoder_start_token_id,
         "logits": logits,
         "greedy": greedy,
     }
+
+
+def decoded(tok, tgt_ids: list[list[int]]) -> dict:
+    """Rows of target ids with pieces that only the source model knows among the target's
+    (the joint vocabulary lets a decoder emit them), and MarianTokenizer's text of each."""
+    vocab = tok.get_vocab()
+    tgt, src = tok.spm_target, tok.spm_source
+    source_only = [
+        i
+        for piece, i in sorted(vocab.items(), key=lambda item: item[1])
+        if piece.startswith("\u2581")
+        and len(piece) > 1
+        and tgt.piece_to_id(piece) == tgt.unk_id()
+        and src.piece_to_id(piece) != src.unk_id()
+    ]
+    assert len(source_only) >= 3, "the spec's models share too many pieces"
+    rows = [
+        [*tgt_ids[0][:1], *source_only[:2], *tgt_ids[0][1:-1]],
+        [source_only[2], *tgt_ids[1][:-1]],
+    ]
+    return {"decode_rows": rows, "decoded": tok.batch_decode(rows, skip_special_tokens=True)}
 
 
 def main() -> None:

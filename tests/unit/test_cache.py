@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -322,6 +323,24 @@ def test_a_changed_source_file_is_named(tmp_path, corpus, tok):
         ensure_cache(cfg, "train", tok)
 
 
+def test_a_touched_corpus_file_is_hashed_once_and_its_new_time_recorded(tmp_path, corpus, tok):
+    """A corpus file with a new modification time and the same content costs one hash: the
+    open that hashes it records the new time, and the next open hashes the cache alone."""
+    from aiayn.runtime.durable import bytes_hashed
+
+    for side in ("en", "de"):
+        (tmp_path / f"c.{side}").write_text((corpus / f"train.{side}").read_text())
+    cfg = s2s(tmp_path, tmp_path / "c")
+    arrays = sum(f["bytes"] for f in ensure_cache(cfg, "train", tok).manifest["files"].values())
+    os.utime(tmp_path / "c.de", ns=(1, 1))
+    for corpus_hashed in ((tmp_path / "c.de").stat().st_size, 0):
+        before = bytes_hashed()
+        cache = ensure_cache(cfg, "train", tok)
+        assert bytes_hashed() - before == arrays + corpus_hashed
+    recorded = json.loads((cache.root / MANIFEST).read_text())["fingerprint"]["files"]
+    assert [f["mtime_ns"] for f in recorded if f["path"].endswith("c.de")] == [1]
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "remove", "manifest"])
 def test_a_damaged_cache_is_refused_before_any_batch(tmp_path, corpus, tok, damage):
     cfg = s2s(tmp_path, corpus / "train")
@@ -334,7 +353,7 @@ def test_a_damaged_cache_is_refused_before_any_batch(tmp_path, corpus, tok, dama
     elif damage == "flip":
         data[-3] ^= 0x01
         tokens.write_bytes(bytes(data))
-        expected = r"tgt_tokens\.npy does not match the sha256 its manifest records"
+        expected = r"tgt_tokens\.npy: its sha256 is not the manifest's"
     elif damage == "remove":
         tokens.unlink()
         expected = r"tgt_tokens\.npy is missing"
@@ -593,3 +612,110 @@ def test_every_rank_knows_each_rounds_targets_from_the_plan(tmp_path, corpus, lm
         assert rounds == {(sum(b.n_tokens for b in batches), max(ld.epoch for ld in loaders))}
         epochs |= {ld.epoch for ld in loaders}
     assert len(epochs) > 1, "no epoch boundary fell in the rounds: the test saw one epoch"
+
+
+@pytest.mark.parametrize("kind, world", [("seq2seq", 1), ("seq2seq", 3), ("seq2seq", 8), ("lm", 3)])
+def test_plans_kept_beside_the_cache_equal_todays_bit_for_bit(
+    tmp_path, corpus, lm_corpus, tok, kind, world
+):
+    """One rank per node makes each epoch's plan and the others memory-map it
+    (data/plan_files.py): the same batches, plans and rounds' targets, bit for bit, as a rank
+    that plans every epoch itself; a rank makes only the plans of its own epochs (epoch mod W);
+    a restart reads the plan of its epoch instead of making it."""
+    cfg = s2s(tmp_path, corpus / "train") if kind == "seq2seq" else lm(tmp_path, lm_corpus)
+    today = cached(cfg, tok)
+    today._plan_files = None  # every epoch planned here, as before plans were kept
+    ranks = [cached(cfg, tok, rank=r, world_size=world) for r in range(world)]
+    made: dict[int, list[int]] = {r: [] for r in range(world)}
+    for r, ld in enumerate(ranks):
+        ld._compute_plan = lambda e, r=r, f=ld._compute_plan: made[r].append(e) or f(e)
+    assert len(today.plan(0)) > world  # each epoch has a round before it ends
+    # Driven in lockstep without the batch threads, each planner's next epoch finished before
+    # the next round (as an epoch's time allows in training): which rank plans is then exact.
+    streams = [ld._rank_batches({"epoch": 0, "done": 0}) for ld in ranks]
+    got, pos = [], None
+    while not got or got[-1][1] < 4:
+        for ld, stream in zip(ranks, streams, strict=True):
+            batch, pos, epoch, round_ = next(stream)
+            got.append((batch, epoch, round_))
+            for _ in range(2 if ld._planner is not None else 0):
+                ld._planner.submit(int).result()  # its plan ahead, then the write it queued
+    ref = take(iter(today), len(got))
+    assert all(same(b, r) for (b, _, _), r in zip(got, ref, strict=True))
+    made_by_all = sorted(e for r in made for e in made[r])
+    assert made_by_all == list(range(len(made_by_all))) and len(made_by_all) >= 5  # each once
+    assert all(e % world == r for r in made for e in made[r])  # by the epoch's planner
+    if world > 1:  # the other ranks memory-mapped it
+        assert sum(ld._plan_files.read_count for ld in ranks) >= 4 * (world - 1)
+    files = ranks[0]._plan_files
+    kept = sorted(int(p.name.split("_")[1].split(".")[0]) for p in files.folder.glob("epoch_*"))
+    assert kept and kept[0] >= 2  # the planners delete the plans of epochs long past
+    for e in kept:
+        plan, sums = files.read(e)
+        fresh = today._compute_plan(e)
+        assert type(plan) is type(fresh) and vars(plan).keys() == vars(fresh).keys()
+        for name, b in vars(fresh).items():
+            a = getattr(plan, name)
+            if isinstance(b, np.ndarray):
+                assert (a.dtype, a.tobytes()) == (b.dtype, b.tobytes()), (e, name)
+            else:
+                assert a == b and type(a) is type(b), (e, name)
+        assert (sums.dtype, sums.tobytes()) == (np.dtype(np.int64), today._target_sums(e).tobytes())
+    # A restart in the last epoch reads its plan and gives the batches that follow.
+    ranks[0]._pos = pos
+    state = roundtrip(ranks[0].state_dict())
+    again = cached(cfg, tok, rank=world - 1, world_size=world)
+    again._compute_plan = lambda e: pytest.fail(f"the restart made epoch {e}'s plan")
+    again.load_state_dict(state)
+    nxt = take(iter(today), world)[-1]  # global batch done + world - 1
+    assert same(next(iter(again)), nxt)
+
+
+def test_a_large_start_that_prepares_its_data_says_how_to_prepare_first(
+    tmp_path, corpus, tok, caplog
+):
+    """At LARGE_WORLD ranks, a start whose tokenizer rank 0 would train, whose cache the
+    ranks would build, or whose Hub split every rank would stream warns once, naming the
+    commands that prepare it first; below it, or with the data prepared, nothing is said."""
+    from aiayn.data.prepare import LARGE_WORLD, warn_serial_start
+
+    cfg = s2s(tmp_path, corpus / "train")  # no tokenizer in run_dir, no cache yet
+    assert warn_serial_start(cfg, LARGE_WORLD - 1) == []
+    with caplog.at_level("WARNING", logger="aiayn"):
+        said = warn_serial_start(cfg, LARGE_WORLD)
+    assert len(said) == 2 and str(cfg.tokenizer_path) in said[0]
+    assert str(cache_dir(cfg, "train")) in said[1] and "rank 0 merges" in said[1]
+    for command in ("aiayn data prepare", "aiayn tokenizer train", "slurm/prepare.sbatch"):
+        assert caplog.text.count(command) == 2, command
+    ready = s2s(tmp_path, corpus / "train")
+    ready.tokenizer = TokenizerConfig(path=str(tok.path))
+    ensure_cache(ready, "train", tok)
+    assert warn_serial_start(ready, 1024) == []
+    hub = DataConfig(
+        format="hub", hub_name="wmt/wmt14", hub_config="de-en", train="train", cache=False
+    )
+    streamed = Config(run_dir=str(tmp_path), data=hub, tokenizer=ready.tokenizer)
+    (said,) = warn_serial_start(streamed, 64)
+    assert "every rank streams the whole split from the Hub" in said
+
+
+def test_a_plan_folder_that_cannot_be_written_leaves_each_rank_planning_for_itself(
+    tmp_path, corpus, tok, caplog
+):
+    cfg = s2s(tmp_path, corpus / "train")
+    one = cached(cfg, tok)
+    ref = take(iter(one), 40)
+    for _ in range(2):  # its plan ahead, then the write it queued: done before the folder goes
+        one._planner.submit(int).result()
+    root = cache_dir(cfg, "train")
+    blocked = root.parent / f"{root.name}.plans"
+    shutil.rmtree(blocked)  # the plans the reference run kept
+    blocked.write_text("not a folder")  # so no plan can be written under it
+    with caplog.at_level("WARNING", logger="aiayn"):
+        ranks = [cached(cfg, tok, rank=r, world_size=2) for r in range(2)]
+        got = [b for pair in zip(*(take(iter(ld), 20) for ld in ranks), strict=True) for b in pair]
+        for ld in ranks:  # the writes are queued behind the plans ahead, on the plan thread
+            ld._planner.submit(int).result()
+            ld._planner.submit(int).result()
+    assert all(same(x, y) for x, y in zip(got, ref, strict=True))
+    assert caplog.text.count("cannot keep the epoch's plan") == 1  # from local rank 0 only

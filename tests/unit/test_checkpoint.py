@@ -409,21 +409,6 @@ def test_a_resume_whose_steps_take_another_batch_says_so(caplog):
     assert "set train.tokens_per_step=2400 (and train.grad_accum=null)" in caplog.text
 
 
-def test_a_rank_checks_the_shared_files_and_its_own_deepspeed_partitions_only():
-    from aiayn.checkpoint.format import rank_reads
-
-    names = [
-        "model.safetensors",
-        "trainer.pt",
-        "rng.safetensors",
-        "deepspeed/mp_rank_00_model_states.pt",
-        *(f"deepspeed/zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in (1, 11)),
-        *(f"deepspeed/bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (1, 11)),
-    ]
-    picked = [n for n in names if rank_reads(1)(n)]
-    assert picked == names[:5] + [names[6]]
-
-
 def test_each_rank_reads_its_own_rng_state_from_the_one_file(tmp_path):
     """Rank 0 writes every rank's RNG streams; rank r gets back exactly its own, which
     draws the same numbers; a rank past the saved world size gets none."""

@@ -272,6 +272,34 @@ def test_a_position_in_a_changed_corpus_is_refused_naming_what_changed(corpus, t
         loader(reversed_cfg, tok).load_state_dict(state)
 
 
+def test_a_corpus_edited_in_place_at_the_same_size_is_refused_and_a_touch_resumes(
+    corpus, tok, tmp_path, caplog
+):
+    """ "one" -> "uno" in the first 200 lines keeps every file's size: the saved position would
+    count records of other text. The first MiB's sha256 tells, and the refusal names the file
+    and what changed; a new modification time alone (a copy, `touch`) resumes, said in the log."""
+    for suffix in ("en", "de"):
+        (tmp_path / f"train.{suffix}").write_bytes((corpus / f"train.{suffix}").read_bytes())
+    ld = loader(s2s_cfg(tmp_path / "train"), tok)
+    take(iter(ld), 3)
+    state = roundtrip(ld.state_dict())
+    path = tmp_path / "train.en"
+    os.utime(path, ns=(1, 1))
+    with caplog.at_level("WARNING", logger="aiayn.data.position"):
+        loader(s2s_cfg(tmp_path / "train"), tok).load_state_dict(state)
+    assert f"{path.resolve()} was modified since the checkpoint" in caplog.text
+    text = path.read_text().splitlines(keepends=True)
+    edited = "".join(line.replace("one", "uno") for line in text[:200]) + "".join(text[200:])
+    assert len(edited) == len("".join(text)) and edited != "".join(text)
+    path.write_text(edited)
+    with pytest.raises(DataError) as err:
+        loader(s2s_cfg(tmp_path / "train"), tok).load_state_dict(state)
+    msg = str(err.value)
+    assert f"{path.resolve()}: edited in place since the checkpoint" in msg
+    assert "its first and last MiB changed" in msg and "new run_dir" in msg
+    assert "train.de" not in msg
+
+
 def test_a_position_saved_before_the_source_was_recorded_still_resumes(corpus, tok):
     ld = loader(s2s_cfg(corpus / "train"), tok)
     take(iter(ld), 3)

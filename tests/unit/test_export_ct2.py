@@ -374,7 +374,9 @@ def test_beam_search_warns_of_the_other_length_penalty(exported, caplog):
 def test_ctranslate2_missing_says_how_to_install(monkeypatch, exported):
     _, model_dir = exported[("seq2seq", "post", "sinusoidal")]
     monkeypatch.setitem(sys.modules, "ctranslate2", None)
-    with pytest.raises(ExportError, match=r"pip install 'aiayn\[serve\]'"):
+    with pytest.raises(
+        ExportError, match=r"pip install ctranslate2 .*pip install -e '\.\[serve\]'"
+    ):
         Ct2Model(model_dir)
 
 

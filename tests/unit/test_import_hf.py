@@ -103,6 +103,20 @@ def test_token_ids_are_marian_tokenizers_under_the_map(marian):
 
 
 @pytest.mark.slow
+def test_a_piece_only_the_source_model_knows_is_decoded_as_marian_tokenizer_does(marian):
+    """The joint vocabulary lets the decoder emit a piece target.spm does not know: its word
+    boundary mark (U+2581) is printed as a space, as MarianTokenizer prints it, not raw; an
+    unknown is left out, as MarianTokenizer's skip_special_tokens leaves it out."""
+    _, ref, imported = marian["swish-tied"]
+    _, _, tok, _ = load_for_inference(imported, (), "cpu")
+    ours = {m: a for a, m in enumerate(tok.bundle.order)}  # Marian's id -> aiayn's
+    rows = [[ours[i] for i in row] for row in ref["decode_rows"]]
+    texts = tok.decode(rows)
+    assert texts == ref["decoded"]
+    assert all("\u2581" not in text for text in texts)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", [v["name"] for v in VARIANTS])
 def test_logits_and_greedy_output_are_marians(marian, variant):
     _, ref, imported = marian[variant]

@@ -109,8 +109,9 @@ def read_manifest(
     ckpt: Path, verify: bool = True, files: Callable[[str], bool] | None = None
 ) -> dict[str, Any]:
     """The manifest of a complete checkpoint; CheckpointError if it is incomplete or corrupt.
-    `files` picks the files checked (all by default): a rank checks those it reads
-    (`rank_reads`), not every rank's shards, which would be W stats on each of W ranks."""
+    `files` picks the files checked (all by default): none, where resume_point has verified
+    this rank's share, since every rank checking every file would be W stats on each of W
+    ranks under ZeRO (two files per rank)."""
     try:
         manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
     except (OSError, ValueError) as exc:
@@ -128,19 +129,6 @@ def read_manifest(
         if verify and not checksums_match(path, meta):
             raise CheckpointError(f"{path} does not match its checksum: the file is corrupt")
     return manifest
-
-
-def rank_reads(rank: int) -> Callable[[str], bool]:
-    """Which of a checkpoint's files rank `rank` reads at a resume: the shared ones (each
-    rank reads its part of model.safetensors and trainer.safetensors) and its own DeepSpeed
-    partitions ([bf16_]zero_pp_rank_<r>_...), not the other ranks'."""
-    own = f"zero_pp_rank_{rank}_"
-
-    def reads(name: str) -> bool:
-        base = name.rsplit("/", 1)[-1]
-        return "zero_pp_rank_" not in base or base.startswith(own) or f"_{own}" in base
-
-    return reads
 
 
 def check_architecture(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:

@@ -13,23 +13,26 @@ from torch import nn
 
 from aiayn.checkpoint.format import check_architecture
 from aiayn.checkpoint.load import load_weights
-from aiayn.checkpoint.locate import locate
+from aiayn.checkpoint.locate import Located, locate
 from aiayn.config import Config, apply_override, config_from_dict
 from aiayn.model import build_model
 from aiayn.tokenizer import Tokenizer, check_contract
 
 
 def load_for_inference(
-    checkpoint: str | Path, overrides: list[str] = (), device: str | torch.device = "auto"
+    checkpoint: str | Path | Located,
+    overrides: list[str] = (),
+    device: str | torch.device = "auto",
 ) -> tuple[Config, nn.Module, Tokenizer, Path]:
     """Rebuild a model from a checkpoint's own config (plus overrides) and load its weights.
 
     `checkpoint`: a run_dir (its latest valid checkpoint), a step or averaged checkpoint
-    directory, or a FILE.safetensors written by `aiayn export`.
+    directory, or a FILE.safetensors written by `aiayn export`; or what `locate` found of one
+    (verified by one rank for all: `aiayn translate --input` on W ranks).
     """
     from aiayn.distributed.env import pick_device
 
-    found = locate(checkpoint)
+    found = checkpoint if isinstance(checkpoint, Located) else locate(checkpoint)
     raw, where, ckpt = copy.deepcopy(found.config), found.where, found.checkpoint
     for item in overrides:
         apply_override(raw, item)
@@ -42,5 +45,6 @@ def load_for_inference(
     check_architecture(found.config["model"], dataclasses.asdict(cfg.model), where)
     model = build_model(cfg.model, tok.vocab_size, tok.pad_id)
     load_weights(model, found)
-    model.to(device if isinstance(device, torch.device) else pick_device(device)).eval()
+    where = device if isinstance(device, torch.device) else pick_device(device, 0, "--device")
+    model.to(where).eval()
     return cfg, model, tok, ckpt

@@ -147,8 +147,8 @@ class CheckpointManager:
         self._run = Tracked(cfg, tok, engine, loader, env, init)
 
     def resume_point(self, resume: str, env: DistEnv | None = None) -> Path | None:
-        """The checkpoint a run starts from: None for a new run (checkpoint.resume). Rank 0
-        verifies it, and every rank gets the same verdict (checkpoint/resume.py)."""
+        """The checkpoint a run starts from: None for a new run (checkpoint.resume). Each
+        rank verifies its share of it, and all get the same verdict (checkpoint/resume.py)."""
         before = io_counts.counts()
         found = resume_point(self.root, resume, env)
         self._resume_io = io_counts.since(before)  # the restart's first part (its log line)

@@ -1,33 +1,34 @@
 """Resuming a run: which checkpoint it starts from, and restoring the run's state from it.
 
-`resume_point` chooses the checkpoint (checkpoint.resume): rank 0 verifies it and every rank
-gets the same verdict. `load_state` and `restore_rng` restore what a training checkpoint holds
-into the run the manager tracks (checkpoint/manager.py's Tracked): the weights and engine state
-in the engine's own format when the topology is unchanged (bitwise), or resharded by parameter
-name when it changed (checkpoint/reshard.py); the data position; the RNG streams.
+`resume_point` chooses the checkpoint (checkpoint.resume): each rank verifies its share of it
+and all get the same verdict. `load_state` and `restore_rng` restore what a training checkpoint
+holds into the run the manager tracks (checkpoint/manager.py's Tracked): the weights and engine
+state in the engine's own format when the topology is unchanged (bitwise), or resharded by
+parameter name when it changed (checkpoint/reshard.py); the data position; the RNG streams.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from aiayn.checkpoint import reshard, rng_file
 from aiayn.checkpoint.format import (
+    MANIFEST_FILE,
     checkpoints_in,
     latest_valid,
     load_checkpoint,
-    rank_reads,
-    read_manifest,
     read_stored,
 )
 from aiayn.distributed.env import DistEnv
-from aiayn.engine.state import trainable
+from aiayn.engine.state import partition_rank, trainable
 from aiayn.errors import CheckpointError
 from aiayn.runtime.durable import size_text
 from aiayn.runtime.seeding import load_rng_state, seed_everything
 from aiayn.runtime.startup import StartupTimes
+from aiayn.runtime.verify_share import verify_share
 
 log = logging.getLogger(__name__)
 
@@ -36,51 +37,88 @@ def resume_point(root: Path, resume: str, env: DistEnv | None = None) -> Path | 
     """The checkpoint in `root` (a run's checkpoints/) a run starts from: None for a new run
     (checkpoint.resume).
 
-    Rank 0 alone lists the checkpoints and verifies their checksums, and every rank gets
-    its verdict: the same checkpoint to resume from, or the same error. Verifying on every
-    rank would read the whole checkpoint, every ZeRO shard, once per rank from shared
-    storage, and let ranks that see the directory differently pick different steps. Each
-    rank then checks that it sees the files of that checkpoint it reads at their recorded
-    sizes (no hashing; one stat each, and not the other ranks' shards): ranks whose run_dir
-    is not the same storage stop together, saying so."""
+    Rank 0 lists the checkpoints, newest first, and every rank gets its list. Each rank then
+    verifies its share of the newest (runtime/verify_share.py): its byte ranges of the files
+    the ranks wrote by range, its own DeepSpeed partitions, its part of the rest, about 1/W of
+    the checkpoint; one sum of the failures follows. A checkpoint that fails on any rank is
+    skipped by all, which try the one before together. Verifying on one rank would make the
+    others wait while it reads the whole checkpoint, every ZeRO shard, from shared storage.
+    A rank that cannot read the manifest rank 0 read does not see the same run_dir: all
+    ranks stop, saying so."""
     if env is None or not env.distributed:
         return _choose(root, resume)
-    name = env.decide(lambda: _chosen_name(root, resume))
-    ckpt = None if name is None else root / name
-    problem = None
-    if ckpt is not None:
-        try:
-            read_manifest(ckpt, verify=False, files=rank_reads(env.rank))
-        except CheckpointError as exc:
-            problem = str(exc)
-    if not env.sum([float(problem is not None)])[0]:
-        return ckpt
-    # Only when some rank failed: which, and why (a gather is O(W) on every rank).
+    names = env.decide(lambda: _candidates(root, resume))
+    for name in names:
+        ckpt = root / name
+        problem, unreadable = _verify_my_share(ckpt, env)
+        failed, elsewhere, on_main = env.sum(
+            [
+                float(problem is not None),
+                float(unreadable and not env.is_main),
+                float(unreadable and env.is_main),
+            ]
+        )
+        if elsewhere and not on_main:  # rank 0 read the manifest that another rank cannot
+            _stop_unshared(env, name, problem)
+        if not failed:
+            return ckpt
+        # Only when some rank failed: which, and why (on rank 0, for its log).
+        problems = env.gather_to_main(problem)
+        if env.is_main:
+            found = [(r, p) for r, p in enumerate(problems) if p is not None]
+            log.warning(
+                "skipping checkpoint %s: %d rank(s) found it damaged (rank %d: %s)",
+                name,
+                len(found),
+                *found[0],
+            )
+    if names:
+        raise CheckpointError(
+            f"{root} holds checkpoints but none is valid; move them away to start over"
+        )
+    return None
+
+
+def _candidates(root: Path, resume: str) -> list[str]:
+    """Rank 0's list of the checkpoints to try, newest first."""
+    try:
+        existing = checkpoints_in(root)
+    except OSError as exc:  # storage rank 0 cannot read: every rank stops with its message
+        raise CheckpointError(str(exc)) from None
+    if resume == "never":
+        _refuse_existing(root, existing)
+        return []
+    return [c.name for c in reversed(existing)]
+
+
+def _verify_my_share(ckpt: Path, env: DistEnv) -> tuple[str | None, bool]:
+    """(the problem this rank found in its share of `ckpt`, or None; whether it could not read
+    the manifest: where rank 0 could, a run_dir that is not the same storage on every rank)."""
+    try:
+        text = (ckpt / MANIFEST_FILE).read_text()
+    except OSError as exc:
+        return f"{ckpt} has no readable {MANIFEST_FILE} ({exc})", True
+    try:  # what rank 0 reads too: damage, the same on every rank, never a hang
+        files = json.loads(text)["files"]
+        return verify_share(ckpt, files, env.rank, env.world_size, partition_rank), False
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{ckpt}: {type(exc).__name__}: {exc}", False
+
+
+def _stop_unshared(env: DistEnv, name: str, problem: str | None) -> None:
     problems = [(rank, p) for rank, p in enumerate(env.gather(problem)) if p is not None]
     rank, what = problems[0]
     raise CheckpointError(
-        f"rank 0 verified {name} to resume from, but {len(problems)} rank(s) cannot "
+        f"rank 0 listed {name} to resume from, but {len(problems)} rank(s) cannot "
         f"read it (rank {rank}: {what}). Every rank must see the same run_dir: put it "
         "on storage all nodes share"
     )
 
 
-def _chosen_name(root: Path, resume: str) -> str | None:
-    try:
-        chosen = _choose(root, resume)
-    except OSError as exc:  # storage rank 0 cannot read: every rank stops with its message
-        raise CheckpointError(str(exc)) from None
-    return None if chosen is None else chosen.name
-
-
 def _choose(root: Path, resume: str) -> Path | None:
     existing = checkpoints_in(root)
     if resume == "never":
-        if existing:
-            raise CheckpointError(
-                f"{root.parent} already holds checkpoints ({existing[-1].name}) and "
-                "checkpoint.resume=never: choose a new run_dir, or delete the old run first"
-            )
+        _refuse_existing(root, existing)
         return None
     latest = latest_valid(root)
     if existing and latest is None:
@@ -88,6 +126,14 @@ def _choose(root: Path, resume: str) -> Path | None:
             f"{root} holds checkpoints but none is valid; move them away to start over"
         )
     return latest
+
+
+def _refuse_existing(root: Path, existing: list[Path]) -> None:
+    if existing:
+        raise CheckpointError(
+            f"{root.parent} already holds checkpoints ({existing[-1].name}) and "
+            "checkpoint.resume=never: choose a new run_dir, or delete the old run first"
+        )
 
 
 def load_state(run: Any, ckpt: Path, startup: StartupTimes) -> dict[str, Any]:

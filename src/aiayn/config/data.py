@@ -109,10 +109,10 @@ class DataConfig(Section):
     on the same data and tokenizer at one directory to tokenise once for all of them.
     Environment variables are expanded on each node ($SLURM_TMPDIR/aiayn_cache)."""
     cache_scope: Literal["shared", "node"] = "shared"
-    """shared: cache_dir is storage every node sees; the ranks build the cache together and rank
-    0 alone verifies it. node: cache_dir is each node's own disk; each node builds (its ranks
-    sharing the reading) or opens its own copy, its first rank verifies it, and every node's
-    copy must hold the same tokens as rank 0's."""
+    """shared: cache_dir is storage every node sees; the ranks build the cache together and
+    verify it together, each its share. node: cache_dir is each node's own disk; each node
+    builds (its ranks sharing the reading) or opens its own copy, its ranks verify it, each its
+    share, and every node's copy must hold the same tokens as rank 0's."""
     pad_to_multiple: int | None = bounded(None, low=1)
     """A batch's source and target widths are rounded up to a multiple of this (never past
     max_len + 1), and the token budget counts the rounding. Fewer distinct shapes mean fewer

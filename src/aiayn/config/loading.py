@@ -103,7 +103,7 @@ def _build(cls, raw: Any, prefix: str, errs: list[str]):
     known = {f.name for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in known:
-            errs.append(f"unknown key {prefix}{key}" + suggest(key, known, prefix))
+            errs.append(f"unknown key {prefix}{key}" + _suggest_key(cls, key, known, prefix))
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name not in raw:
@@ -124,6 +124,27 @@ def _build(cls, raw: Any, prefix: str, errs: list[str]):
                     + (f"; {hint}" if hint else "")
                 )
     return cls(**kwargs)
+
+
+def _suggest_key(cls, key: str, known: set[str], prefix: str) -> str:
+    """The suggestion for an unknown key: the sections that have a key of that name where
+    there are any (`max_steps=5` -> train.max_steps, `model.max_steps` -> train.max_steps),
+    else the nearest name here."""
+    homes = [f"{name}.{key}" for name, section in _sections().items() if key in section]
+    homes = [h for h in homes if h != f"{prefix}{key}"]
+    if homes:
+        return f"; did you mean {' or '.join(homes)}?"
+    return suggest(key, known, prefix)
+
+
+def _sections() -> dict[str, set[str]]:
+    """Each section of Config -> the names of its keys."""
+    hints = typing.get_type_hints(Config)
+    return {
+        f.name: {g.name for g in dataclasses.fields(hints[f.name])}
+        for f in dataclasses.fields(Config)
+        if dataclasses.is_dataclass(hints[f.name])
+    }
 
 
 def _item_section(tp: Any) -> type | None:

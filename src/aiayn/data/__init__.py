@@ -8,6 +8,7 @@ resumable either way.
                             verified when opened (cache/format.py), read in padded batches
                             (rows.py)
     plan.py                 the epoch's global batches, from the cache's lengths
+    plan_files.py           each epoch's plan made by one rank of a node, read by the others
     loader_protocol.py      Loader: what every loader offers its callers; make.py picks one:
     cache_loader.py         this rank's Batch (batch.py) from one source's cache
     mixed_cache_loader.py   ... from the caches of a mixture's sources (data.sources)

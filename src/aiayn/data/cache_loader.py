@@ -1,10 +1,12 @@
 """Batches of one rank from the token cache: planned from lengths, read from memory maps.
 
-Every rank computes the same global plan of an epoch from the cache's length index (plan.py)
+Every rank uses the same global plan of an epoch, made from the cache's length index (plan.py),
 and builds only its own batches, global batches r, r + W, r + 2W, ... of the stream of epochs:
-what a rank reads and pads falls as 1/W. The plan costs a few passes over the lengths per epoch,
-under a second for millions of examples; while training, the next epoch's plan is computed in a
-background thread (numpy releases the GIL), so the epoch boundary does not stall the loop. The
+what a rank reads and pads falls as 1/W. A plan costs a few passes over the lengths, under a
+second for millions of examples but O(N) all the same: while training, one rank per node makes
+the next epoch's plan in a background thread and keeps it beside the cache (plan_files.py), and
+the node's other ranks memory-map it, so that a rank's work per epoch is its own batches and
+O(N / batch size); a rank that finds no file makes the plan itself, the same bits. The
 batches themselves are made a few ahead in another thread (prefetch.py), pinned when they are
 bound for a GPU, so that neither reading nor the copy waits on the loop; a rank's next batches
 of the epoch are read from the memory maps and padded together (cache/rows.py).
@@ -37,6 +39,7 @@ from aiayn.data.cache.rows import (
     read_count,
 )
 from aiayn.data.plan import LmPlan, Plan, epoch_rng, lm_plan, pair_plan
+from aiayn.data.plan_files import PlanFiles, plans_folder
 from aiayn.data.position import check_loader_args, saved_position, saved_state
 from aiayn.data.prefetch import AHEAD, BATCH_THREAD, prefetch
 from aiayn.errors import DataError
@@ -54,6 +57,8 @@ class CacheLoader:
     train=True loops over epochs forever, each planned with its own seed; train=False makes one
     pass in cache order (bucketed by width within data.shuffle_buffer windows). pin_memory=True
     hands out batches in page-locked memory (needs CUDA), for asynchronous copies to the GPU.
+    local_rank and local_world_size place the rank on its node (DistEnv's; by default the
+    whole world is one node): they say which rank of the node plans which epoch.
     """
 
     def __init__(
@@ -69,6 +74,8 @@ class CacheLoader:
         rank: int = 0,
         world_size: int = 1,
         pin_memory: bool = False,
+        local_rank: int | None = None,
+        local_world_size: int | None = None,
     ):
         if cache.kind != kind:
             raise DataError(
@@ -115,6 +122,12 @@ class CacheLoader:
             self._fingerprint["lm_order"] = data_cfg.lm_order
         if self.multiple != 1:  # it changes the plan; older positions have 1
             self._fingerprint["pad_to_multiple"] = self.multiple
+        if train:  # an evaluation pass plans once, in cache order: nothing to share
+            self._plan_files = PlanFiles(
+                plans_folder(cache.root, self._fingerprint),
+                rank if local_rank is None else local_rank,
+                world_size if local_world_size is None else local_world_size,
+            )
 
     def _setup(self, data_cfg, tokenizer, kind, max_tokens, seed, train, rank, world_size) -> None:
         """What every loader over token caches holds besides its index (mixed_cache_loader.py
@@ -127,12 +140,14 @@ class CacheLoader:
         self.epoch = 0
         self._pos = {"epoch": 0, "done": 0}
         self._resume_pending = False
-        self._plan_of: tuple[int, Plan | LmPlan] | None = None
+        # (epoch, plan, cumulative target tokens of its batches): the current epoch's
+        self._plan_of: tuple[int, Plan | LmPlan, np.ndarray] | None = None
         self._ahead: tuple[int, Future] | None = None  # the next epoch's plan, while training
+        self._plan_files: PlanFiles | None = None  # plans kept beside the cache, while training
+        self._lengths: dict[int, int] = {}  # global batches of the recent epochs
         self._planner: ThreadPoolExecutor | None = None
         self._plan_lock = threading.Lock()  # plans are made on the batch thread, and read here
         self._batches = 0
-        self._targets_of: tuple[int, np.ndarray] | None = None
         self._rows_read: RowsRead | None = None  # this rank's next few batches, read together
         self._read_count = read_count(max_tokens)
         self.tags: list[int | None] | None = None  # a tag's token id per source, or None
@@ -198,7 +213,7 @@ class CacheLoader:
         a round's total comes from the epochs' cumulative sums: per round, work that does not
         grow with W."""
         W, epoch, i = self.world_size, *self._settle(pos["epoch"], pos["done"])
-        while self.train or i < len(self.plan(epoch)):
+        while self.train or i < self._length(epoch):
             round_pos = {"epoch": epoch, "done": i + W}  # the group's position after the round
             targets, last_epoch, mine = self._round(epoch, i)
             if mine is None:  # an evaluation pass that ends inside a round, before this rank
@@ -212,7 +227,7 @@ class CacheLoader:
         """(epoch, index) of global batch `done` of `epoch`, counted on into the next epochs
         when training. Moving past an epoch costs its plan, never a token."""
         while True:
-            n = len(self.plan(epoch))
+            n = self._length(epoch)
             if n == 0:
                 raise self._nothing_left()
             if self.train:
@@ -244,11 +259,10 @@ class CacheLoader:
 
     def _target_sums(self, epoch: int) -> np.ndarray:
         """Cumulative target tokens of the global batches of `epoch` (Batch.n_tokens), 0 first,
-        from the plan and the length index alone."""
-        if self._targets_of is None or self._targets_of[0] != epoch:
-            per_batch = self._plan_targets(self.plan(epoch))
-            self._targets_of = (epoch, np.concatenate(([0], np.cumsum(per_batch))))
-        return self._targets_of[1]
+        made with the plan (`_planned`)."""
+        with self._plan_lock:
+            self._plan_locked(epoch)
+            return self._plan_of[2]
 
     def _plan_targets(self, plan: Plan | LmPlan) -> np.ndarray:
         if isinstance(plan, LmPlan):  # a block's targets are its positions 1.. inside the stream
@@ -271,6 +285,16 @@ class CacheLoader:
         c = self.cache
         return (c.tgt_offsets[rows + 1] - c.tgt_offsets[rows]).astype(np.int64)
 
+    def _length(self, epoch: int) -> int:
+        """Global batches of `epoch`. Kept apart from the plan: after a round that crossed
+        into the next epoch, the next round starts from the epoch it left (`_settle`), which
+        would otherwise make that epoch's plan again, on every rank, at every epoch."""
+        with self._plan_lock:
+            if epoch not in self._lengths:
+                self._lengths = {e: n for e, n in self._lengths.items() if e >= epoch - 1}
+                self._lengths[epoch] = len(self._plan_locked(epoch))
+            return self._lengths[epoch]
+
     def plan(self, epoch: int) -> Plan | LmPlan:
         """The global batches of `epoch` (computed once, kept while it is the current one)."""
         with self._plan_lock:
@@ -280,18 +304,40 @@ class CacheLoader:
         if self._plan_of is None or self._plan_of[0] != epoch:
             ahead, self._ahead = self._ahead, None
             if ahead is not None and ahead[0] == epoch:
-                plan = ahead[1].result()
+                plan, sums = ahead[1].result()
             else:
-                plan = self._compute_plan(epoch)
-            self._plan_of = (epoch, plan)
+                plan, sums = self._planned(epoch)
+            self._plan_of = (epoch, plan, sums)
         return self._plan_of[1]
 
     def _plan_ahead(self, epoch: int) -> None:
+        """Start making `epoch`'s plan in the background, where this rank makes it: a rank
+        that is not the epoch's planner reads the planner's file when the epoch comes."""
         if self._ahead is not None and self._ahead[0] == epoch:
             return
+        if self._plan_files is not None and not self._plan_files.plans(epoch):
+            return
+        self._ahead = (epoch, self._background().submit(self._planned, epoch))
+
+    def _background(self) -> ThreadPoolExecutor:
+        """The thread that makes plans ahead and writes them for the node, in that order."""
         if self._planner is None:
             self._planner = ThreadPoolExecutor(1, thread_name_prefix="aiayn-plan")
-        self._ahead = (epoch, self._planner.submit(self._compute_plan, epoch))
+        return self._planner
+
+    def _planned(self, epoch: int) -> tuple[Plan | LmPlan, np.ndarray]:
+        """`epoch`'s plan and the cumulative target tokens of its batches: read from the
+        planner's file, or made here (and kept for the node, by its planner: written in the
+        background, so that neither the loop nor the plan ahead waits for the disk)."""
+        files = self._plan_files
+        kept = None if files is None else files.read(epoch)
+        if kept is not None:
+            return kept
+        plan = self._compute_plan(epoch)
+        sums = np.concatenate(([0], np.cumsum(self._plan_targets(plan))))
+        if files is not None and files.plans(epoch):
+            self._background().submit(files.write, epoch, plan, sums)
+        return plan, sums
 
     def _compute_plan(self, epoch: int) -> Plan | LmPlan:
         rng = epoch_rng(self.seed, epoch) if self.train and self.cfg.shuffle_buffer else None

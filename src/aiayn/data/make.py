@@ -24,11 +24,15 @@ def make_loader(
     world_size: int = 1,
     cache: TokenCache | list[TokenCache] | None = None,
     pin_memory: bool = False,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
 ) -> Loader:
     """The loader of one split as a run config describes it: from its token cache if one is
     given (data/cache/format.py), from the caches of data.sources if a list is (a mixture,
     data/mixed_cache_loader.py), else streamed and tokenised as it goes (a mixture's sources:
-    data/mixed_stream_loader.py). pin_memory where the batches go to a GPU."""
+    data/mixed_stream_loader.py). pin_memory where the batches go to a GPU; local_rank and
+    local_world_size place the rank on its node, where one token cache's loader shares the
+    epochs' plans (data/plan_files.py)."""
     common = dict(
         pin_memory=pin_memory,
         kind=cfg.model.kind,
@@ -43,5 +47,6 @@ def make_loader(
     if cfg.data.sources and train:
         return MixedStreamLoader(cfg, tokenizer, **common)
     if cache is not None:
-        return CacheLoader(cache, cfg.data, tokenizer, **common)
+        node = dict(local_rank=local_rank, local_world_size=local_world_size)
+        return CacheLoader(cache, cfg.data, tokenizer, **common, **node)
     return StreamLoader(cfg.data, split, tokenizer, **common)

@@ -108,7 +108,8 @@ class MixedStreamLoader(StreamLoader):
     def _mixture_fingerprint(self, cfg: Config) -> dict:
         data = cfg.data
         identities = [
-            source_identity(as_train(cfg, s).data, s.path, self.kind) for s in data.sources
+            source_identity(as_train(cfg, s).data, s.path, self.kind, contents=True)
+            for s in data.sources
         ]
         sources = [
             {"name": s.name, "source": ident, "weight": recorded_number(s.weight), "tag": s.tag}

@@ -27,6 +27,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+PLAN_VERSION = 1
+"""Names the planning below in the plans kept beside a cache (data/plan_files.py): raise it with
+any change that gives another plan for the same lengths, seed and epoch, or a rank reading an
+older file would take other batches than a rank that plans for itself."""
+
 
 @dataclass
 class Plan:

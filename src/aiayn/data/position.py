@@ -4,8 +4,11 @@ tokenizer), and the position itself; and the checks before a saved one is used."
 from __future__ import annotations
 
 import copy
+import logging
 
 from aiayn.errors import DataError
+
+log = logging.getLogger(__name__)
 
 # The fingerprint's "loader" key: absent from the streaming loader's (checkpoints written
 # before the token cache existed have none).
@@ -69,7 +72,9 @@ def saved_position(state: dict, version: int, fingerprint: dict, what: str) -> d
 
 
 def _source_diffs(saved: dict, now: dict) -> list[str]:
-    """What changed in the corpus a streaming position counts records of (source_identity)."""
+    """What changed in the corpus a streaming position counts records of (source_identity):
+    its files, their sizes, and their first and last MiB where both sides recorded them. A new
+    modification time with both ends unchanged (a copy, `touch`) is said, not refused."""
     diffs = []
     for key, what in (("fields", "fields read"), ("hub", "hub dataset")):
         if saved.get(key) != now.get(key):
@@ -78,12 +83,30 @@ def _source_diffs(saved: dict, now: dict) -> list[str]:
     if [f["path"] for f in old] != [f["path"] for f in new]:
         paths = [f["path"] for f in old], [f["path"] for f in new]
         diffs.append("  - files: checkpoint {}, now {}".format(*paths))
-    else:
-        diffs += [
-            f"  - {b['path']}: checkpoint {a['bytes']} bytes, now {b['bytes']} bytes"
-            for a, b in zip(old, new, strict=True)
-            if a["bytes"] != b["bytes"]
+        return diffs
+    for a, b in zip(old, new, strict=True):
+        if a["bytes"] != b["bytes"]:
+            diffs.append(f"  - {b['path']}: checkpoint {a['bytes']} bytes, now {b['bytes']} bytes")
+            continue
+        ends = [
+            where
+            for key, where in (("head_sha256", "first"), ("tail_sha256", "last"))
+            if key in a and key in b and a[key] != b[key]
         ]
+        if ends:
+            diffs.append(
+                f"  - {b['path']}: edited in place since the checkpoint (the same "
+                f"{b['bytes']} bytes, its {' and '.join(ends)} MiB changed), so the saved "
+                "position counts records of other text: restore the file, or train in a new "
+                "run_dir"
+            )
+        elif a.get("mtime_ns", b.get("mtime_ns")) != b.get("mtime_ns"):
+            log.warning(
+                "%s was modified since the checkpoint, at the same size and with the same first "
+                "and last MiB: resuming its position. An edit between them would not be seen: "
+                "if the text changed, train in a new run_dir",
+                b["path"],
+            )
     return diffs
 
 
@@ -102,7 +125,9 @@ def _mixture_diffs(saved: dict | None, now: dict | None) -> list[str]:
         a, b = old[name], new[name]
         if a.get("cache") != b.get("cache"):  # the token cache's content
             diffs.append(f"  - source {name}: its tokens changed (corpus, fields or tokenizer)")
-        if a.get("source") != b.get("source"):  # a stream's files, sizes and fields
+        if a.get("source") is not None and b.get("source") is not None:  # a stream's corpus
+            diffs += [f"  - source {name}:{d[3:]}" for d in _source_diffs(a["source"], b["source"])]
+        elif a.get("source") != b.get("source"):
             diffs.append(f"  - source {name}: its corpus changed (files, sizes or fields)")
         diffs += [
             f"  - source {name}: {key} checkpoint {a[key]!r}, now {b[key]!r}"

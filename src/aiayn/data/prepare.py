@@ -6,9 +6,11 @@ cache per data.sources entry. What `aiayn train`, `aiayn tokenizer train` and
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from aiayn.config import Config
 from aiayn.data import TokenCache, ensure_cache, sample_sentences
+from aiayn.data.cache import MANIFEST, cache_dir
 from aiayn.data.mixed_cache_loader import tag_ids
 from aiayn.data.mixture import as_train, cache_folder, tokenizer_sample
 from aiayn.distributed.env import DistEnv
@@ -16,6 +18,21 @@ from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer, train_tokenizer
 
 log = logging.getLogger("aiayn")
+
+LARGE_WORLD = 16
+"""From this many ranks (two nodes of 8 GPUs) a start that prepares its own data says so, and
+how to prepare it first. Below it a job is one node, and preparing at the first start is the
+convenience the demos and tests rely on; from it, every minute rank 0 spends training a
+tokenizer or merging a cache idles 15 or more GPUs on several nodes, and every rank that
+streams a Hub split multiplies the download, while a CPU job does the same work on CPUs
+(slurm/prepare.sbatch)."""
+
+PREPARE_FIRST = (
+    "prepare the data in a step of its own before the GPUs start: `aiayn data prepare --config "
+    "FILE` (the tokenizer and the token cache; `aiayn tokenizer train --config FILE` for the "
+    "tokenizer alone), under Slurm as a CPU job (slurm/prepare.sbatch CONFIG, then train.sbatch "
+    "with --dependency=afterok); docs/data.md"
+)
 
 
 def prepare_tokenizer(cfg: Config, retrain: bool = False) -> Tokenizer:
@@ -90,6 +107,54 @@ def prepare_data(
         for cache in caches:
             _same_tokens_on_every_node(env, cache)
     return tok, caches if cfg.data.sources else caches[0]
+
+
+def warn_serial_start(cfg: Config, world_size: int) -> list[str]:
+    """At LARGE_WORLD ranks or more, warn of what this start prepares while the GPUs wait: a
+    tokenizer that rank 0 trains, a token cache to build (rank 0 merges it alone), a Hub split
+    that every rank streams. Called by a training start on rank 0 (one line, not W), not by
+    `aiayn data prepare`, which is the way out; returns the warnings."""
+    if world_size < LARGE_WORLD:
+        return []
+    out = []
+    if not cfg.tokenizer_path.is_file():
+        out.append(
+            f"the tokenizer {cfg.tokenizer_path} does not exist: rank 0 trains it now, from up "
+            f"to {cfg.tokenizer.sample_sentences} sentences, while the other {world_size - 1} "
+            "ranks wait"
+        )
+    hub = [c for c in _train_configs(cfg) if c.data.format == "hub"]
+    if not cfg.data.cache and hub:
+        out.append(
+            f"data.cache=false with a Hub dataset on {world_size} ranks: every rank streams the "
+            f"whole split from the Hub at every start ({world_size} times the download; the "
+            "Hub's rate limits can end the job). Set data.cache=true"
+        )
+    missing = [root for root in _cache_roots(cfg) if not (root / MANIFEST).is_file()]
+    if cfg.data.cache and missing:
+        streamed = (
+            " (a Hub split: each rank streams it, whole where it has fewer shards than ranks)"
+        )
+        out.append(
+            f"the token cache {', '.join(map(str, missing))} does not exist: the {world_size} "
+            "ranks build it now, and rank 0 merges their parts alone while the others wait"
+            + (streamed if hub else "")
+        )
+    for problem in out:
+        log.warning("%s. Next time, %s", problem, PREPARE_FIRST)
+    return out
+
+
+def _train_configs(cfg: Config) -> list[Config]:
+    """The config of each training corpus: the split's, or each data.sources entry's."""
+    return [as_train(cfg, s) for s in cfg.data.sources] if cfg.data.sources else [cfg]
+
+
+def _cache_roots(cfg: Config) -> list[Path]:
+    """Where prepare_data's ensure_cache calls find (or build) the training caches."""
+    if cfg.data.sources:
+        return [cache_dir(as_train(cfg, s), cache_folder(s)) for s in cfg.data.sources]
+    return [cache_dir(cfg, "train")]
 
 
 def _same_tokens_on_every_node(env: DistEnv, cache: TokenCache) -> None:

@@ -18,6 +18,7 @@ from aiayn.config import DataConfig
 from aiayn.data import line_files, records
 from aiayn.data.source import Source, expand_files
 from aiayn.errors import DataError
+from aiayn.runtime.durable import sha256_of
 
 KINDS = ("seq2seq", "lm", "classifier")
 
@@ -72,11 +73,15 @@ def read_fields(cfg: DataConfig, kind: str) -> dict[str, str | None]:
     return {name: getattr(cfg, name) for name in names}
 
 
-def source_identity(cfg: DataConfig, split: str, kind: str) -> dict:
+def source_identity(cfg: DataConfig, split: str, kind: str, contents: bool = False) -> dict:
     """What names the records of `split` without reading them: the hub dataset, or each local
     file's resolved path and size, and the fields read. A saved streaming position counts
-    records, so it is only meaningful for the same identity (data/stream_loader.py). Sizes, not
-    checksums: every rank would read the whole corpus at every start to hash it."""
+    records, so it is only meaningful for the same identity (data/stream_loader.py).
+
+    `contents` adds each file's modification time and the sha256 of its first and last MiB
+    (file_ends): an edit in place that keeps the size is then seen, at a cost that does not
+    grow with the corpus. Not the whole files' sha256: every rank would read the whole corpus
+    at every start to hash it."""
     identity: dict = {"fields": read_fields(cfg, kind)}
     if cfg.format == "hub":
         identity["hub"] = {
@@ -87,9 +92,26 @@ def source_identity(cfg: DataConfig, split: str, kind: str) -> dict:
     else:
         files = [Path(p) for p in source_files(cfg, split)]
         identity["files"] = [
-            {"path": str(f.resolve()), "bytes": f.stat().st_size} for f in files if f.is_file()
+            {"path": str(f.resolve()), "bytes": f.stat().st_size}
+            | (file_ends(f) if contents else {})
+            for f in files
+            if f.is_file()
         ]
     return identity
+
+
+_END = 1 << 20  # the bytes hashed at each end of a file
+
+
+def file_ends(path: Path) -> dict:
+    """A file's modification time and the sha256 of its first and last MiB (the whole file, twice,
+    when it is smaller)."""
+    size = path.stat().st_size
+    return {
+        "mtime_ns": path.stat().st_mtime_ns,
+        "head_sha256": sha256_of(path, 0, min(size, _END)),
+        "tail_sha256": sha256_of(path, max(0, size - _END), size),
+    }
 
 
 def sample_sentences(cfg: DataConfig, kind: str, n: int, seed: int) -> list[str]:

@@ -118,7 +118,7 @@ class StreamLoader:
             "shuffle_buffer": data_cfg.shuffle_buffer,
             "max_len": data_cfg.max_len,
             "tokenizer_sha256": tokenizer.contract()["sha256"],
-            "source": source_identity(data_cfg, split, kind),
+            "source": source_identity(data_cfg, split, kind, contents=train),
         }
         if self.multiple != 1:  # it changes the batches; older positions have 1
             self._fingerprint["pad_to_multiple"] = self.multiple

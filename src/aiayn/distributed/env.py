@@ -188,13 +188,12 @@ def _count_received(objs: list, own: int) -> None:
     io_counts.count("gathered_bytes", received)
 
 
-def pick_device(choice: str, local_rank: int = 0) -> torch.device:
-    """auto: CUDA when present (GPU LOCAL_RANK of those this process sees), else CPU."""
+def pick_device(choice: str, local_rank: int = 0, setting: str = "train.device") -> torch.device:
+    """auto: CUDA when present (GPU LOCAL_RANK of those this process sees), else CPU.
+    `setting`: what the user set `choice` with, for the error's message."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise ConfigError(
-                "train.device=cuda but no CUDA device is visible; use train.device=cpu"
-            )
+            raise ConfigError(f"{setting}=cuda but no CUDA device is visible; use {setting}=cpu")
         count = torch.cuda.device_count()
         if local_rank >= count:  # two ranks on one GPU: each gets half of it, or runs out
             raise ConfigError(

@@ -272,8 +272,8 @@ def run_dir_of(command: list[str]) -> Path | None:
 
 
 def _train_arguments() -> argparse.ArgumentParser:
-    """The arguments of `aiayn train` (cli.py's train command takes these and no others): the
-    launcher sits below the command line and reads them itself."""
+    """The arguments of `aiayn train` (cli/training.py's train command takes these and no
+    others): the launcher sits below the command line and reads them itself."""
     parser = argparse.ArgumentParser(prog="aiayn train")
     parser.add_argument("--config", required=True)
     parser.add_argument("overrides", nargs="*")

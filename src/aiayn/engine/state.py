@@ -9,6 +9,7 @@ the checkpoint package writes the first and reads the second out of any engine's
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -19,6 +20,15 @@ from torch import nn
 DEEPSPEED_DIR = "deepspeed"  # where every rank's `save_checkpoint` writes (deepspeed_engine.py)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 WEIGHT = "weight"  # the fp32 (master) weights, beside MOMENTS
+
+
+def partition_rank(name: str) -> int | None:
+    """The data-parallel rank whose ZeRO partition a file under DEEPSPEED_DIR holds, by
+    DeepSpeed's name for it ([bf16_]zero_pp_rank_<r>_...); None for another file."""
+    if not name.startswith(DEEPSPEED_DIR + "/"):
+        return None
+    found = re.search(r"(?:^|_|/)zero_pp_rank_(\d+)_", name)
+    return int(found.group(1)) if found else None
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:

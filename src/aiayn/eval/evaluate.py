@@ -18,9 +18,12 @@ from aiayn.export.ct2_runtime import Ct2Model, translate_ct2
 from aiayn.infer.translate import translate
 
 
-def evaluate(checkpoint: str | Path, split: str = "test", overrides: list[str] = ()) -> dict:
-    """Score a checkpoint on a data split: BLEU (seq2seq), perplexity (lm), accuracy."""
-    cfg, model, tok, ckpt = load_for_inference(checkpoint, overrides, "auto")
+def evaluate(
+    checkpoint: str | Path, split: str = "test", overrides: list[str] = (), device: str = "auto"
+) -> dict:
+    """Score a checkpoint on a data split: BLEU (seq2seq), perplexity (lm), accuracy.
+    `device`: auto, cpu or cuda (`aiayn evaluate --device`)."""
+    cfg, model, tok, ckpt = load_for_inference(checkpoint, overrides, device)
     device = next(model.parameters()).device
     # A training run's checkpoint (or its averaged model, RUN/averaged): the run may hold a
     # copy of the split.

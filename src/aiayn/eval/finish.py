@@ -29,7 +29,17 @@ SCORES = ("bleu", "bleu_lc", "chrf", "ter", "exact_match", "loss", "ppl", "accur
 
 def chosen(run_dir: Path, k: int, select: str) -> list[Path]:
     """The K checkpoints to average: the newest, or the best by the run's best_metric."""
+    if not run_dir.is_dir():
+        raise CheckpointError(
+            f"no run directory {run_dir}: give the run_dir a training run wrote (its "
+            "config's run_dir)"
+        )
     ckpts = checkpoints_in(run_dir / CHECKPOINTS_DIR)
+    if not ckpts:  # the best's rule is read from the newest checkpoint: there is none
+        raise CheckpointError(
+            f"{run_dir} has no checkpoints ({run_dir / CHECKPOINTS_DIR} holds no step_N): "
+            "train it first (checkpoint.every_steps saves them), or give another run_dir"
+        )
     if select == "best":
         cfg = config_from_dict(read_manifest(ckpts[-1], verify=False)["config"]).checkpoint
         rule = Retention(

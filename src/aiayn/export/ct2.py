@@ -70,7 +70,8 @@ def require_ctranslate2():
         import ctranslate2
     except ImportError:
         raise ExportError(
-            "ctranslate2 is not installed: pip install 'aiayn[serve]' (or pip install ctranslate2)"
+            "ctranslate2 is not installed: pip install ctranslate2 (or, in the clone, "
+            "pip install -e '.[serve]')"
         ) from None
     return ctranslate2
 

@@ -32,6 +32,7 @@ from aiayn.errors import TokenizerError
 MAGIC = b"PK\x03\x04"
 _FILES = ("source.spm", "target.spm", "vocab.json", "marian.json")
 _STAMP = (1980, 1, 1, 0, 0, 0)
+WORD_MARK = "\u2581"  # SentencePiece's word boundary, "▁"
 # The piece name of aiayn's decoder start where Marian's is its pad (one of these not in vocab).
 _BOS_PIECES = ("<s>", "<aiayn_bos>")
 
@@ -125,3 +126,12 @@ def language_code(text: str) -> tuple[list[str], str]:
     if text.startswith(">>") and (end := text.find("<<")) != -1:
         return [text[: end + 2]], text[end + 2 :]
     return [], text
+
+
+def decode_pieces(target_spm, pieces: list[str]) -> str:
+    """A hypothesis's text as transformers' MarianTokenizer.decode(skip_special_tokens=True)
+    gives it (the caller leaves out the special pieces, unknowns included): the pieces joined
+    by target.spm, then every word mark left made a space. A piece only source.spm knows,
+    which the joint vocabulary lets the decoder emit, comes back from target.spm as it is,
+    its mark included."""
+    return target_spm.decode_pieces(pieces).replace(WORD_MARK, " ").strip()

@@ -117,7 +117,8 @@ class Tokenizer:
             rows.append([i for i in row if i != self.pad_id and i != self.bos_id])
         if self._ids is None:
             return self.sp.decode(rows)
-        return [self.target_sp.decode_pieces([self._pieces[i] for i in row]) for row in rows]
+        pieces = [[self._pieces[i] for i in row if i != self.unk_id] for row in rows]
+        return [marian.decode_pieces(self.target_sp, row) for row in pieces]
 
     def id_to_piece(self, i: int) -> str:
         return self.sp.id_to_piece(i) if self._ids is None else self._pieces[i]

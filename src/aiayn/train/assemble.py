@@ -21,7 +21,7 @@ from aiayn.config import Config
 from aiayn.data import make_loader
 from aiayn.data.batch import resolve_pad_to_multiple
 from aiayn.data.hub_revision import pin_hub_revision
-from aiayn.data.prepare import prepare_data
+from aiayn.data.prepare import prepare_data, warn_serial_start
 from aiayn.distributed import faults
 from aiayn.distributed.env import DistEnv, setup, use_timeout
 from aiayn.distributed.preemption import StopFlag
@@ -70,6 +70,8 @@ def assemble(
     if cfg.init.source is not None:
         cfg, start = starting_point(cfg, explicit, resume_from, env)
     with startup.phase("tokenizer/data"):
+        if env.is_main:  # at scale, a start that prepares its own data says how not to
+            warn_serial_start(cfg, env.world_size)
         tok, cache = prepare_data(cfg, env)
     engine, n_params = _model_and_engine(cfg, tok, env, start, resume_from, startup)
     seed_everything(cfg.train.seed + 1_000_003 * env.rank)  # different dropout on each rank
@@ -83,6 +85,8 @@ def assemble(
             world_size=env.world_size,
             cache=cache,
             pin_memory=env.device.type == "cuda",
+            local_rank=env.local_rank,
+            local_world_size=env.local_world_size,
         )
     ckpts.track(cfg, tok, engine, loader, env, start and start.provenance)
     progress = ckpts.restore(resume_from, startup) if resume_from is not None else Progress()
@@ -95,9 +99,8 @@ def assemble(
             )
     if env.is_main:  # after the checks a resume makes: a refused config never replaces it
         cfg.save(run_dir / "config.yaml")
-    # Events an interrupted run logged after its last checkpoint are dropped from the curves.
-    purge = progress.step + 1 if progress.step else None
-    metrics = Metrics(run_dir, env.is_main, cfg.logging.tensorboard, purge_step=purge)
+    # What an interrupted run logged after its last checkpoint is dropped from the curves.
+    metrics = Metrics(run_dir, env.is_main, cfg.logging.tensorboard, resume_step=progress.step)
     peak = device_peak_flops(
         env.device,
         cfg.train.precision,

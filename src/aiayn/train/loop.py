@@ -22,14 +22,14 @@ from aiayn.distributed.env import teardown, use_timeout
 from aiayn.distributed.parent_death import launcher_gone
 from aiayn.distributed.preemption import REQUEUE_EXIT_CODE, Preempted, StopFlag
 from aiayn.engine.loss import batch_loss
-from aiayn.errors import TrainingError
+from aiayn.errors import PeerError, TrainingError
 from aiayn.eval.finish import finish
 from aiayn.runtime.startup import StartupTimes
 from aiayn.train.assemble import assemble
 from aiayn.train.dev_sets import DevSets
 from aiayn.train.early_stop import EarlyStopping
 from aiayn.train.flops import training_flops
-from aiayn.train.monitor import ProgressBar
+from aiayn.train.monitor import ProgressBar, log_fatal
 from aiayn.train.peers import is_collective_failure, peer_error
 from aiayn.train.report import Window, log_data, log_startup, log_window, record_ids
 from aiayn.train.run import Run
@@ -49,6 +49,12 @@ def train(cfg: Config, explicit: frozenset[str] | None = None) -> dict[str, floa
                 return _loop(run)
             finally:
                 run.metrics.close()
+    except Preempted:
+        raise  # a stop asked for, its checkpoint saved and logged: not a failure
+    except BaseException as exc:
+        if not isinstance(exc, PeerError):  # _loop logged it, with what the peers said
+            log_fatal(exc)  # train.log says why the run stopped, not only the terminal
+        raise
     finally:
         teardown()
 

@@ -1,4 +1,5 @@
-"""Console, log file, progress bar and TensorBoard. Rank 0 writes; other ranks stay quiet."""
+"""Console, log file, progress bar, TensorBoard and metrics.jsonl. Rank 0 writes; other ranks
+stay quiet."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from aiayn.errors import AiaynError
+from aiayn.train.metrics_file import NAME as METRICS_FILE
+from aiayn.train.metrics_file import MetricsFile
 
 log = logging.getLogger("aiayn")
 
@@ -31,6 +36,9 @@ def use_progress_bar() -> bool:
     return sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
 
 
+LOG_TIME = "%Y-%m-%dT%H:%M:%S"  # local time, to the second
+
+
 def setup_logging(run_dir: str | Path | None, rank: int = 0) -> None:
     """Lines on stderr and, on rank 0, in run_dir/train.log. Other ranks: warnings and errors,
     prefixed with their rank."""
@@ -39,7 +47,8 @@ def setup_logging(run_dir: str | Path | None, rank: int = 0) -> None:
         root.removeHandler(handler)
         handler.close()
     prefix = "" if rank == 0 else f"[rank {rank}] "
-    fmt = logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(message)s", "%H:%M:%S")
+    # ISO dates: a log read days later, or beside a scheduler's, says when each line was.
+    fmt = logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(message)s", LOG_TIME)
     console = _TqdmHandler() if rank == 0 and use_progress_bar() else logging.StreamHandler()
     console.setFormatter(fmt)
     root.addHandler(console)
@@ -52,6 +61,26 @@ def setup_logging(run_dir: str | Path | None, rank: int = 0) -> None:
     # Libraries' chatter (TensorBoard's directory watcher, datasets) is not our log.
     for name in ("tensorboard", "datasets", "fsspec", "urllib3"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def log_fatal(exc: BaseException) -> None:
+    """An error that stops training, written to train.log (rank 0's file handler) with its
+    traceback, or its message alone for an error the user can act on. Not to stderr: the
+    command prints it there itself (cli/__init__.py), once."""
+    user = isinstance(exc, AiaynError)
+    message = f"{type(exc).__name__}: {exc}" if not user else str(exc)
+    record = logging.LogRecord(
+        "aiayn",
+        logging.ERROR,
+        __file__,
+        0,
+        "training stopped: %s",
+        (message,),
+        None if user else (type(exc), exc, exc.__traceback__),
+    )
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def memory_bytes(device: torch.device) -> float:
@@ -80,22 +109,30 @@ def cuda_memory(device: torch.device) -> dict[str, float]:
 
 
 class Metrics:
-    """Scalars, text and hparams to the console and TensorBoard (`run_dir/tb`), rank 0 only.
+    """Scalars, text and hparams to the console, TensorBoard (`run_dir/tb`) and the scalars to
+    `run_dir/metrics.jsonl` (train/metrics_file.py), rank 0 only.
 
-    `purge_step`: a resumed run passes the step it resumes from + 1, and TensorBoard drops the
-    events the interrupted run had logged past its last checkpoint, so curves never hold a
-    step twice.
+    `resume_step`: the step a run resumes from (0 at a first start). TensorBoard is told to
+    drop the events logged past it (`purge_step`), and metrics.jsonl drops its lines past it,
+    so after a restart no step appears twice: the resumed run logs them again.
     """
 
-    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool, purge_step=None):
+    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool, resume_step=0):
         self.enabled = enabled
         self.writer = None
-        if enabled and tensorboard:
+        self.file = None
+        if not enabled:
+            return
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.file = MetricsFile(Path(run_dir) / METRICS_FILE, resume_step)
+        if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             tb = Path(run_dir) / "tb"
             _wait_for_a_later_second(tb)
-            self.writer = SummaryWriter(str(tb), purge_step=purge_step)
+            # Also at a first start (purge from step 1): a run killed before its first
+            # checkpoint starts over, and what it had logged is dropped, as in metrics.jsonl.
+            self.writer = SummaryWriter(str(tb), purge_step=resume_step + 1)
 
     def log(self, split: str, step: int, scalars: dict[str, float], console: bool = True) -> None:
         if not self.enabled:
@@ -105,8 +142,12 @@ class Metrics:
         self.scalars({f"{split}/{key}": value for key, value in scalars.items()}, step)
 
     def scalars(self, scalars: dict[str, float], step: int) -> None:
-        """TensorBoard only, under the tags given: figures a log line already shows."""
-        if self.enabled and self.writer is not None:
+        """TensorBoard and metrics.jsonl only, under the tags given: figures a log line
+        already shows."""
+        if not self.enabled:
+            return
+        self.file.write(step, scalars)
+        if self.writer is not None:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, step)
 
@@ -115,21 +156,29 @@ class Metrics:
             self.writer.add_text(tag, text, step)
 
     def hparams(self, config: dict[str, Any], final: dict[str, float], step: int) -> None:
-        """The resolved config beside the final metrics (TensorBoard's HParams tab)."""
-        if not (self.enabled and self.writer is not None):
+        """The resolved config beside the final metrics (TensorBoard's HParams tab); the
+        metrics also in metrics.jsonl, under the tags TensorBoard gives them."""
+        if not self.enabled:
+            return
+        metrics = {f"hparam/{k}": v for k, v in final.items() if isinstance(v, int | float)}
+        self.file.write(step, metrics)
+        if self.writer is None:
             return
         flat = {
             k: v if isinstance(v, int | float | str | bool) else str(v)
             for k, v in _flatten(config).items()
         }
-        metrics = {f"hparam/{k}": v for k, v in final.items() if isinstance(v, int | float)}
         self.writer.add_hparams(flat, metrics, run_name=".", global_step=step)
 
     def flush(self) -> None:
+        if self.file is not None:
+            self.file.sync()
         if self.writer is not None:
             self.writer.flush()
 
     def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
         if self.writer is not None:
             self.writer.close()
 

@@ -45,18 +45,20 @@ class Window:
 
 
 def log_checksums(env: DistEnv) -> None:
-    """What checksums read at this start, summed over the ranks: verifying the checkpoint and
-    the token cache, about one of each however many ranks (one verifies for all); at a first
-    start also the corpus a cache build read, each file or range hashed by the rank that read
-    it, and the arrays rank 0 wrote."""
+    """What checksums read at this start, summed over the ranks, and on the busiest rank:
+    verifying the checkpoint and the token cache, about one of each over all the ranks, each
+    rank its share; at a first start also the corpus a cache build read, each file or range
+    hashed by the rank that read it, and the arrays rank 0 wrote."""
     hashed = bytes_hashed()
     total, ranks = env.sum([float(hashed), float(hashed > 0)])
+    busiest = env.max([float(hashed)])[0]
     if total:
         log.info(
-            "checksums at start: %s bytes hashed by %d of %d rank(s)",
+            "checksums at start: %s bytes hashed by %d of %d rank(s), at most %s by one",
             f"{int(total):,}",
             ranks,
             env.world_size,
+            f"{int(busiest):,}",
         )
 
 

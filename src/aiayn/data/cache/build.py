@@ -50,23 +50,27 @@ def ensure_cache(
     a mixture has its own, mixture.cache_folder).
 
     Every rank calls it; the ranks share the tokenising and rank 0 writes the result. An
-    existing cache that does not fit the config is refused, never silently replaced. Rank 0
-    alone verifies an existing cache's checksums (every rank hashing every array would read
-    the cache once per rank); the others check its manifest and sizes, and all stop together
-    if any rank finds it wrong.
+    existing cache that does not fit the config is refused, never silently replaced. Each rank
+    verifies its share of an existing cache's checksums, 1/W of its bytes (one rank verifying
+    for all would keep the others waiting while it reads the whole cache); rank 0 compares the
+    corpus, and all stop together if any rank finds something wrong.
     """
     sync = sync or (lambda value: [value])
     root = cache_dir(cfg, folder or split)
     work = root.parent / f"{root.name}.partial"
     if not rebuild and sync((root / MANIFEST).is_file())[0]:  # as rank 0 sees it, for all
-        # Rank 0 compares the corpus (file sizes and times) and verifies for all.
+        # Rank 0 compares the corpus (file sizes and times); each rank verifies its share of
+        # the arrays, and the gather that says whether any failed is the step's own.
         opened: list[TokenCache] = []
         _all_ok(
             sync,
             lambda: opened.append(
-                open_cache(root, fingerprint(cfg, split, tok), verify=True)
-                if rank == 0
-                else open_cache(root, None, verify=False)
+                open_cache(
+                    root,
+                    fingerprint(cfg, split, tok) if rank == 0 else None,
+                    rank=rank,
+                    world=world_size,
+                )
             ),
         )
         if rank == 0 and work.is_dir():  # killed after the manifest, before the clean-up

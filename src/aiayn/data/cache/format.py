@@ -35,7 +35,8 @@ import numpy as np
 from aiayn.config import Config
 from aiayn.data.splits import read_fields, source_files
 from aiayn.errors import DataError
-from aiayn.runtime.durable import checksums_match, sha256_of
+from aiayn.runtime.durable import checksums_match, sha256_of, write_atomic
+from aiayn.runtime.verify_share import verify_share
 from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,13 @@ class TokenCache:
         """Identifies the cache's content: every array's size and sha256. The same tokens give
         the same digest wherever the corpus lies (a job that stages its data to a local disk
         under another path resumes), and a cache rebuilt from changed text another one."""
-        arrays = json.dumps(self.manifest["files"], sort_keys=True)
+        # Sizes and whole-file sha256 only: a cache that also records its ranges' (for W ranks
+        # to verify) has the digest of the same tokens without them.
+        files = {
+            k: {"bytes": f["bytes"], "sha256": f["sha256"]}
+            for k, f in self.manifest["files"].items()
+        }
+        arrays = json.dumps(files, sort_keys=True)
         return hashlib.sha256(arrays.encode()).hexdigest()
 
     @property
@@ -103,13 +110,18 @@ class TokenCache:
         return dict(self.manifest["counts"])
 
 
-def open_cache(root: Path, expected: dict | None, verify: bool = True) -> TokenCache:
+def open_cache(
+    root: Path, expected: dict | None, verify: bool = True, rank: int = 0, world: int = 1
+) -> TokenCache:
     """Open the cache at root, refusing one that does not fit `expected` or is damaged.
 
     expected=None skips the comparison, for a rank that another rank has compared for (a
     start: data/cache/build.py). An `expected` whose corpus files are gone (None) compares
     everything else: once built, the cache stands for its corpus, and a run whose corpus was
-    moved away resumes from it."""
+    moved away resumes from it. A corpus file whose modification time changed but whose
+    content did not has its new time recorded, so that the next start does not hash it again.
+    `verify` hashes this rank's share of the arrays, 1/`world` of them
+    (runtime/verify_share.py): the ranks' verdicts are to be combined by the caller."""
     manifest = _read_manifest(root)
     if manifest.get("version") != CACHE_VERSION:
         raise DataError(
@@ -117,6 +129,8 @@ def open_cache(root: Path, expected: dict | None, verify: bool = True) -> TokenC
             f"{CACHE_VERSION}; rebuild it with {prepare_command()}"
         )
     diffs = [] if expected is None else _fingerprint_diffs(manifest["fingerprint"], expected)
+    if expected is not None and not diffs:
+        _record_new_times(root, manifest)
     if expected is not None and expected.get("files", []) is None:
         log.info(
             "token cache %s: its corpus is no longer where it was built from (%s); training "
@@ -130,6 +144,8 @@ def open_cache(root: Path, expected: dict | None, verify: bool = True) -> TokenC
             + "\n".join(f"  - {d}" for d in diffs)
             + f"\nRebuild it with {prepare_command()}, or set data.cache_dir to another directory"
         )
+    if verify and (problem := verify_share(root, manifest["files"], rank, world)):
+        raise _damaged(root, problem)
     arrays = {}
     for name, meta in manifest["files"].items():
         path = root / name
@@ -137,8 +153,6 @@ def open_cache(root: Path, expected: dict | None, verify: bool = True) -> TokenC
         if size != meta["bytes"]:
             found = "missing" if size is None else f"{size} bytes"
             raise _damaged(root, f"{name} is {found}, the manifest says {meta['bytes']} bytes")
-        if verify and sha256_of(path) != meta["sha256"]:
-            raise _damaged(root, f"{name} does not match the sha256 its manifest records")
         # A plain ndarray view of the map: np.memmap's indexing runs Python code on every
         # call, several times per batch (benchmarks/README.md).
         arrays[name.removesuffix(".npy")] = np.load(path, mmap_mode="r").view(np.ndarray)
@@ -177,6 +191,20 @@ def _check_index(cache: TokenCache) -> None:
         raise _damaged(cache.root, "labels and ids have different lengths")
 
 
+def _record_new_times(root: Path, manifest: dict) -> None:
+    """Write the manifest again if _file_diffs found corpus files touched but unchanged."""
+    touched = [f for f in manifest["fingerprint"].get("files") or [] if f.pop("touched", False)]
+    if touched:
+        write_atomic(root / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+        log.info(
+            "token cache %s: %d corpus file(s) modified but with the same content (%s): their "
+            "new modification times recorded",
+            root,
+            len(touched),
+            ", ".join(f["path"] for f in touched[:3]),
+        )
+
+
 def _fingerprint_diffs(saved: dict, expected: dict) -> list[str]:
     diffs = []
     for key in sorted(set(saved) | set(expected)):
@@ -196,9 +224,13 @@ def _file_diffs(saved: list[dict], now: list[dict]) -> list[str]:
     for old, new in zip(saved, now, strict=True):
         if old["bytes"] != new["bytes"]:
             diffs.append(f"{new['path']}: cache {old['bytes']} bytes, now {new['bytes']} bytes")
-        elif old["mtime_ns"] != new["mtime_ns"] and not checksums_match(Path(new["path"]), old):
-            # Only a changed modification time costs a hash: a copy or `touch` is not a change.
-            diffs.append(f"{new['path']}: its content changed since the cache was built")
+        elif old["mtime_ns"] != new["mtime_ns"]:
+            # Only a changed modification time costs a hash: a copy or `touch` is not a change,
+            # and its time is recorded (open_cache), to cost it once.
+            if not checksums_match(Path(new["path"]), old):
+                diffs.append(f"{new['path']}: its content changed since the cache was built")
+            else:
+                old["mtime_ns"], old["touched"] = new["mtime_ns"], True
     return diffs
 
 

@@ -3,8 +3,9 @@
 The parts are concatenated in corpus order, whatever the number of ranks that wrote them, so
 the cache does not depend on it. Each array is written to a temporary file, flushed and renamed
 into place, then the manifest (data/cache/format.py) last: it records each array's sha256 and
-every source file's, taken by the rank that read the file (its byte ranges' where the file was
-cut). The work directory goes once the manifest is written.
+its ranges' (at least 1 MiB each, at most 1,024: each rank verifies its share of them at a
+start), and every source file's sha256, taken by the rank that read the file (its byte ranges'
+where the file was cut). The work directory goes once the manifest is written.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from aiayn.data.cache.format import CACHE_VERSION, MANIFEST, TokenCache
 from aiayn.data.cache.parts import part_name, read_text, shard_name, shard_part_name
 from aiayn.errors import DataError
 from aiayn.runtime.durable import fsync_path, sha256_of, write_atomic
+from aiayn.runtime.verify_share import hashed_in_ranges
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ def merge(work: Path, root: Path, built: list[dict], expected: dict, cfg: Config
     for out_name, (name, dtype, size) in _outputs(names, dtypes, sizes).items():
         path = root / f"{out_name}.npy"
         _concatenate(path, parts, offsets, name, dtype, size)
-        files[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
+        files[path.name] = hashed_in_ranges(path)  # ranges: each rank verifies its share
     counts = _counts(sizes, empty, invalid_utf8)
     manifest = {
         "version": CACHE_VERSION,
