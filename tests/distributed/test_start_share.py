@@ -108,12 +108,12 @@ def assert_own_files_only(four: str, two: str) -> None:
         assert r0_four[0] == r0_two[0] and r0_four[2] == r0_two[2], (r0_four, r0_two)
         assert abs(r0_four[1] - r0_two[1]) <= 2, (r0_four, r0_two)
         assert r0_four[3] / 3 == pytest.approx(r0_two[3], rel=0.02), (r0_four, r0_two)
-    # At the restart another rank stats the files it reads (the manifest's shared entries
-    # and the one rank_reads picks: no shard of another rank), lists nothing, and opens the
-    # manifest, the weights, the trainer state and its own RNG state: none of it grows
-    # with W, and it gathers nothing.
+    # At the restart another rank verifies its share of two checkpoints (the damaged step 10,
+    # then step 5: each its manifest and the files its share falls in, of the five a DDP
+    # checkpoint has), then loads the manifest, weights, trainer state and its own RNG state:
+    # none of it grows with W, it lists nothing and gathers nothing.
     stats, opens, listings, gathered = restart
-    assert stats <= 6 and opens <= 10 and listings == 0 and gathered == 0, restart
+    assert stats <= 6 and opens <= 20 and listings == 0 and gathered == 0, restart
 
 
 def verdicts(tmp_path: Path, *run_dirs: Path) -> list[dict]:
