@@ -6,10 +6,13 @@ Runs `aiayn ARGS...` in this process, counting the bytes it reads from corpus fi
 line-aligned corpus file is opened through aiayn.data.line_files.open_bytes) and how many it
 opens, and at exit writes OUT_DIR/rank<RANK>.json: those two, the bytes sha256_of hashed
 (verifying checkpoints and caches, writing their manifests), the process's read(2) bytes
-(/proc/self/io rchar: imports included), the bytes it wrote while saving a checkpoint (wchar
-during CheckpointManager.save), how far its allocated host memory rose during a save and during a
-validation (sampled; under ZeRO-3 one layer's weights, never the whole model), the same two
-rises in CUDA memory allocated when the run is on a GPU, and its peak resident memory.
+(/proc/self/io rchar: imports included), its stat calls on the checkpoints' files (every
+os.stat, libraries' included), the opens and listings of them and the bytes it gathered from
+other ranks (aiayn.runtime.io_counts), the bytes it wrote while saving a
+checkpoint (wchar during CheckpointManager.save), how far its allocated host memory rose during
+a save and during a validation (sampled; under ZeRO-3 one layer's weights, never the whole
+model), the same two rises in CUDA memory allocated when the run is on a GPU, and its peak
+resident memory.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch  # noqa: E402
 from aiayn.checkpoint import manager  # noqa: E402
 from aiayn.data import line_files  # noqa: E402
 from aiayn.eval import validation  # noqa: E402
-from aiayn.runtime import durable  # noqa: E402
+from aiayn.runtime import durable, io_counts  # noqa: E402
 from aiayn.runtime.malloc import AllocatedPeak  # noqa: E402
 
 counts = {
@@ -42,6 +45,7 @@ counts = {
     "valid_peak_growth": 0,
     "save_cuda_growth": 0,
     "valid_cuda_growth": 0,
+    "ckpt_stat_calls": 0,
 }
 
 
@@ -127,11 +131,30 @@ def _measured(name: str, method, counts_writes: bool = False):
     return wrapped
 
 
+_stat = os.stat
+
+
+def _counting_stat(path, *args, **kwargs):
+    """os.stat, counting the calls on the checkpoints' files (pathlib's is_file and stat,
+    os.path.exists, DeepSpeed's checks): every stat call, where io_counts has the ones aiayn
+    makes itself."""
+    try:
+        name = os.fspath(path)
+        if isinstance(name, str) and "/checkpoints/" in os.path.abspath(name) + "/":
+            counts["ckpt_stat_calls"] += 1
+    except TypeError:  # a file descriptor
+        pass
+    return _stat(path, *args, **kwargs)
+
+
 def _report(out: Path, started: float) -> None:
     io = _io()
     report = {
         **counts,
         "hashed_bytes": durable.bytes_hashed(),
+        # What it did to the checkpoints' files and gathered from the other ranks in the run
+        # (aiayn.runtime.io_counts: stats, opens, listings, gathered_bytes).
+        **{f"ckpt_{k}": v for k, v in io_counts.counts().items()},
         "rchar": io.get("rchar"),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "seconds": time.perf_counter() - started,
@@ -143,6 +166,9 @@ def _report(out: Path, started: float) -> None:
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     line_files.open_bytes = _counting_open
+    os.stat = _counting_stat
+    run_dir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("run_dir="))
+    io_counts.watch(Path(run_dir) / "checkpoints")  # opens and listings from the start
     manager.CheckpointManager.save = _measured("save", manager.CheckpointManager.save, True)
     validation.Validation.run = _measured("valid", validation.Validation.run)
     atexit.register(_report, out, time.perf_counter())

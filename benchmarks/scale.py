@@ -5,17 +5,18 @@
     python benchmarks/scale.py --world 1 --device cuda --preset transformer_big --zero 3 \
         --pairs 4000                                # a GPU's memory at a save and a validation
 
-For each W, a run of the smallest model (gloo, on CPU) starts, builds its token cache, trains
-2 steps and saves (first start), then the same command with 4 steps resumes from that
-checkpoint (restart). Every rank runs under benchmarks/_scale_probe.py, which counts the bytes
-it read from corpus files and how many it opened, the bytes it hashed (checkpoint and cache
-verification, manifests), its read(2) bytes (imports included), what it wrote while saving
-the checkpoint (synchronously, at the end of each phase), how far its memory rose during the
-save and during a validation (host, and CUDA memory allocated with --device cuda: one GPU per
-rank, NCCL) and its peak memory. The
-tokenizer is trained once beforehand, as `aiayn tokenizer train` would: its sample is rank 0's
-alone and not part of what scales. The corpus is the generated numbers corpus cut into
---files file pairs, so that the cache build can split it by file (docs/data.md).
+For each W, a run of the smallest model (gloo, on CPU) starts, builds its token cache, trains 2
+steps and saves (first start), then the same command with 4 steps resumes from that checkpoint
+(restart). Every rank runs under benchmarks/_scale_probe.py, which counts the bytes it read
+from corpus files and how many it opened, the bytes it hashed (checkpoint and cache
+verification, manifests), its metadata calls on the checkpoints (stats and folder listings) and
+the bytes it gathered from the other ranks (aiayn.runtime.io_counts), its read(2) bytes
+(imports included), what it wrote while saving the checkpoint (synchronously, at the end of
+each phase), how far its memory rose during the save and during a validation (host, and CUDA
+memory allocated with --device cuda: one GPU per rank, NCCL) and its peak memory. The tokenizer
+is trained once beforehand, as `aiayn tokenizer train` would: its sample is rank 0's alone and
+not part of what scales. The corpus is the generated numbers corpus cut into --files file
+pairs, so that the cache build can split it by file (docs/data.md).
 
 The table gives, per W and phase, the largest value over the ranks and the sum over them: a
 figure whose per-rank maximum stays constant as W grows is one rank's share; one whose
@@ -126,6 +127,13 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
+def per_rank(got: list[dict], value) -> str:
+    """Rank 0's value / the largest of the other ranks' ("-" at W = 1): a rank's must not grow
+    with W; rank 0's gathers may (one small record per rank for the manifest)."""
+    others = [value(r) for r in got[1:]]
+    return f"{value(got[0]):,.0f} / " + (f"{max(others):,.0f}" if others else "-")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -170,6 +178,8 @@ def main(argv: list[str] | None = None) -> None:
         "corpus MiB read: max rank / all",
         "corpus files opened: max rank",
         "MiB hashed: max rank / all",
+        "checkpoint stat calls + listings: rank 0 / max other",
+        "KiB gathered from the others: rank 0 / max other",
         "read(2) MiB: max rank",
         "peak RSS MiB: max rank",
         "MiB written by the save: max rank / all",
@@ -199,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
                     str(max(r["corpus_opens"] for r in got)),
                     f"{mib(max(r['hashed_bytes'] for r in got))} / "
                     f"{mib(sum(r['hashed_bytes'] for r in got))}",
+                    per_rank(got, lambda r: r["ckpt_stat_calls"] + r["ckpt_listings"]),
+                    per_rank(got, lambda r: r["ckpt_gathered_bytes"] / 1024),
                     mib(max(r["rchar"] or 0 for r in got)),
                     f"{max(r['peak_rss_mib'] for r in got):.0f}",
                     f"{mib(max(r['save_written'] for r in got))} / "

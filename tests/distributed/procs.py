@@ -2,6 +2,7 @@
 (Free ports, torchrun, a run's weights and scalars: tests/helpers.py.)"""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,20 @@ def assert_close(a: dict, b: dict, atol: float) -> None:
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst <= atol, f"largest parameter difference {worst:.3g} > {atol}"
+
+
+IO_LINE = re.compile(
+    r"checkpoint I/O (at the restart|at the save of step \d+): rank 0 ([\d,]+) stats, "
+    r"([\d,]+) opens, ([\d,]+) listings, ([\d,]+) gathered bytes; the busiest other rank "
+    r"([\d,]+), ([\d,]+), ([\d,]+), ([\d,]+)"
+)
+
+
+def checkpoint_io(log: str) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """A run's "checkpoint I/O" lines (aiayn/runtime/io_counts.py), in order: (what, rank 0's
+    stats, opens, listings and gathered bytes, and the busiest other rank's)."""
+    out = []
+    for what, *numbers in IO_LINE.findall(log):
+        values = tuple(int(n.replace(",", "")) for n in numbers)
+        out.append((what, values[:4], values[4:]))
+    return out

@@ -14,7 +14,7 @@ from aiayn.config import load_config
 from aiayn.data.cache import cache_dir
 
 from helpers import torchrun  # tests/helpers.py
-from procs import aiayn, run
+from procs import aiayn, checkpoint_io, run
 
 pytestmark = pytest.mark.distributed
 
@@ -42,13 +42,16 @@ def largest_whole(directory: Path) -> int:
     )
 
 
-def test_each_rank_of_four_verifies_its_share_and_all_fall_back_together(setup):
+def test_each_rank_of_four_verifies_its_share_and_all_fall_back_together(setup, ddp_run):
     """Four ranks train and save steps 5 and 10; then one byte of step 10 is changed in the
     byte range rank 2 wrote (same size: only its checksum can tell). At the resume each rank
     verifies its share of step 10, rank 2 finds the damage, one sum tells them all, and the
     four resume from step 5 together. What the ranks hashed, summed: the token cache and the
     two checkpoints, each once; no rank more than a quarter of that, plus the largest piece it
-    can be dealt whole from each (one rank verifying for all would hash all of it)."""
+    can be dealt whole from each (one rank verifying for all would hash all of it). No rank
+    touches the others' files or state: what a rank stats, opens, lists and gathers at a save
+    and a restart is the same at W = 4 as at W = 2 (ddp_run's saves), rank 0's gathers
+    excepted (one small record per rank)."""
     root, config = setup
     run_dir = root / "four_ranks"
     options = ("train.eval_every=0", "checkpoint.every_steps=5")
@@ -86,6 +89,31 @@ def test_each_rank_of_four_verifies_its_share_and_all_fall_back_together(setup):
         ]
     shared = files["model.safetensors"]["bytes"] + files["trainer.safetensors"]["bytes"]
     assert files["trainer.pt"]["bytes"] < shared / 10
+    assert_own_files_only(log, (ddp_run / "train.log").read_text())
+
+
+def assert_own_files_only(four: str, two: str) -> None:
+    """Per rank at a save and at a restart, from the runs' "checkpoint I/O" lines: stats,
+    opens, listings and bytes gathered from the other ranks (aiayn/runtime/io_counts.py)."""
+    saves4 = [(r0, other) for what, r0, other in checkpoint_io(four) if "save" in what]
+    saves2 = [(r0, other) for what, r0, other in checkpoint_io(two) if "save" in what]
+    (restart,) = [other for what, _, other in checkpoint_io(four) if what == "at the restart"]
+    assert saves4 and saves2
+    for (r0_four, other_four), (r0_two, other_two) in zip(saves4, saves2, strict=False):
+        # Another rank opens its two byte ranges' files, stats and lists nothing, and gathers
+        # nothing: not the W ranges and RNG states an all-gather brought each rank before.
+        assert other_four == other_two == (0, 2, 0, 0), (other_four, other_two)
+        # Rank 0: the same files (its opens also count the retention's reads of the kept
+        # manifests, in the background); its gathers, each rank's ranges and RNG state.
+        assert r0_four[0] == r0_two[0] and r0_four[2] == r0_two[2], (r0_four, r0_two)
+        assert abs(r0_four[1] - r0_two[1]) <= 2, (r0_four, r0_two)
+        assert r0_four[3] / 3 == pytest.approx(r0_two[3], rel=0.02), (r0_four, r0_two)
+    # At the restart another rank verifies its share of two checkpoints (the damaged step 10,
+    # then step 5: each its manifest and the files its share falls in, of the five a DDP
+    # checkpoint has), then loads the manifest, weights, trainer state and its own RNG state:
+    # none of it grows with W, it lists nothing and gathers nothing.
+    stats, opens, listings, gathered = restart
+    assert stats <= 6 and opens <= 20 and listings == 0 and gathered == 0, restart
 
 
 def verdicts(tmp_path: Path, *run_dirs: Path) -> list[dict]:

@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import consumed, scalars, torchrun, weights_at  # tests/helpers.py
-from procs import EXAMPLES, STEPS, aiayn, assert_close, run
+from procs import EXAMPLES, STEPS, aiayn, assert_close, checkpoint_io, run
 
 pytestmark = pytest.mark.distributed
 HALF = STEPS // 2
@@ -142,6 +142,42 @@ def test_resume_on_another_topology_continues_the_same_run(setup, straight, chai
         # (the whole of them per rank before: W_new x the state in all).
         shares = [kib(read) / kib(stored) for read, stored in READS.findall(log)]
         assert len(shares) == 2 and shares[0] < 0.3 and shares[1] < 0.55, shares
+        assert_own_files_only(log)
+
+
+def assert_own_files_only(log: str) -> None:
+    """ZeRO-3 saves at W = 2, 4, 2 (steps 10, 15, 20) and restarts at W = 4 and 2: what the
+    busiest rank other than 0 stats, opens, lists and gathers is the same at both W, and
+    rank 0's differs only by its gathers (each rank's ranges and RNG state, 1 record per
+    rank). Before, every rank listed the DeepSpeed folder (2 files per rank) at a save and
+    a load, and statted every rank's partition (aiayn/runtime/io_counts.py counts)."""
+    lines = checkpoint_io(log)
+    assert [what for what, _, _ in lines] == [
+        "at the save of step 10",
+        "at the restart",
+        "at the save of step 15",
+        "at the restart",
+        "at the save of step 20",
+    ]
+    (_, r0_10, save_10), (_, _, restart_4), (_, r0_15, save_15) = lines[:3]
+    (_, _, restart_2), (_, r0_20, save_20) = lines[3:]
+    assert save_10 == save_15 == save_20, (save_10, save_15, save_20)
+    assert save_10[2:] == (0, 0), save_10  # no listing, nothing gathered
+    # Both restarts reshard (the topology changed): each rank maps every saved rank's
+    # optimizer partition (torch.load's mmap) and reads its share of each, one open per saved
+    # rank, and verifies 1/W of a checkpoint of 2 W_saved + 7 files: so its opens follow the
+    # saved W, not only this one; its stats, listings (the reshard's one glob of the saved
+    # partitions, 2) and gathers (none) do not. On the same topology (a fault restart) a rank
+    # opens its own partition only (DeepSpeedEngine._read_own_files_only).
+    assert restart_2[0] == restart_4[0] and restart_2[2:] == restart_4[2:], (restart_4, restart_2)
+    assert restart_4[3] == 0, restart_4
+    for (_, opens, _, _), saved, now in ((restart_4, 2, 4), (restart_2, 4, 2)):
+        assert opens <= 10 + saved + -(-(2 * saved + 7) // now), (opens, saved, now)
+    # Rank 0's opens also count the retention's reads of the kept manifests (one per kept
+    # checkpoint, in the background: they land in this save or the next), not rank files.
+    assert r0_10[0] == r0_15[0] == r0_20[0] and r0_10[2] == r0_15[2] == r0_20[2]
+    assert abs(r0_15[1] - r0_10[1]) <= 2, (r0_10, r0_15, r0_20)
+    assert r0_15[3] / 3 == pytest.approx(r0_10[3], rel=0.02), (r0_10, r0_15)
 
 
 def test_a_resume_without_the_optimizer_state_would_fail_those_tolerances(setup, straight):

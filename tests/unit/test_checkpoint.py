@@ -1,6 +1,7 @@
 import contextlib
 import json
 import logging
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -55,13 +56,19 @@ class Unsharded:
         yield None  # train.ema off
 
 
+def save_meta(cfg=None) -> dict:
+    return {"config": {"model": vars(cfg or ModelConfig())}, "tokenizer": CONTRACT}
+
+
 def save(manager, step, model=None, cfg=None, metrics=None):
     model = model or Tied()
-    meta = {"config": {"model": vars(cfg or ModelConfig())}, "tokenizer": CONTRACT}
+    meta = save_meta(cfg)
     if metrics is not None:
         meta["metrics"] = metrics
     state = {"progress": {"step": step}, "rng": torch.get_rng_state()}
-    return manager.save(step, Unsharded(model), state, meta)
+    path = manager.save(step, Unsharded(model), state, meta)
+    manager.join_writes()  # the retention deletes in the background
+    return path
 
 
 def test_save_then_load_round_trips_weights_and_state(tmp_path):
@@ -86,6 +93,38 @@ def test_only_the_last_k_are_kept_and_latest_is_the_newest(tmp_path):
     assert manager.latest().name == "step_00000004"
     assert resolve_checkpoint(tmp_path).name == "step_00000004"
     assert resolve_checkpoint(tmp_path / "checkpoints").name == "step_00000004"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_retention_deletes_off_the_save_and_a_crash_in_it_leaves_the_kept_loadable(
+    tmp_path, monkeypatch
+):
+    """The deletions run in a thread of their own, after save() returned; one that dies
+    halfway through a checkpoint's files (a crash) leaves no half-deleted step_* folder: the
+    kept checkpoints list and verify, and the next save removes what was left."""
+    import aiayn.checkpoint.retention as retention
+
+    manager = CheckpointManager(tmp_path, every_steps=1, keep_last=1, is_writer=True)
+    save(manager, 1)
+    started = []
+
+    def crash_halfway(path, ignore_errors=False):
+        started.append(path.name)
+        next(p for p in path.iterdir() if p.name == "model.safetensors").unlink()
+        raise SystemExit("crashed")  # ends the retention thread, as a crash would
+
+    # retention's own shutil only: the writer's removals of its folders stay real.
+    monkeypatch.setattr(retention, "shutil", SimpleNamespace(rmtree=crash_halfway))
+    path = manager.save(2, Unsharded(Tied()), {"progress": {"step": 2}}, save_meta())
+    manager.join_writes()
+    assert path.name == "step_00000002" and started == [".trash-step_00000001"]
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in manager.checkpoints()] == ["step_00000002"]
+    assert (root / ".trash-step_00000001").is_dir()  # what the crash left
+    read_manifest(manager.latest())  # verified: checksums and sizes
+    monkeypatch.undo()
+    save(manager, 3)
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step_00000003"]
 
 
 def test_a_corrupt_or_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
@@ -372,3 +411,49 @@ def test_a_resume_whose_steps_take_another_batch_says_so(caplog):
         _warn_of_another_batch(per_rank.train, 1, grown)
     assert "took 2,400 tokens over 2 rank(s), this run's take 1,200 over 1" in caplog.text
     assert "set train.tokens_per_step=2400 (and train.grad_accum=null)" in caplog.text
+
+
+def test_each_rank_reads_its_own_rng_state_from_the_one_file(tmp_path):
+    """Rank 0 writes every rank's RNG streams; rank r gets back exactly its own, which
+    draws the same numbers; a rank past the saved world size gets none."""
+    import random
+
+    import numpy as np
+
+    from aiayn.checkpoint import rng_file
+    from aiayn.runtime.seeding import load_rng_state, rng_state, seed_everything
+
+    states, draws = [], []
+    for rank in range(3):
+        seed_everything(rank)
+        random.gauss(0, 1)  # a cached Gaussian in Python's state: its float must survive
+        states.append(rng_state())
+        draws.append((random.gauss(0, 1), np.random.rand(), torch.rand(2).tolist()))
+    (tmp_path / rng_file.RNG_FILE).write_bytes(rng_file.encode(states))
+    for rank in range(3):
+        world, mine = rng_file.read_own(tmp_path, rank)
+        load_rng_state(mine)
+        assert world == 3
+        assert (random.gauss(0, 1), np.random.rand(), torch.rand(2).tolist()) == draws[rank]
+    assert rng_file.read_own(tmp_path, 3) == (3, None)
+
+
+def test_the_counter_sees_opens_and_listings_under_the_watched_folder_only(tmp_path):
+    """What the save and restart log lines count (runtime/io_counts.py): opens and listings
+    under a run's checkpoints/ (a library's too: DeepSpeed's torch.load, its glob), nothing
+    elsewhere."""
+    import glob
+
+    from aiayn.runtime import io_counts
+
+    watched = tmp_path / "checkpoints"
+    watched.mkdir()
+    io_counts.watch(watched)
+    before = io_counts.counts()
+    (watched / "a.pt").write_bytes(b"x")
+    (tmp_path / "elsewhere").write_bytes(b"x")
+    os.close(os.open(watched / "a.pt", os.O_RDONLY))
+    glob.glob(str(watched / "*.pt"))
+    sorted(tmp_path.iterdir())
+    got = io_counts.since(before)
+    assert (got["opens"], got["listings"], got["stats"]) == (2, 1, 0), got

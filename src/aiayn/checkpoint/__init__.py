@@ -1,5 +1,6 @@
 """Checkpoints: the files (format.py), the manager that saves, keeps and restores a run's
-(manager.py; it writes them with writer.py and resumes with resume.py), resuming on another
+(manager.py; it writes them with writer.py and resumes with resume.py; every rank's RNG
+streams in rng_file.py), resuming on another
 topology (reshard.py), and averaging and export for inference (tools.py). Above engine/: an
 engine hands its state over in engine/state.py's types and never imports this package."""
 

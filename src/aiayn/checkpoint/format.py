@@ -5,9 +5,10 @@ Layout of a run directory:
     run_dir/checkpoints/step_00001000/
         model.safetensors   weights (tied matrices stored once); loads without unpickling code
         ema.safetensors     train.ema's moving average of them, the same names (RUN/ema)
-        trainer.pt          optimizer, schedule, data position, RNG states, counters; its
+        trainer.pt          optimizer, schedule, data position, counters; its
                             tensors (Adam's moments) stand as {"__tensor__": key} ...
         trainer.safetensors ... for the tensors held here under those keys
+        rng.safetensors     every rank's RNG streams, each rank reading its own (rng_file.py)
         manifest.json       step, sizes and sha256 of the files above, config, tokenizer contract
 
 Every rank writes a byte range of model.safetensors and trainer.safetensors, hashed as it
@@ -25,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,7 @@ from torch import nn
 
 from aiayn.checkpoint.tensor_files import DTYPES
 from aiayn.errors import CheckpointError
+from aiayn.runtime import io_counts
 from aiayn.runtime.durable import checksums_match, sha256_of
 from aiayn.tokenizer import check_contract
 
@@ -107,15 +110,26 @@ def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return skeleton
 
 
-def read_manifest(ckpt: Path, verify: bool = True) -> dict[str, Any]:
-    """The manifest of a complete checkpoint; CheckpointError if it is incomplete or corrupt."""
+def read_manifest(
+    ckpt: Path, verify: bool = True, files: Callable[[str], bool] | None = None
+) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; CheckpointError if it is incomplete or corrupt.
+    `files` picks the files checked (all by default): none, where resume_point has verified
+    this rank's share, since every rank checking every file would be W stats on each of W
+    ranks under ZeRO (two files per rank)."""
     try:
         manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{ckpt} has no readable {MANIFEST_FILE} ({exc})") from None
     for name, meta in manifest.get("files", {}).items():
+        if files is not None and not files(name):
+            continue
         path = ckpt / name
-        if not path.is_file() or path.stat().st_size != meta["bytes"]:
+        try:
+            found = io_counts.stat(path)  # one metadata call: size and kind together
+        except OSError:
+            found = None
+        if found is None or not stat.S_ISREG(found.st_mode) or found.st_size != meta["bytes"]:
             raise CheckpointError(f"{path} is missing or truncated")
         if verify and not checksums_match(path, meta):
             raise CheckpointError(f"{path} does not match its checksum: the file is corrupt")
@@ -239,6 +253,7 @@ def load_checkpoint(
     verify: bool = True,
     with_trainer_state: bool = True,
     lazy: Callable[[str], bool] | None = None,
+    files: Callable[[str], bool] | None = None,
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """Load weights into `model`; return (trainer_state, manifest). Never unpickles code.
 
@@ -250,9 +265,9 @@ def load_checkpoint(
     `resolve_checkpoint` has just verified: hashing the weights twice doubles the load time.
     `with_trainer_state=False` (inference) reads no optimizer state and returns None for it;
     averaged checkpoints have none. `lazy`: which of the trainer state's tensors to leave
-    unread (read_trainer_state).
+    unread (read_trainer_state). `files`: the files whose sizes are checked (read_manifest).
     """
-    manifest = read_manifest(ckpt, verify=verify)
+    manifest = read_manifest(ckpt, verify=verify, files=files)
     if expect_model is not None:
         check_architecture(manifest["config"]["model"], dataclasses.asdict(expect_model), str(ckpt))
     if tokenizer is not None:
@@ -260,6 +275,7 @@ def load_checkpoint(
     missing, unexpected = [], []
     try:
         if model is not None:
+            io_counts.opened()  # safetensors opens files in Rust: no audit event
             missing, unexpected = load_model(model, str(ckpt / MODEL_FILE), strict=False)
     except RuntimeError as exc:  # shape mismatches
         raise CheckpointError(f"{ckpt} does not fit this model: {exc}") from None
@@ -292,8 +308,9 @@ def read_trainer_state(ckpt: Path, lazy: Callable[[str], bool] | None = None) ->
     ("/engine/optimizer/state/3/exp_avg") stand as `Stored` placeholders, unread."""
     trainer_state = torch.load(ckpt / TRAINER_FILE, map_location="cpu", weights_only=True)
     path = ckpt / TRAINER_TENSORS_FILE
-    if not path.is_file():
+    if not io_counts.exists(path):
         return trainer_state
+    io_counts.opened()
     if lazy is None:
         return join_tensors(trainer_state, load_file(path))
     with safe_open(str(path), framework="pt") as fh:
@@ -307,6 +324,7 @@ def read_stored(state: Any, ckpt: Path) -> Any:
     _tree_map(state, lambda leaf: isinstance(leaf, Stored) and keys.append(leaf.key))
     if not keys:
         return state
+    io_counts.opened()
     with safe_open(str(ckpt / TRAINER_TENSORS_FILE), framework="pt") as fh:
         tensors = {k: fh.get_tensor(k) for k in keys}
     return _tree_map(state, lambda leaf: tensors[leaf.key] if isinstance(leaf, Stored) else leaf)

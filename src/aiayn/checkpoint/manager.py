@@ -16,16 +16,19 @@ from pathlib import Path
 from typing import Any
 
 from aiayn import metric_names
+from aiayn.checkpoint import rng_file
 from aiayn.checkpoint.failures import FailedSaves
 from aiayn.checkpoint.format import CHECKPOINTS_DIR, checkpoints_in, latest_valid
 from aiayn.checkpoint.resume import load_state, restore_rng, resume_point
 from aiayn.checkpoint.retention import Retention
+from aiayn.checkpoint.rng_file import RNG_FILE
 from aiayn.checkpoint.writer import Marks, Writer, latest_named
 from aiayn.config import Config
 from aiayn.data import Loader
 from aiayn.distributed.env import DistEnv
 from aiayn.engine import Engine
 from aiayn.errors import TrainingError
+from aiayn.runtime import io_counts
 from aiayn.runtime.seeding import rng_state
 from aiayn.runtime.startup import StartupTimes
 from aiayn.tokenizer import Tokenizer
@@ -82,6 +85,8 @@ class CheckpointManager:
         max_failed_saves: int = 3,
     ):
         self.root = Path(run_dir) / CHECKPOINTS_DIR
+        io_counts.watch(self.root)  # what a save and a restart open and list, logged
+        self._resume_io: dict[str, int] | None = None
         self.failures = FailedSaves(max_failed_saves)
         self.every_steps = every_steps
         self.retention = Retention(keep_last, keep_every, keep_best, best_metric, higher_is_better)
@@ -144,7 +149,10 @@ class CheckpointManager:
     def resume_point(self, resume: str, env: DistEnv | None = None) -> Path | None:
         """The checkpoint a run starts from: None for a new run (checkpoint.resume). Each
         rank verifies its share of it, and all get the same verdict (checkpoint/resume.py)."""
-        return resume_point(self.root, resume, env)
+        before = io_counts.counts()
+        found = resume_point(self.root, resume, env)
+        self._resume_io = io_counts.since(before)  # the restart's first part (its log line)
+        return found
 
     def restore(self, ckpt: Path, startup: StartupTimes | None = None) -> Progress:
         """Every rank restores the tracked run from `ckpt` (found by `resume_point`, which
@@ -152,11 +160,15 @@ class CheckpointManager:
         the checkpoint's load and the data position apart (the start-up line). How:
         checkpoint/resume.py."""
         run = self._run
+        before = io_counts.counts()
         startup = startup or StartupTimes.of_this_process()
         trainer_state = load_state(run, ckpt, startup)
         progress = Progress.from_state(trainer_state["progress"])
-        restore_rng(run, trainer_state["rng"], progress.step)
+        restore_rng(run, ckpt, trainer_state, progress.step)
         log.info("resuming from %s", ckpt)
+        # resume_point's choice and this load; each rank's must not grow with W
+        # (tests/distributed/test_topology.py compares W = 2 and 4).
+        io_counts.log_line(run.env, "at the restart", before, self._resume_io)
         return progress
 
     def save_step(
@@ -165,6 +177,7 @@ class CheckpointManager:
         """Every rank saves the tracked run at `step`; `valid` (this step's validation
         metrics) goes into the manifest, so that keeping the best survives restarts."""
         run = self._run
+        since = io_counts.counts()
         marks = Marks()  # the loop is blocked from here: the log line counts all of it
         if run.engine.replicas_differ(run.env):
             raise TrainingError(
@@ -174,9 +187,12 @@ class CheckpointManager:
         state = {
             "engine": run.engine.state_dict(),
             "data": run.loader.state_dict(),  # the same on every rank: the group's position
-            "rng": run.env.gather(rng_state()),  # every rank's dropout stream, in rank order
             "progress": vars(progress).copy(),
         }
+        # Every rank's dropout stream, to rank 0, which writes them into one file in which
+        # each rank reads its own at a resume (checkpoint/rng_file.py).
+        rngs = run.env.gather_to_main(rng_state())
+        files = {RNG_FILE: rng_file.encode(rngs)} if rngs is not None else {}
         marks.add("replica check and state")
         meta = {
             "config": run.cfg.to_dict(),
@@ -187,7 +203,10 @@ class CheckpointManager:
             meta["init"] = run.init
         if valid:
             meta["metrics"] = {metric_names.tag(k): v for k, v in valid.items()}
-        return self.save(step, run.engine, state, meta, run.env, marks)
+        saved = self.save(step, run.engine, state, meta, run.env, marks, files)
+        # What each rank did until the save returned (an async save's write goes on after).
+        io_counts.log_line(run.env, f"at the save of step {step}", since)
+        return saved
 
     # ---- writing: checkpoint/writer.py ---------------------------------------------------
 
@@ -199,10 +218,11 @@ class CheckpointManager:
         meta: dict[str, Any],
         env=None,
         marks: Marks | None = None,
+        files: dict[str, bytes] | None = None,
     ) -> Path | None:
         """Write checkpoint `step` of `engine` with `trainer_state` atomically; return its path
         (None on non-writers, and when the save failed). `save_step` calls it with the tracked
-        run's state.
+        run's state. `files`: small files the writer (rank 0) adds, name -> bytes.
 
         Every rank must call it, and every rank writes its share (checkpoint/writer.py says
         how). With `async_save` each rank writes in a background thread from host copies of
@@ -212,7 +232,7 @@ class CheckpointManager:
         checkpoint.max_failed_saves saves in a row have failed (checkpoint/failures.py says
         why).
         """
-        return self._writer.save(step, engine, trainer_state, meta, env, marks)
+        return self._writer.save(step, engine, trainer_state, meta, env, marks, files)
 
     def before_update(self) -> None:
         """Call before each optimizer update: it must not change what an async save is still

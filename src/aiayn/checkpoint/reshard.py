@@ -73,7 +73,9 @@ class Topology:
         stage = par.get("zero_stage", 0) if backend == "deepspeed" else 0
         # Checkpoints written before the manifest held the world size saved one RNG state
         # per rank: their number is the world size.
-        return cls(backend, stage, manifest.get("world_size", len(trainer_state["rng"])))
+        # Manifests written before they held the world size have every rank's RNG state.
+        world = manifest["world_size"] if "world_size" in manifest else len(trainer_state["rng"])
+        return cls(backend, stage, world)
 
 
 class Pieces:

@@ -16,7 +16,7 @@ from typing import Any
 
 from safetensors import safe_open
 
-from aiayn.checkpoint import reshard
+from aiayn.checkpoint import reshard, rng_file
 from aiayn.checkpoint.format import (
     EMA_FILE,
     MANIFEST_FILE,
@@ -153,6 +153,7 @@ def load_state(run: Any, ckpt: Path, startup: StartupTimes) -> dict[str, Any]:
             tokenizer=run.tok,
             verify=False,
             lazy=lambda key: key.startswith("/engine/"),
+            files=_checked,
         )
         _load_engine(run, ckpt, trainer_state, manifest)
         _load_ema(run.engine, ckpt, manifest)
@@ -160,6 +161,11 @@ def load_state(run: Any, ckpt: Path, startup: StartupTimes) -> dict[str, Any]:
     with startup.phase("data position"):
         run.loader.load_state_dict(trainer_state["data"])  # the position of all ranks
     return trainer_state
+
+
+def _checked(name: str) -> bool:
+    """No file's size is checked again: resume_point checked this rank's."""
+    return False
 
 
 def _load_engine(run: Any, ckpt: Path, trainer_state: dict, manifest: dict) -> None:
@@ -170,7 +176,9 @@ def _load_engine(run: Any, ckpt: Path, trainer_state: dict, manifest: dict) -> N
     here = reshard.Topology.of(cfg, env.world_size)
     if saved.same_layout(here):  # the engine reads its own format: a bitwise resume
         if engine.loads_weights:
-            load_checkpoint(ckpt, engine.module, verify=False, with_trainer_state=False)
+            load_checkpoint(
+                ckpt, engine.module, verify=False, with_trainer_state=False, files=_checked
+            )
         engine.load_state_dict(read_stored(trainer_state["engine"], ckpt), ckpt)
     else:  # weights and optimizer state resharded by parameter name
         log.warning("checkpoint written by %s, resuming on %s: resharding its state", saved, here)
@@ -230,16 +238,23 @@ def _warn_of_another_batch(train: Any, world_size: int, manifest: dict) -> None:
         )
 
 
-def restore_rng(run: Any, rngs: list, step: int) -> None:
-    """This rank's dropout stream from the checkpoint's RNG states (`rngs`, in rank order);
-    on another world size, fresh distinct streams derived from the step resumed at."""
+def restore_rng(run: Any, ckpt: Path, trainer_state: dict, step: int) -> None:
+    """This rank's dropout stream from the checkpoint's RNG states: its own, read from
+    rng.safetensors (checkpoint/rng_file.py), or from trainer_state["rng"] (every rank's, in
+    rank order) in checkpoints written before; on another world size, fresh distinct streams
+    derived from the step resumed at."""
     env = run.env
-    if len(rngs) == env.world_size:
-        load_rng_state(rngs[env.rank])
+    if "rng" in trainer_state:
+        saved = len(trainer_state["rng"])
+        mine = trainer_state["rng"][env.rank] if saved == env.world_size else None
+    else:
+        saved, mine = rng_file.read_own(ckpt, env.rank)
+    if saved == env.world_size and mine is not None:
+        load_rng_state(mine)
     else:  # another world size: fresh, distinct streams, derived from the step
         log.warning(
             "checkpoint has RNG states of %d ranks, this run has %d: dropout reseeded",
-            len(rngs),
+            saved,
             env.world_size,
         )
         seed_everything(run.cfg.train.seed + 1_000_003 * env.rank + step)

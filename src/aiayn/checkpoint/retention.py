@@ -1,6 +1,7 @@
 """Which checkpoints a run keeps, and which one is its best.
 
-After every save the writer keeps the newest `keep_last`, every step that is a multiple of
+After every save the writer (rank 0), in a background thread off the save's critical path,
+keeps the newest `keep_last`, every step that is a multiple of
 `keep_every`, the `keep_best` with the best `best_metric`, the one `latest` names and the one
 `best` names, and deletes the rest. `checkpoints/best` names the checkpoint with the best
 `best_metric` recorded in the manifests (the later one on a tie), so it survives restarts and
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +46,8 @@ class Retention:
     def after_save(self, root: Path, ckpts: list[Path]) -> None:
         """Point `best` at the best checkpoint (if any recorded the metric), then delete what
         no rule keeps. `ckpts`: the complete checkpoints, oldest first."""
-        for stale in root.glob(".tmp-*"):  # left by a crash during an earlier save
+        # Left by a crash during an earlier save, or during an earlier deletion.
+        for stale in [*root.glob(".tmp-*"), *root.glob(".trash-*")]:
             shutil.rmtree(stale, ignore_errors=True)
         ranked = self.ranked(ckpts)
         if ranked:
@@ -55,7 +58,15 @@ class Retention:
         keep |= set(ranked[: self.keep_best])
         for old in ckpts:
             if old not in keep:
-                shutil.rmtree(old, ignore_errors=True)
+                # Out of the step_* names first, in one rename: a crash while the files go
+                # leaves a .trash- folder (removed at the next save), never a half-deleted
+                # checkpoint that a resume would look at.
+                trash = root / f".trash-{old.name}"
+                try:
+                    os.replace(old, trash)
+                except OSError:
+                    continue
+                shutil.rmtree(trash, ignore_errors=True)
 
 
 def pointed(root: Path, name: str) -> Path | None:

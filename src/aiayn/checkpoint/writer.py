@@ -5,8 +5,9 @@ ZeRO) its partition, and each rank 1/W of the weights and of the trainer state's
 range of model.safetensors and trainer.safetensors each, hashed as it writes
 (checkpoint/tensor_files.py). Once every rank's ranges are on disk, the writer (rank 0) adds the
 rest of the trainer state, the manifest that covers every file, the rename and the `latest`
-pointer, then applies the retention rules (checkpoint/retention.py). With async_save each rank
-writes in a background thread from host copies of its ranges (checkpoint/staging.py).
+pointer, then applies the retention rules (checkpoint/retention.py) in a thread of its own.
+With async_save each rank writes in a background thread from host copies of its ranges
+(checkpoint/staging.py).
 
 A write that fails on any rank (a full disk) fails the save on every rank: each stage ends in
 one collective that tells every rank whether some rank failed, so no rank waits for one that
@@ -73,6 +74,7 @@ class Writer:
         self._pending: int | None = None  # the step of an async write not yet joined, all ranks
         self._problem: tuple[BaseException, int] | None = None  # its failure and tensor bytes
         self._staging = staging.Staging()  # an async save's host copies
+        self._retiring: threading.Thread | None = None  # deleting old checkpoints (rank 0)
 
     def save(
         self,
@@ -82,11 +84,13 @@ class Writer:
         meta: dict[str, Any],
         env=None,
         marks: Marks | None = None,
+        files: dict[str, bytes] | None = None,
     ) -> Path | None:
         """Write checkpoint `step` of `engine` with `trainer_state` atomically; return its path
         (None on non-writers, and when the save failed; with async_save the path exists once
-        `wait()` returns). Every rank must call it: the stages, and the collective that ends
-        each, are the module docstring's."""
+        `wait()` returns). `files`: small files the writer adds (name -> bytes; rank 0's).
+        Every rank must call it: the stages, and the collective that ends each, are the
+        module docstring's."""
         marks = marks or Marks()  # where an async save's blocking time goes, for its log line
         started = marks.started
         self._join(env)  # one write in flight at a time; every rank learns how the last ended
@@ -96,6 +100,7 @@ class Writer:
         distributed = env is not None and env.distributed
         if distributed:
             env.save_group  # noqa: B018 (made by every rank's main thread, before a writer uses it)
+        self._join_retention()
         problem = _attempt(self._make_tmp, tmp) if self.is_writer else None
         if self._settle(step, env, tmp, problem):
             return None
@@ -113,7 +118,7 @@ class Writer:
         marks.add("agreement")
         if self.is_writer:
             skeleton = self._staging.copy_tree(skeleton) if self.async_save else skeleton
-        write = (step, tmp, shares, written, skeleton, meta, started, env)
+        write = (step, tmp, shares, written, (skeleton, files or {}), meta, started, env)
         if self.async_save:
             self._write_later(write, nbytes, marks)
             return final if self.is_writer else None
@@ -177,6 +182,7 @@ class Writer:
         CheckpointError when the newest save failed: the run's last save (at its end, or
         before a preemption exit) must not be reported as done without its checkpoint."""
         self._join(env)
+        self._join_retention()
         if env is not None:
             env.barrier()
         self.failures.check_saved()
@@ -185,6 +191,14 @@ class Writer:
         """Wait for the background write, if one runs; wait() or the next save settles it."""
         if self._thread is not None:
             self._thread.join()
+        self._join_retention()
+
+    def _join_retention(self) -> None:
+        """Wait for the deletions of the last save's retention (started by the thread that
+        finished that save: join the write first)."""
+        if self._retiring is not None:
+            self._retiring.join()
+            self._retiring = None
 
     def _join(self, env) -> None:
         """Wait for the background write, then agree with every rank on how it ended. Every
@@ -214,8 +228,8 @@ class Writer:
 
     def _write(self, step, tmp, shares, written, skeleton, meta, started, env) -> None:
         """Every rank's part: its byte ranges on disk and hashed, and its shard files synced
-        and hashed; then, once every rank's are (one gather, over the writer threads' own
-        group), the writer's: the rest."""
+        and hashed; then, once every rank's are (one gather to rank 0, over the writer threads'
+        own group), the writer's: the rest."""
         ranges, hashed, problem = {}, {}, None
         try:
             for name, (slices, lo, hi) in shares.items():
@@ -229,13 +243,18 @@ class Writer:
         except Exception as exc:  # still reach the gather: the others wait there
             problem = exc
         mine = (ranges, hashed, problem and f"{type(problem).__name__}: {problem}")
+        # To rank 0 only, which writes the manifest: a gather to every rank would bring each
+        # the W ranges it never reads. A rank's failure reaches the others through rank 0's,
+        # at the collective that ends the save (_settle).
         seen = env.save_gather(mine) if env is not None else [mine]
         if problem is not None:
             raise problem
-        failed = [(r, p) for r, (_, _, p) in enumerate(seen) if p is not None]
-        if failed:
-            raise CheckpointError(f"rank {failed[0][0]} could not write its part: {failed[0][1]}")
         if self.is_writer:
+            failed = [(r, p) for r, (_, _, p) in enumerate(seen) if p is not None]
+            if failed:
+                raise CheckpointError(
+                    f"rank {failed[0][0]} could not write its part: {failed[0][1]}"
+                )
             files = {name: [got[name] for got, _, _ in seen] for name in shares}
             entries = {name: entry for _, own, _ in seen for name, entry in own.items()}
             self._finish(step, tmp, files, entries, skeleton, meta, started)
@@ -264,6 +283,14 @@ class Writer:
         self.failures.failed(step, text)
         return True
 
+    def _retire(self, saved: str) -> None:
+        """The retention rules, after the save of `saved` (in their own thread): a failure
+        here (`best` not written) is the log's, not the save's, which is complete."""
+        try:
+            self.retention.after_save(self.root, checkpoints_in(self.root))
+        except Exception:
+            log.warning("after saving %s: deleting old checkpoints failed", saved, exc_info=True)
+
     def _make_tmp(self, tmp: Path) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -275,18 +302,22 @@ class Writer:
         tmp: Path,
         ranges: dict[str, list],
         hashed: dict[str, dict],
-        skeleton: dict[str, Any],
+        skeleton: tuple[dict[str, Any], dict[str, bytes]],
         meta: dict[str, Any],
         started: float,
     ) -> Path:
-        """The writer's part: the trainer state's rest, fsync, manifest, rename, pointer. The
-        files the ranks wrote by range, and their shard files, are synced and hashed already;
-        the writer hashes the others (its trainer.pt)."""
+        """The writer's part: the trainer state's rest and the small files (`skeleton`: both),
+        fsync, manifest, rename, pointer. The files the ranks wrote by range, and their shard
+        files, are synced and hashed already; the writer hashes the others (its trainer.pt and
+        the small files)."""
         final = self.root / step_dir_name(step)
         # Our own file object: torch.save given a path leaves it open when a write fails, and
         # an open file keeps its space on a full disk after the partial directory is removed.
+        skeleton, small = skeleton
         with open(tmp / TRAINER_FILE, "wb") as fh:
             torch.save(skeleton, fh)
+        for name, data in small.items():
+            (tmp / name).write_bytes(data)
         files = {}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
             name = path.relative_to(tmp).as_posix()
@@ -314,7 +345,11 @@ class Writer:
             # must go too, or the previous checkpoint would not be the one a restart finds.
             shutil.rmtree(final, ignore_errors=True)
             raise
-        self.retention.after_save(self.root, checkpoints_in(self.root))
+        # Deleting old checkpoints (W shard files each under ZeRO) waits for nothing here: a
+        # thread of its own, joined before the next save makes its directory (which the
+        # retention's cleaning of stale .tmp- folders must not meet) and at wait().
+        self._retiring = threading.Thread(target=self._retire, args=(final.name,))
+        self._retiring.start()  # not a daemon: an exiting process finishes the deletions
         log.info("saved %s in %.2fs", final, time.perf_counter() - started)
         return final
 

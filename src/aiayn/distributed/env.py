@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from aiayn.config import DistributedConfig
 from aiayn.errors import AiaynError, ConfigError
+from aiayn.runtime import io_counts
 from aiayn.runtime.torch_settings import use_expandable_segments
 
 T = TypeVar("T")
@@ -114,8 +116,13 @@ class DistEnv:
         needs of every rank costs the others one send."""
         if not self.distributed:
             return [obj]
+        return self._gather_to_main(obj, self.host_group)
+
+    def _gather_to_main(self, obj, group: dist.ProcessGroup | None) -> list | None:
         out = [None] * self.world_size if self.is_main else None
-        dist.gather_object(obj, out, dst=0, group=self.host_group)
+        dist.gather_object(obj, out, dst=0, group=group)
+        if out is not None:
+            _count_received(out, self.rank)
         return out
 
     @functools.cached_property
@@ -125,14 +132,23 @@ class DistEnv:
         made on first use: a collective that every rank's main thread reaches."""
         return dist.new_group(backend="gloo")
 
-    def save_gather(self, obj) -> list:
-        """Every rank's `obj` on every rank, over save_group: safe from a writer thread."""
-        return self._gather(obj, self.world_size, self.save_group) if self.distributed else [obj]
+    def save_gather(self, obj) -> list | None:
+        """Every rank's `obj` on rank 0 (None elsewhere), over save_group: safe from a writer
+        thread."""
+        return self._gather_to_main(obj, self.save_group) if self.distributed else [obj]
 
-    @staticmethod
-    def _gather(obj, size: int, group: dist.ProcessGroup | None) -> list:
+    def save_sum(self, values: list[float]) -> list[float]:
+        """DistEnv.sum over save_group: safe from a writer thread."""
+        if not self.distributed:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=self.save_group)
+        return t.tolist()
+
+    def _gather(self, obj, size: int, group: dist.ProcessGroup | None) -> list:
         out = [None] * size
         dist.all_gather_object(out, obj, group=group)
+        _count_received(out, self.rank if group is None else dist.get_rank(group))
         return out
 
     def broadcast(self, obj):
@@ -163,6 +179,13 @@ class DistEnv:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+
+def _count_received(objs: list, own: int) -> None:
+    """Count what a gather brought from the other ranks (runtime/io_counts.py): the bytes
+    their objects pickle to, as gather_object sends them."""
+    received = sum(len(pickle.dumps(o)) for i, o in enumerate(objs) if i != own)
+    io_counts.count("gathered_bytes", received)
 
 
 def pick_device(choice: str, local_rank: int = 0, setting: str = "train.device") -> torch.device:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from aiayn.engine.precision import autocast
 from aiayn.engine.replicas import replicas_differ
 from aiayn.engine.state import DEEPSPEED_DIR, MOMENTS, WEIGHT, Portable, Weights, trainable
 from aiayn.errors import CheckpointError, ConfigError, TrainingError
+from aiayn.runtime import io_counts
 
 
 class DeepSpeedEngine:
@@ -244,7 +244,7 @@ class DeepSpeedEngine:
         # Every rank writes its ZeRO partition; this is a collective.
         try:
             self.model.save_checkpoint(str(directory), tag=DEEPSPEED_DIR, save_latest=False)
-            return self._written_by_me(directory / DEEPSPEED_DIR)
+            return self._written_by_me(directory)
         except Exception:
             # DeepSpeed writes its files between its other collectives and a closing barrier,
             # which a rank whose write failed (a full disk) skips: join that barrier here, so
@@ -254,27 +254,58 @@ class DeepSpeedEngine:
                 dist.barrier()
             raise
 
-    def _written_by_me(self, shards: Path) -> list[Path]:
-        """DeepSpeed names a data-parallel rank's partitions [bf16_]zero_pp_rank_<r>_...; the
-        files without a rank (mp_rank_00_model_states.pt) are rank 0's."""
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        mine = []
-        for path in sorted(p for p in shards.rglob("*") if p.is_file()):
-            owner = re.search(r"(?:^|_)zero_pp_rank_(\d+)_", path.name)  # bf16_zero_pp_rank_
-            if (int(owner.group(1)) if owner else 0) == rank:
-                mine.append(path)
-        return mine
+    def _written_by_me(self, directory: Path) -> list[Path]:
+        """This rank's DeepSpeed files, named as DeepSpeed names them: its model states
+        (rank 0's under ZeRO 0-2, every rank's under ZeRO-3) and its ZeRO partition of the
+        optimizer. Named, not found by listing the folder, which holds two files per rank:
+        W listings of W files each, at W = 1,024 a million entries read. A file DeepSpeed
+        adds that is not named here (its zero_to_fp32.py) the writer hashes as rank 0's."""
+        ds, where = self.model, str(directory)
+        names = []
+        if ds.save_non_zero_checkpoint:
+            names.append(ds._get_ckpt_name(where, DEEPSPEED_DIR))
+        if ds.save_zero_checkpoint:
+            names.append(ds._get_zero_ckpt_name(where, DEEPSPEED_DIR))
+        io_counts.count("stats", len(names))
+        return [Path(name) for name in names if os.path.isfile(name)]
+
+    def _read_own_files_only(self) -> None:
+        """At a load, DeepSpeed lists the checkpoint folder for the model states
+        (`_get_all_ckpt_names`, a glob) and stats every rank's optimizer partition
+        (`_get_all_zero_checkpoint_names`), though it reads only this rank's: O(W) metadata
+        calls on each of W ranks. Name this rank's files instead. Only where DeepSpeed reads
+        this rank's alone: not with an elastic or universal checkpoint (which we never
+        configure; then DeepSpeed's own lookup stands)."""
+        ds = self.model
+        if ds.zero_elastic_checkpoint() or ds.load_universal_checkpoint():
+            return
+
+        def model_states(path, tag):
+            return [ds._get_ckpt_name(path, tag)]
+
+        def zero_partitions(path, tag, bf16_mode):
+            own = dist.get_rank(group=ds.optimizer.dp_process_group)
+            names = [None] * ds.loaded_checkpoint_dp_world_size  # theirs: not read
+            names[own] = ds._get_rank_zero_ckpt_name(
+                path, tag, ds.checkpoint_mp_rank, own, bf16_mode
+            )
+            return names
+
+        # Instance attributes: they shadow the engine's methods for this engine only.
+        ds._get_all_ckpt_names = model_states
+        ds._get_all_zero_checkpoint_names = zero_partitions
 
     def state_dict(self) -> dict[str, Any]:
         return {}  # optimizer, schedule and loss scale are in the DeepSpeed shards
 
     def load_state_dict(self, state: dict[str, Any], checkpoint: Path) -> None:
-        if not (checkpoint / DEEPSPEED_DIR).is_dir():
+        if not io_counts.exists(checkpoint / DEEPSPEED_DIR):
             raise CheckpointError(
                 f"{checkpoint} was not written by a DeepSpeed run (no {DEEPSPEED_DIR}/ shards): "
                 "resume it with the backend it was trained with, or start a new run_dir"
             )
         # The manifest's checksums of these files were verified before we got here.
+        self._read_own_files_only()
         path, _ = self.model.load_checkpoint(
             str(checkpoint),
             tag=DEEPSPEED_DIR,

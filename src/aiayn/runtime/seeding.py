@@ -59,3 +59,39 @@ def _load_cuda_rng_state(saved: torch.Tensor | list[torch.Tensor]) -> None:
             len(saved),
             device,
         )
+
+
+def rng_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """`rng_state()` as tensors, for a safetensors file in which each rank reads its own
+    (checkpoint/rng_file.py): Python's and NumPy's generators as int64 words and a float64
+    (the cached Gaussian; NaN for none), torch's as its bytes."""
+    version, internal, gauss = state["python"]
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    if kind != "MT19937":
+        raise ValueError(f"NumPy's global generator is {kind}, not MT19937")
+    out = {
+        "python": torch.tensor([version, *internal], dtype=torch.int64),
+        "python_gauss": torch.tensor(
+            [float("nan") if gauss is None else gauss], dtype=torch.float64
+        ),
+        "numpy": torch.tensor([*keys, pos, has_gauss], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([cached], dtype=torch.float64),
+        "torch": state["torch"],
+    }
+    if "cuda" in state:
+        out["cuda"] = state["cuda"]
+    return out
+
+
+def rng_of_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The `rng_state()` that `rng_tensors` stored."""
+    python, numpy = tensors["python"].tolist(), tensors["numpy"].tolist()
+    gauss = tensors["python_gauss"].item()
+    state = {
+        "python": (python[0], tuple(python[1:]), None if gauss != gauss else gauss),
+        "numpy": ["MT19937", numpy[:-2], numpy[-2], numpy[-1], tensors["numpy_gauss"].item()],
+        "torch": tensors["torch"],
+    }
+    if "cuda" in tensors:
+        state["cuda"] = tensors["cuda"]
+    return state
