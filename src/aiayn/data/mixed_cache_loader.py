@@ -96,8 +96,8 @@ class MixedCacheLoader(CacheLoader):
         widths, tgt_lens, self._kept, mean_tokens = [], [], [], []
         self._too_long = 0
         for c, tag in zip(self.caches, self.tags, strict=True):
-            longest = np.diff(c.src_offsets).astype(np.int32) + (tag is not None)
-            tgt_len = np.diff(c.tgt_offsets).astype(np.int32) if c.tgt_offsets is not None else None
+            longest = c.lengths("src") + np.int32(tag is not None)  # a new array
+            tgt_len = c.lengths("tgt")
             if tgt_len is not None:
                 np.maximum(longest, tgt_len, out=longest)
             kept = np.flatnonzero(longest <= self.cfg.max_len).astype(np.int32)
