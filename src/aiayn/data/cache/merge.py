@@ -49,7 +49,7 @@ def merge(
     arrays' total), for the build's log."""
     together = together or (lambda step: [step()])
     gathered = together(lambda: measure(work, built, rank, world))
-    layout = Layout.of(gathered, "shards" in built[0])  # the same on every rank, errors too
+    layout = Layout.of(gathered, "shards" in built[0], expected["split"])
     together(lambda: preallocate(root, layout) if rank == 0 else None)
     written = together(lambda: write_mine(work, root, layout, rank, world))
     hashed = together(lambda: _hash_mine(root, layout, rank, world))

@@ -116,12 +116,12 @@ class Layout:
     shards: bool
 
     @classmethod
-    def of(cls, gathered: list[dict], shards: bool) -> Layout:
-        """The layout from every rank's `measure`, the same on every rank."""
+    def of(cls, gathered: list[dict], shards: bool, split: str) -> Layout:
+        """The layout from every rank's `measure`, the same on every rank (its errors too)."""
         units = sorted((u for g in gathered for u in g["units"]), key=lambda u: u["unit"])
         names = next((g["names"] for g in gathered if g["names"]), None)
         if names is None:
-            raise DataError("the corpus holds no records; check the data section")
+            raise DataError(f"corpus {split} holds no records; check the data section")
         totals = {n: 0 for n in names}
         for u in units:
             for sizes in u["sizes"]:
