@@ -421,6 +421,22 @@ def test_a_build_split_by_file_resumes_an_unfinished_shard_and_equals_one_reader
     ]
 
 
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.int32, np.int64])
+def test_the_header_every_rank_computes_is_the_one_numpy_writes(tmp_path, dtype):
+    """Each rank writes its slices after the .npy header without reading the file: the header
+    it computes must be the one np.lib.format.open_memmap wrote before the merge was shared."""
+    from aiayn.data.cache.placed import Output
+
+    for n in (0, 1, 1000, 10**8):  # the shape's digits change the header's padding
+        path = tmp_path / f"{n}.npy"
+        arr = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=(n,))  # sparse
+        offset = arr.offset
+        del arr
+        with open(path, "rb") as fh:
+            assert fh.read(offset) == Output("x", np.dtype(dtype), n).header
+        path.unlink()
+
+
 def merge_on_threads(work: Path, root: Path, built: list, expected: dict, cfg, world: int):
     """merge as `world` ranks run it, one thread each, their steps gathered through a barrier
     as the ranks' collective gathers them. Returns rank 0's account of who wrote and hashed."""
