@@ -824,7 +824,7 @@ def test_a_large_start_that_prepares_its_data_says_how_to_prepare_first(
     with caplog.at_level("WARNING", logger="aiayn"):
         said = warn_serial_start(cfg, LARGE_WORLD)
     assert len(said) == 2 and str(cfg.tokenizer_path) in said[0]
-    assert str(cache_dir(cfg, "train")) in said[1] and "rank 0 merges" in said[1]
+    assert str(cache_dir(cfg, "train")) in said[1] and "ranks build it now" in said[1]
     for command in ("aiayn data prepare", "aiayn tokenizer train", "slurm/prepare.sbatch"):
         assert caplog.text.count(command) == 2, command
     ready = s2s(tmp_path, corpus / "train")
