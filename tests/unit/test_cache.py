@@ -421,6 +421,21 @@ def test_a_build_split_by_file_resumes_an_unfinished_shard_and_equals_one_reader
     ]
 
 
+def test_a_cache_folder_that_cannot_be_written_fails_saying_what_to_do(tmp_path, corpus, tok):
+    """Storage that fails in the merge (here the cache's folder is a file) is a DataError on
+    every rank, naming the folder and the fix, and the tokenised parts are kept for the next
+    try."""
+    cfg = s2s(tmp_path, corpus / "train")
+    root = cache_dir(cfg, "train")
+    root.parent.mkdir(parents=True)
+    root.write_text("not a folder")
+    with pytest.raises(DataError, match=r"writing the token cache .*train failed: .*cache_dir"):
+        ensure_cache(cfg, "train", tok)
+    assert list(root.with_name("train.partial").glob("part_*.npz"))
+    root.unlink()
+    assert len(ensure_cache(cfg, "train", tok)) == 300
+
+
 @pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.int32, np.int64])
 def test_the_header_every_rank_computes_is_the_one_numpy_writes(tmp_path, dtype):
     """Each rank writes its slices after the .npy header without reading the file: the header

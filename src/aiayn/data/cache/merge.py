@@ -24,6 +24,7 @@ from pathlib import Path
 from aiayn.config import Config
 from aiayn.data.cache.format import CACHE_VERSION, MANIFEST, TokenCache
 from aiayn.data.cache.placed import Layout, measure, preallocate, put_in_place, tmp_path, write_mine
+from aiayn.errors import DataError
 from aiayn.runtime.durable import sha256_of, size_text, write_atomic
 from aiayn.runtime.verify_share import range_bounds, share_of
 
@@ -47,7 +48,7 @@ def merge(
     """Every rank calls it: the parts written into the cache's arrays, then its manifest.
     Returns what each rank wrote and hashed ("written", "hashed": bytes by rank; "bytes": the
     arrays' total), for the build's log."""
-    together = together or (lambda step: [step()])
+    together = _storage_errors(together or (lambda step: [step()]), root)
     gathered = together(lambda: measure(work, built, rank, world))
     layout = Layout.of(gathered, "shards" in built[0], expected["split"])
     together(lambda: preallocate(root, layout) if rank == 0 else None)
@@ -61,6 +62,26 @@ def merge(
         "hashed": [n for _, n in hashed],
         "bytes": sum(o.nbytes for o in layout.outputs.values()),
     }
+
+
+def _storage_errors(together: Together, root: Path) -> Together:
+    """A step whose storage fails (a full disk, a lost mount) fails on every rank, with a
+    message the user can act on: a rank that raised alone would leave the others waiting."""
+
+    def run(step: Callable[[], object]) -> list:
+        def guarded() -> object:
+            try:
+                return step()
+            except OSError as exc:
+                raise DataError(
+                    f"writing the token cache {root} failed: {exc}. Free space there or set "
+                    "data.cache_dir to storage every rank can write, then run the data "
+                    "preparation again (its finished parts are kept)"
+                ) from None
+
+        return together(guarded)
+
+    return run
 
 
 def _placeholders(layout: Layout) -> dict[str, dict]:
