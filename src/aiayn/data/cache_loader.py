@@ -167,7 +167,12 @@ class CacheLoader:
         """Continue from `state` at the next iter(); refuses a state made for other settings
         (the cache's content is in the fingerprint)."""
         saved = state.get("fingerprint", {})
-        if saved.get("cache") in (self.cache.manifest_digest, self._older_digest(saved)):
+        named = saved.get("cache")
+        # An earlier aiayn's name for this cache: its manifest's digest, or (`or` tries it
+        # last, as it may read the whole cache) its whole arrays'.
+        if named not in (None, self.cache.digest) and (
+            named == self.cache.manifest_digest or named == self._older_digest(saved)
+        ):
             state = {**state, "fingerprint": {**saved, "cache": self.cache.digest}}
         self._pos = saved_position(state, STATE_VERSION, self._fingerprint, "the token cache")
         self.epoch = self._pos["epoch"]

@@ -10,8 +10,8 @@ offsets, read with numpy memory maps):
     tgt_tokens.npy      tgt_offsets.npy   (seq2seq)
     labels.npy          int64 (classifier)
     ids.npy             int64: the example's index in the stream, for audits
-    src_lengths.npy     int32, n: each example's tokens, what a start plans from without reading
-    tgt_lengths.npy     the offsets (a cache built before they were stored has none: `lengths`)
+    src_lengths.npy     int32, n: example i's tokens, the offsets' differences stored so that a
+    tgt_lengths.npy     start plans without reading the offsets (older caches lack them)
 
 The manifest holds the fingerprint of what the cache was built from (source files with their
 sizes and sha256, or their byte ranges' sha256 where ranks shared a file by range; format,
