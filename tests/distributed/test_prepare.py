@@ -1,7 +1,8 @@
 """`aiayn data prepare` in real processes: two ranks under torchrun cut one file pair in byte
 ranges and write the same arrays as one process; four ranks over a corpus of five files each
-read only their files, and write the same bytes again; a SIGKILL at any moment leaves nothing
-that is read, and the same command then completes."""
+read only their files, and write the same bytes again; either way each rank writes its own parts
+into the arrays and hashes its share of them, rank 0 no more than its share; a SIGKILL at any
+moment leaves nothing that is read, and the same command then completes."""
 
 from __future__ import annotations
 
@@ -69,6 +70,24 @@ def most_read(out: str) -> int:
     return int(re.search(r"the busiest reading (\d+) records", out).group(1))
 
 
+MERGED = re.compile(
+    r"merged at known offsets: rank 0 wrote (\d+) and hashed (\d+) of the (\d+) bytes"
+)
+
+
+def merged(out: str) -> tuple[int, int, int]:
+    """What rank 0 wrote and hashed of the arrays' bytes, and those bytes."""
+    wrote, hashed, total = map(int, MERGED.search(out).groups())
+    return wrote, hashed, total
+
+
+def largest_range(root: Path) -> int:
+    """The largest piece of an array a rank hashes whole: the share's slack."""
+    manifest = json.loads((root / MANIFEST).read_text())
+    entries = {**manifest["files"], **manifest["lengths"]}
+    return max(b - a for e in entries.values() for a, b, _ in e["sha256_ranges"])
+
+
 def files(root: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(root.iterdir())}
 
@@ -88,11 +107,21 @@ def test_two_ranks_cut_one_file_pair_in_byte_ranges_and_build_the_same_arrays(bi
     assert set(one) == {
         MANIFEST,
         "ids.npy",
+        "src_lengths.npy",
         "src_offsets.npy",
         "src_tokens.npy",
+        "tgt_lengths.npy",
         "tgt_offsets.npy",
         "tgt_tokens.npy",
     }
+    # One process wrote and hashed it all (the headers and first offsets are rank 0's, apart);
+    # of two, rank 0 wrote its byte range's parts and hashed about half of the arrays.
+    wrote, hashed, total = merged(out)
+    assert hashed == total and total - 2048 < wrote < total
+    wrote, hashed, total = merged(two_out)
+    assert total == sum(len(b) for b in two.values()) - len(two[MANIFEST])
+    assert 0.4 * total < wrote < 0.6 * total
+    assert hashed <= total / 2 + largest_range(tmp_path / "two" / "train")
     manifests = [json.loads(m.pop(MANIFEST)) for m in (one, two)]
     assert one == two
     assert manifests[0]["counts"] == manifests[1]["counts"]
@@ -116,6 +145,10 @@ def test_four_ranks_read_a_fifth_or_two_of_five_files_and_build_the_same_bytes(
     assert most_read(one) == total
     assert most_read(four) <= 2 * -(-total // 5)  # ranks 0 has files 0 and 4
     assert files(tmp_path / "one" / "train") == files(tmp_path / "four" / "train")
+    # Rank 0 wrote the parts of the files it read (2 of 5), and hashed its quarter of the arrays.
+    wrote, hashed, size = merged(four)
+    assert 0.3 * size < wrote < 0.45 * size
+    assert hashed <= size / 4 + largest_range(tmp_path / "four" / "train")
     assert not (tmp_path / "four" / "train.partial").exists()
 
 

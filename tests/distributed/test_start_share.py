@@ -25,7 +25,9 @@ WORKER = str(Path(__file__).with_name("resume_verdict.py"))
 
 
 def manifest_files(directory: Path) -> dict[str, dict]:
-    return json.loads((directory / "manifest.json").read_text())["files"]
+    """What a manifest records and a start verifies: a token cache's lengths arrays too."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    return {**manifest["files"], **manifest.get("lengths", {})}
 
 
 def manifest_bytes(directory: Path) -> int:

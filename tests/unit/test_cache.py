@@ -17,10 +17,11 @@ from batch_checks import check_pair_rows, lines, roundtrip, same, take
 
 from aiayn.config import Config, DataConfig, ModelConfig, TokenizerConfig, TrainConfig
 from aiayn.data import CacheLoader, ensure_cache, make_loader, plan
-from aiayn.data.cache import MANIFEST, cache_dir
+from aiayn.data.cache import MANIFEST, cache_dir, open_cache
 from aiayn.data.demo import write_classify
 from aiayn.data.plan import budget_bounds, pair_plan, sorted_bounds
 from aiayn.errors import DataError
+from aiayn.runtime.durable import sha256_of
 from aiayn.tokenizer import EOS_ID, PAD_ID, train_tokenizer
 
 # ---- fixtures and helpers ----------------------------------------------------------------
@@ -331,7 +332,8 @@ def test_a_touched_corpus_file_is_hashed_once_and_its_new_time_recorded(tmp_path
     for side in ("en", "de"):
         (tmp_path / f"c.{side}").write_text((corpus / f"train.{side}").read_text())
     cfg = s2s(tmp_path, tmp_path / "c")
-    arrays = sum(f["bytes"] for f in ensure_cache(cfg, "train", tok).manifest["files"].values())
+    manifest = ensure_cache(cfg, "train", tok).manifest
+    arrays = sum(f["bytes"] for f in {**manifest["files"], **manifest["lengths"]}.values())
     os.utime(tmp_path / "c.de", ns=(1, 1))
     for corpus_hashed in ((tmp_path / "c.de").stat().st_size, 0):
         before = bytes_hashed()
@@ -386,7 +388,6 @@ def test_a_build_split_by_file_resumes_an_unfinished_shard_and_equals_one_reader
     and the merge writes what one rank reading the whole stream writes."""
     from aiayn.data.cache import fingerprint
     from aiayn.data.cache.build import _start_build
-    from aiayn.data.cache.merge import merge
     from aiayn.data.cache.shares import build_parts, open_share
 
     split = tmp_path / "split"
@@ -412,17 +413,80 @@ def test_a_build_split_by_file_resumes_an_unfinished_shard_and_equals_one_reader
     (work / "shard_000001_part_00000000.npz").write_bytes(b"torn")
     again = [build_parts(cfg, tok, share, work) for share in shares]
     assert [b["read"] for b in again] == [0, built[1]["read"], 0]  # only the unfinished one
-    merge(work, root, again, fingerprint(cfg, "train", tok), cfg)
+    merged = merge_on_threads(work, root, again, fingerprint(cfg, "train", tok), cfg, 3)
     assert cache_bytes(root) == cache_bytes(one.root) and not work.exists()
+    # Each rank wrote the shards it tokenised: 0 and 3, 1, 2 of the 4.
+    assert merged["written"] == [
+        pytest.approx(merged["bytes"] * k / 4, rel=0.25) for k in (2, 1, 1)
+    ]
 
 
-def _build_by_turns(cfg: Config, tok, world: int, interrupt: int | None = None) -> list[dict]:
+def test_a_cache_folder_that_cannot_be_written_fails_saying_what_to_do(tmp_path, corpus, tok):
+    """Storage that fails in the merge (here the cache's folder is a file) is a DataError on
+    every rank, naming the folder and the fix, and the tokenised parts are kept for the next
+    try."""
+    cfg = s2s(tmp_path, corpus / "train")
+    root = cache_dir(cfg, "train")
+    root.parent.mkdir(parents=True)
+    root.write_text("not a folder")
+    with pytest.raises(DataError, match=r"writing the token cache .*train failed: .*cache_dir"):
+        ensure_cache(cfg, "train", tok)
+    assert list(root.with_name("train.partial").glob("part_*.npz"))
+    root.unlink()
+    assert len(ensure_cache(cfg, "train", tok)) == 300
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.int32, np.int64])
+def test_the_header_every_rank_computes_is_the_one_numpy_writes(tmp_path, dtype):
+    """Each rank writes its slices after the .npy header without reading the file: the header
+    it computes must be the one np.lib.format.open_memmap wrote before the merge was shared."""
+    from aiayn.data.cache.placed import Output
+
+    for n in (0, 1, 1000, 10**8):  # the shape's digits change the header's padding
+        path = tmp_path / f"{n}.npy"
+        arr = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=(n,))  # sparse
+        offset = arr.offset
+        del arr
+        with open(path, "rb") as fh:
+            assert fh.read(offset) == Output("x", np.dtype(dtype), n).header
+        path.unlink()
+
+
+def merge_on_threads(work: Path, root: Path, built: list, expected: dict, cfg, world: int):
+    """merge as `world` ranks run it, one thread each, their steps gathered through a barrier
+    as the ranks' collective gathers them. Returns rank 0's account of who wrote and hashed."""
+    from aiayn.data.cache.merge import merge
+
+    barrier, slots, results = threading.Barrier(world, timeout=60), [None] * world, [None] * world
+
+    def rank(r: int) -> None:
+        def together(step):
+            slots[r] = step()
+            barrier.wait()
+            out = list(slots)
+            barrier.wait()
+            return out
+
+        results[r] = merge(work, root, built, expected, cfg, r, world, together)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r == results[0] for r in results)  # every rank saw the same gathers
+    return results[0]
+
+
+def _build_by_turns(
+    cfg: Config, tok, world: int, interrupt: int | None = None
+) -> tuple[list[dict], dict]:
     """Ranks of a build over a source cut in byte ranges, run one after the other (the scans
     are gathered between, as ensure_cache's collective does); `interrupt` loses that piece's
-    note and tears its part, then builds again. Returns each rank's last build."""
+    note and tears its part, then builds again; the merge on a thread per rank. Returns each
+    rank's last build and the merge's account."""
     from aiayn.data.cache import fingerprint
     from aiayn.data.cache.build import _start_build
-    from aiayn.data.cache.merge import merge
     from aiayn.data.cache.shares import build_parts, gather_scans, open_share, scan_ranges
 
     root = cache_dir(cfg, "train")
@@ -440,8 +504,8 @@ def _build_by_turns(cfg: Config, tok, world: int, interrupt: int | None = None) 
         if again == 0 and interrupt is not None:
             (work / f"shard_{interrupt:06d}.json").unlink()
             (work / f"shard_{interrupt:06d}_part_00000000.npz").write_bytes(b"torn")
-    merge(work, root, built, fingerprint(cfg, "train", tok), cfg)
-    return built
+    merged = merge_on_threads(work, root, built, fingerprint(cfg, "train", tok), cfg, world)
+    return built, merged
 
 
 def arrays(root: Path) -> dict[str, bytes]:
@@ -456,11 +520,16 @@ def test_one_file_pair_shared_by_byte_range_reads_a_share_per_rank_and_equals_on
     interrupted piece is redone alone, and the manifest's range hashes cover each file."""
     one = ensure_cache(s2s(tmp_path / "one", corpus / "train"), "train", tok)
     cfg = s2s(tmp_path / "three", corpus / "train")
-    built = _build_by_turns(cfg, tok, 3, interrupt=1)
+    built, merged = _build_by_turns(cfg, tok, 3, interrupt=1)
     total = one.counts()["records_read"]
     assert [b["read"] for b in built] == [0, pytest.approx(total / 3, rel=0.2), 0]
     three = cache_dir(cfg, "train")
     assert arrays(three) == arrays(one.root)
+    # Each rank wrote its own third of the arrays, and hashed about a third of the files
+    # (ranges of at least 1 MiB: here each array is one, dealt out largest first).
+    assert merged["bytes"] == sum((three / n).stat().st_size for n in arrays(three))
+    assert merged["written"] == [pytest.approx(merged["bytes"] / 3, rel=0.25)] * 3
+    assert sum(merged["hashed"]) == merged["bytes"] and max(merged["hashed"]) < merged["bytes"] / 2
     manifest = json.loads((three / MANIFEST).read_text())
     assert manifest["counts"] == one.counts()
     for entry in manifest["fingerprint"]["files"]:
@@ -671,6 +740,92 @@ def test_plans_kept_beside_the_cache_equal_todays_bit_for_bit(
     assert same(next(iter(again)), nxt)
 
 
+# ---- lengths stored at build, and caches built before --------------------------------------
+
+
+def built_before_lengths(root: Path, to: Path) -> Path:
+    """A copy of the cache at `root` as aiayn wrote it before it stored lengths and merged on
+    every rank: no lengths arrays, and each array's whole sha256 in the manifest."""
+    shutil.copytree(root, to)
+    manifest = json.loads((to / MANIFEST).read_text())
+    for name in manifest.pop("lengths"):
+        (to / name).unlink()
+    for name, entry in manifest["files"].items():
+        entry["sha256"] = sha256_of(to / name)
+    (to / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return to
+
+
+def _same_bits(a, b) -> bool:
+    if isinstance(b, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    return a == b and type(a) is type(b)
+
+
+@pytest.mark.parametrize("kind", ["seq2seq", "lm", "classifier"])
+def test_lengths_stored_at_build_plan_the_same_bits_as_lengths_from_the_offsets(
+    tmp_path, corpus, lm_corpus, tok, kind
+):
+    """A start plans from the int32 lengths the build stored (memory-mapped); a cache built
+    before they were stored has them computed from its offsets. The index, the epochs' plans,
+    the rounds' targets and the batches are the same bits either way."""
+    if kind == "classifier":
+        write_classify(tmp_path, n_train=120, n_valid=10, n_test=10)
+        cfg = s2s(tmp_path, tmp_path / "train.jsonl", kind="classifier", fmt="jsonl")
+    else:
+        cfg = s2s(tmp_path, corpus / "train") if kind == "seq2seq" else lm(tmp_path, lm_corpus)
+    cache = ensure_cache(cfg, "train", tok)
+    sides = ("src", "tgt") if kind == "seq2seq" else ("src",)
+    for side in sides:
+        stored, offsets = getattr(cache, f"{side}_lengths"), getattr(cache, f"{side}_offsets")
+        assert stored.dtype == np.int32 and not stored.flags.writeable  # the map itself
+        assert _same_bits(stored, np.diff(offsets).astype(np.int32))
+    older = open_cache(built_before_lengths(cache.root, tmp_path / "older"), None)
+    assert older.src_lengths is None and older.tgt_lengths is None
+    assert _same_bits(older.lengths("src"), cache.lengths("src"))
+    loaders = []
+    for c in (cache, older):
+        ld = make_loader(cfg, cfg.data.train, tok, train=True, cache=c)
+        ld._plan_files = None  # each plans for itself: no plan is shared between the two
+        loaders.append(ld)
+    new, old = loaders
+    for name in ("_width", "_keep", "_doc_len"):
+        if hasattr(old, name):
+            assert _same_bits(getattr(new, name), getattr(old, name)), name
+    for e in range(3):
+        a, b = new._compute_plan(e), old._compute_plan(e)
+        assert all(_same_bits(getattr(a, k), v) for k, v in vars(b).items()), e
+        assert _same_bits(new._target_sums(e), old._target_sums(e)), e
+    per_epoch = len(old.plan(0))
+    got, ref = take(iter(new), 2 * per_epoch + 3), take(iter(old), 2 * per_epoch + 3)
+    assert all(same(x, y) for x, y in zip(got, ref, strict=True))
+    assert new.stats() == old.stats()
+
+
+def test_a_position_saved_on_a_cache_built_before_resumes_on_the_same_tokens_rebuilt(
+    tmp_path, corpus, tok
+):
+    """A cache merged by every rank records its arrays' ranges' sha256, not each whole
+    array's, so its digest is another than the same tokens built before. A position saved
+    on the older cache resumes on the rebuilt one (its whole arrays hashed once, to compare),
+    and a position of other tokens is still refused."""
+    cfg = s2s(tmp_path, corpus / "train")
+    cache = ensure_cache(cfg, "train", tok)
+    older = open_cache(built_before_lengths(cache.root, tmp_path / "older"), None)
+    assert older.digest != cache.digest and older.digest == cache.whole_digest()
+    ld = make_loader(cfg, cfg.data.train, tok, train=True, cache=older)
+    take(iter(ld), 7)
+    state = roundtrip(ld.state_dict())
+    ref = take(iter(ld), 5)
+    again = make_loader(cfg, cfg.data.train, tok, train=True, cache=cache)
+    again.load_state_dict(state)
+    assert all(same(x, y) for x, y in zip(take(iter(again), 5), ref, strict=True))
+    assert again.state_dict()["fingerprint"]["cache"] == cache.digest  # the next save's
+    other = {**state, "fingerprint": {**state["fingerprint"], "cache": "0" * 64}}
+    with pytest.raises(DataError):
+        make_loader(cfg, cfg.data.train, tok, train=True, cache=cache).load_state_dict(other)
+
+
 def test_a_large_start_that_prepares_its_data_says_how_to_prepare_first(
     tmp_path, corpus, tok, caplog
 ):
@@ -684,7 +839,7 @@ def test_a_large_start_that_prepares_its_data_says_how_to_prepare_first(
     with caplog.at_level("WARNING", logger="aiayn"):
         said = warn_serial_start(cfg, LARGE_WORLD)
     assert len(said) == 2 and str(cfg.tokenizer_path) in said[0]
-    assert str(cache_dir(cfg, "train")) in said[1] and "rank 0 merges" in said[1]
+    assert str(cache_dir(cfg, "train")) in said[1] and "ranks build it now" in said[1]
     for command in ("aiayn data prepare", "aiayn tokenizer train", "slurm/prepare.sbatch"):
         assert caplog.text.count(command) == 2, command
     ready = s2s(tmp_path, corpus / "train")

@@ -87,8 +87,9 @@ class CacheLoader:
         self._arrays = [cache_arrays(cache)]
         # int32 throughout (examples < 2^31, a row < 2^31 tokens): the index and the plan of
         # millions of examples are per-rank memory. Pairs keep only widths; rows read their
-        # lengths from the offsets of their own batch.
-        src_len = np.diff(cache.src_offsets).astype(np.int32)
+        # lengths from the offsets of their own batch. The lengths are the cache's stored
+        # array, memory-mapped (computed from the offsets for a cache built without it).
+        src_len = cache.lengths("src")
         if kind == "lm" and data_cfg.lm_order == "stream" and cache.counts()["dropped_empty"]:
             raise DataError(
                 f"token cache {cache.root} was built by an older aiayn that dropped empty lines, "
@@ -98,9 +99,9 @@ class CacheLoader:
         if kind == "lm":
             self._doc_len, self._too_long = src_len, 0
         else:
-            longest = src_len
-            if cache.tgt_offsets is not None:
-                np.maximum(longest, np.diff(cache.tgt_offsets), out=longest, casting="unsafe")
+            tgt_len = cache.lengths("tgt")
+            # A new array either way: it is changed in place below, and the map is read-only.
+            longest = np.array(src_len) if tgt_len is None else np.maximum(src_len, tgt_len)
             self._keep = np.flatnonzero(longest <= data_cfg.max_len).astype(np.int32)
             self._too_long = len(longest) - len(self._keep)
             # Every row gains one special token (eos, or bos for tgt_in); the plan counts the
@@ -166,11 +167,28 @@ class CacheLoader:
         """Continue from `state` at the next iter(); refuses a state made for other settings
         (the cache's content is in the fingerprint)."""
         saved = state.get("fingerprint", {})
-        if saved.get("cache") == self.cache.manifest_digest:  # saved by an earlier aiayn
+        named = saved.get("cache")
+        # An earlier aiayn's name for this cache: its manifest's digest, or (`or` tries it
+        # last, as it may read the whole cache) its whole arrays'.
+        if named not in (None, self.cache.digest) and (
+            named == self.cache.manifest_digest or named == self._older_digest(saved)
+        ):
             state = {**state, "fingerprint": {**saved, "cache": self.cache.digest}}
         self._pos = saved_position(state, STATE_VERSION, self._fingerprint, "the token cache")
         self.epoch = self._pos["epoch"]
         self._resume_pending = True
+
+    def _older_digest(self, saved: dict) -> str | None:
+        """The digest a position saved by an earlier aiayn has for this cache's tokens, where
+        this one was rebuilt since by a merge that records no whole-array sha256. Reading the
+        whole cache to take it is paid only by such a position (once: the next save names the
+        new digest)."""
+        cache = self.cache
+        if saved.get("cache") in (None, cache.digest):
+            return None
+        if all("sha256" in f for f in cache.manifest["files"].values()):
+            return None  # the digest is already the whole arrays'
+        return cache.whole_digest()
 
     def stats(self) -> dict[str, int]:
         """What the cache read and dropped, and the batches this rank took since it was built."""
@@ -283,6 +301,8 @@ class CacheLoader:
     def _target_lengths(self, rows: np.ndarray) -> np.ndarray:
         """int64 target tokens (eos not counted) of the examples `rows`."""
         c = self.cache
+        if c.tgt_lengths is not None:
+            return c.tgt_lengths[rows].astype(np.int64)
         return (c.tgt_offsets[rows + 1] - c.tgt_offsets[rows]).astype(np.int64)
 
     def _length(self, epoch: int) -> int:

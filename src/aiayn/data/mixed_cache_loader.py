@@ -96,8 +96,8 @@ class MixedCacheLoader(CacheLoader):
         widths, tgt_lens, self._kept, mean_tokens = [], [], [], []
         self._too_long = 0
         for c, tag in zip(self.caches, self.tags, strict=True):
-            longest = np.diff(c.src_offsets).astype(np.int32) + (tag is not None)
-            tgt_len = np.diff(c.tgt_offsets).astype(np.int32) if c.tgt_offsets is not None else None
+            longest = c.lengths("src") + np.int32(tag is not None)  # a new array
+            tgt_len = c.lengths("tgt")
             if tgt_len is not None:
                 np.maximum(longest, tgt_len, out=longest)
             kept = np.flatnonzero(longest <= self.cfg.max_len).astype(np.int32)
@@ -184,9 +184,28 @@ class MixedCacheLoader(CacheLoader):
 
     def load_state_dict(self, state: dict) -> None:
         what = "the sources' token caches"
-        self._pos = saved_position(state, STATE_VERSION, self._fingerprint, what)
+        self._pos = saved_position(state, STATE_VERSION, self._older_digests(state), what)
         self.epoch = self._pos["epoch"]
         self._resume_pending = True
+
+    def _older_digests(self, state: dict) -> dict:
+        """This loader's fingerprint, with a source's cache named as `state` names it where
+        that is the digest of the same tokens built by an earlier aiayn (CacheLoader's
+        `_older_digest`: the whole cache read once, only for such a position)."""
+        saved = state.get("fingerprint", {}).get("mixture", {}).get("sources")
+        ours = self._fingerprint["mixture"]["sources"]
+        if not isinstance(saved, list) or len(saved) != len(ours):
+            return self._fingerprint
+        sources = []
+        for mine, theirs, cache in zip(ours, saved, self.caches, strict=True):
+            named = theirs.get("cache") if isinstance(theirs, dict) else None
+            older = named not in (None, mine["cache"]) and any(
+                "sha256" not in f for f in cache.manifest["files"].values()
+            )
+            same = older and cache.whole_digest() == named
+            sources.append({**mine, "cache": named} if same else mine)
+        mixture = {**self._fingerprint["mixture"], "sources": sources}
+        return {**self._fingerprint, "mixture": mixture}
 
     def stats(self) -> dict[str, int]:
         counts = [c.counts() for c in self.caches]

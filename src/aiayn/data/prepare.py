@@ -135,7 +135,7 @@ def prepare_data(
 
 def warn_serial_start(cfg: Config, world_size: int) -> list[str]:
     """At LARGE_WORLD ranks or more, warn of what this start prepares while the GPUs wait: a
-    tokenizer that rank 0 trains, a token cache to build (rank 0 merges it alone), a Hub split
+    tokenizer that rank 0 trains, a token cache to build (on the GPUs' time), a Hub split
     that every rank reads whole. Called by a training start on rank 0 (one line, not W), not by
     `aiayn data prepare`, which is the way out; returns the warnings."""
     if world_size < LARGE_WORLD:
@@ -162,8 +162,7 @@ def warn_serial_start(cfg: Config, world_size: int) -> list[str]:
         )
         out.append(
             f"the token cache {', '.join(map(str, missing))} does not exist: the {world_size} "
-            "ranks build it now, and rank 0 merges their parts alone while the others wait"
-            + (streamed if hub else "")
+            "ranks build it now, while training waits" + (streamed if hub else "")
         )
     for problem in out:
         log.warning("%s. Next time, %s", problem, PREPARE_FIRST)

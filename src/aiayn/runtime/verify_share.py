@@ -97,12 +97,19 @@ def hashed_in_ranges(path: Path, most: int = 1024, least: int = _MIB) -> dict:
     ranges of at least `least` bytes (the last shorter), all in one read, so that W ranks can
     each verify 1/W of it at a start."""
     size = path.stat().st_size
-    step = max(least, -(-size // most))
     whole, ranges = hashlib.sha256(), []
     with open(path, "rb") as fh:
-        for a in range(0, size, step):
-            block = fh.read(min(step, size - a))
+        for a, b in range_bounds(size, most, least):
+            block = fh.read(b - a)
             whole.update(block)
             ranges.append([a, a + len(block), hashlib.sha256(block).hexdigest()])
             count_hashed(len(block))
     return {"bytes": size, "sha256": whole.hexdigest(), "sha256_ranges": ranges}
+
+
+def range_bounds(size: int, most: int = 1024, least: int = _MIB) -> list[tuple[int, int]]:
+    """The byte ranges [a, b) that a manifest records of a file of `size` bytes: at most
+    `most`, of at least `least` bytes each (the last shorter). A file's bytes alone decide
+    them, so every rank computes the same ones."""
+    step = max(least, -(-size // most))
+    return [(a, min(a + step, size)) for a in range(0, size, step)]

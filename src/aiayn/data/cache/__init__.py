@@ -5,7 +5,8 @@ build.py        ensure_cache: building one, every rank at a time, in collective 
 shares.py       how the ranks share the reading, and each rank's share read and tokenised
 line_ranges.py  byte ranges of line files: a share of fewer files than ranks
 parts.py        a share's chunks tokenised into part files, in the build's work directory
-merge.py        the parts merged in corpus order into the cache, by rank 0
+merge.py        the parts merged in corpus order into the cache, every rank its own; the manifest
+placed.py       where each part goes in the arrays, and a rank's parts written there
 rows.py         a rank's next batches read out of caches and padded together
 """
 

@@ -3,9 +3,10 @@
 Every rank calls ensure_cache, and the ranks go through the build in collective steps: each
 opens its share of the source (data/cache/shares.py) and they compare how they share it; rank
 0 starts the work directory; the ranks scan their byte ranges, where the files were cut, and
-gather the counts; each tokenises its share into part files (data/cache/parts.py); rank 0
-merges the parts in corpus order (data/cache/merge.py): the cache does not depend on the number
-of ranks. A step that fails on any rank fails on all of them, together. An interrupted build
+gather the counts; each tokenises its share into part files (data/cache/parts.py); each
+writes its parts into the cache's arrays at their offsets in corpus order and hashes its share
+of them, and rank 0 writes the manifest (data/cache/merge.py): the cache does not depend on the
+number of ranks. A step that fails on any rank fails on all of them, together. An interrupted build
 keeps its finished parts (and shards) in `<split>.partial/` and the next build reuses them if
 they were made from the same fingerprint.
 """
@@ -97,10 +98,13 @@ def ensure_cache(
     if share.pieces:
         share.scans = gather_scans(_all_ok(sync, lambda: scan_ranges(share, work)))
     built = _all_ok(sync, lambda: build_parts(cfg, tok, share, work))
-    _all_ok(sync, lambda: merge(work, root, built, expected, cfg) if rank == 0 else None)
+    merged = merge(
+        work, root, built, expected, cfg, rank, world_size, lambda step: _all_ok(sync, step)
+    )
     cache = open_cache(root, expected, verify=False)  # just written and hashed
     if rank == 0:
-        log_built(cache, time.perf_counter() - started, world_size, max(b["read"] for b in built))
+        seconds = time.perf_counter() - started
+        log_built(cache, seconds, world_size, max(b["read"] for b in built), merged)
     return cache
 
 

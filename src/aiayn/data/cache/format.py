@@ -10,11 +10,14 @@ offsets, read with numpy memory maps):
     tgt_tokens.npy      tgt_offsets.npy   (seq2seq)
     labels.npy          int64 (classifier)
     ids.npy             int64: the example's index in the stream, for audits
+    src_lengths.npy     int32, n: example i's tokens, the offsets' differences stored so that a
+    tgt_lengths.npy     start plans without reading the offsets (older caches lack them)
 
 The manifest holds the fingerprint of what the cache was built from (source files with their
 sizes and sha256, or their byte ranges' sha256 where ranks shared a file by range; format,
 fields, the tokenizer's sha256), the counts of what was read and dropped and why, and each
-array's size and sha256. Opening checks all of it: a cache built from other data or another
+array's size and its ranges' sha256 (a cache built before the merge was shared also has each
+array's whole sha256). Opening checks all of it: a cache built from other data or another
 tokenizer is refused with the differing fields named, and a truncated or altered array is
 refused before training reads it.
 
@@ -78,6 +81,17 @@ class TokenCache:
     tgt_tokens: np.ndarray | None = None
     tgt_offsets: np.ndarray | None = None
     labels: np.ndarray | None = None
+    src_lengths: np.ndarray | None = None
+    tgt_lengths: np.ndarray | None = None
+
+    def lengths(self, side: str) -> np.ndarray | None:
+        """int32 tokens of each example on `side` (src or tgt; None where the cache has no
+        such side): the array stored at build, memory-mapped, or for a cache built before it
+        was stored, the offsets' differences (O(n) at every start)."""
+        stored, offsets = getattr(self, f"{side}_lengths"), getattr(self, f"{side}_offsets")
+        if stored is not None or offsets is None:
+            return stored
+        return np.diff(offsets).astype(np.int32)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -92,13 +106,26 @@ class TokenCache:
         the same digest wherever the corpus lies (a job that stages its data to a local disk
         under another path resumes), and a cache rebuilt from changed text another one."""
         # Sizes and whole-file sha256 only: a cache that also records its ranges' (for W ranks
-        # to verify) has the digest of the same tokens without them.
+        # to verify) has the digest of the same tokens without them. A cache merged by every
+        # rank records no whole-file sha256 (one rank would read it all): its ranges' stand
+        # for it. Such a cache has another digest than the same tokens built before, which
+        # CacheLoader.load_state_dict accepts through `whole_digest`.
         files = {
-            k: {"bytes": f["bytes"], "sha256": f["sha256"]}
+            k: {"bytes": f["bytes"], "sha256": f.get("sha256") or _ranges_sha256(f)}
             for k, f in self.manifest["files"].items()
         }
         arrays = json.dumps(files, sort_keys=True)
         return hashlib.sha256(arrays.encode()).hexdigest()
+
+    def whole_digest(self) -> str:
+        """The digest that this cache's arrays had when caches recorded each array's whole
+        sha256: it reads every byte of the cache, so it is taken only where a saved position
+        names a digest that is neither (a cache rebuilt by this version of aiayn)."""
+        files = {
+            k: {"bytes": f["bytes"], "sha256": f.get("sha256") or sha256_of(self.root / k)}
+            for k, f in self.manifest["files"].items()
+        }
+        return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
     @property
     def manifest_digest(self) -> str:
@@ -144,10 +171,11 @@ def open_cache(
             + "\n".join(f"  - {d}" for d in diffs)
             + f"\nRebuild it with {prepare_command()}, or set data.cache_dir to another directory"
         )
-    if verify and (problem := verify_share(root, manifest["files"], rank, world)):
+    files = {**manifest["files"], **manifest.get("lengths", {})}
+    if verify and (problem := verify_share(root, files, rank, world)):
         raise _damaged(root, problem)
     arrays = {}
-    for name, meta in manifest["files"].items():
+    for name, meta in files.items():
         path = root / name
         size = path.stat().st_size if path.is_file() else None
         if size != meta["bytes"]:
@@ -159,6 +187,12 @@ def open_cache(
     cache = TokenCache(root, manifest, **arrays)
     _check_index(cache)
     return cache
+
+
+def _ranges_sha256(entry: dict) -> str:
+    """One sha256 for a file recorded by its ranges' alone."""
+    ranges = "".join(f"{a}:{b}:{h}\n" for a, b, h in entry["sha256_ranges"])
+    return hashlib.sha256(ranges.encode()).hexdigest()
 
 
 def _damaged(root: Path, what: str) -> DataError:
@@ -189,6 +223,10 @@ def _check_index(cache: TokenCache) -> None:
             raise _damaged(cache.root, f"{side}_offsets does not index {side}_tokens")
     if cache.labels is not None and len(cache.labels) != n:
         raise _damaged(cache.root, "labels and ids have different lengths")
+    for side in ("src", "tgt"):
+        stored = getattr(cache, f"{side}_lengths")
+        if stored is not None and len(stored) != n:
+            raise _damaged(cache.root, f"{side}_lengths and ids have different lengths")
 
 
 def _record_new_times(root: Path, manifest: dict) -> None:

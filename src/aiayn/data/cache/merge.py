@@ -1,52 +1,129 @@
-"""Merging a build's parts into the token cache, on rank 0.
+"""Merging a build's parts into the token cache, every rank its own parts at known offsets.
 
-The parts are concatenated in corpus order, whatever the number of ranks that wrote them, so
-the cache does not depend on it. Each array is written to a temporary file, flushed and renamed
-into place, then the manifest (data/cache/format.py) last: it records each array's sha256 and
-its ranges' (at least 1 MiB each, at most 1,024: each rank verifies its share of them at a
-start), and every source file's sha256, taken by the rank that read the file (its byte ranges'
-where the file was cut). The work directory goes once the manifest is written.
+The parts are placed in corpus order, whatever the number of ranks that wrote them, so the
+cache does not depend on it (data/cache/placed.py says where each part goes). The merge is
+collective, in steps that fail on every rank together: each rank measures its parts and the
+ranks gather the counts; rank 0 creates each array's file at its final size; each rank writes
+its parts' slices and syncs them, 1/W of the bytes; each rank hashes its share of each array's
+ranges (at least 1 MiB each, at most 1,024: the same share it verifies at a start,
+runtime/verify_share.py); rank 0 renames the arrays into place and writes the manifest
+(data/cache/format.py) last, with the ranges' sha256 and every source file's sha256, taken by
+the rank that read the file (its byte ranges' where the file was cut). The manifest records no
+sha256 of a whole array: it would take one rank reading every byte, which is what the ranks
+share. The work directory goes once the manifest is written.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-
-import numpy as np
 
 from aiayn.config import Config
 from aiayn.data.cache.format import CACHE_VERSION, MANIFEST, TokenCache
-from aiayn.data.cache.parts import part_name, read_text, shard_name, shard_part_name
+from aiayn.data.cache.placed import Layout, measure, preallocate, put_in_place, tmp_path, write_mine
 from aiayn.errors import DataError
-from aiayn.runtime.durable import fsync_path, sha256_of, write_atomic
-from aiayn.runtime.verify_share import hashed_in_ranges
+from aiayn.runtime.durable import sha256_of, size_text, write_atomic
+from aiayn.runtime.verify_share import range_bounds, share_of
 
 log = logging.getLogger(__name__)
 
+Together = Callable[[Callable[[], object]], list]
+"""Runs a step on every rank and returns its results in rank order, raising on every rank if it
+failed on any (data/cache/build.py)."""
 
-def merge(work: Path, root: Path, built: list[dict], expected: dict, cfg: Config) -> None:
-    """Concatenate the parts in corpus order into the cache's arrays, then write its manifest."""
-    parts, offsets, invalid_utf8, hashes, ranges = _parts_in_order(work, built)
-    if not parts:
-        raise DataError(f"corpus {expected['split']} holds no records; check the data section")
-    missing = [p.name for p in parts if not p.is_file()]
-    if missing:
-        raise DataError(f"the data preparation lost its parts {missing[:3]}; run it again")
-    with np.load(parts[0]) as first:
-        names = sorted(k for k in first.files if k != "empty")
-        dtypes = {name: first[name].dtype for name in names}
-    root.mkdir(parents=True, exist_ok=True)
-    sizes, empty = _sizes(parts, names)
-    files = {}
-    for out_name, (name, dtype, size) in _outputs(names, dtypes, sizes).items():
-        path = root / f"{out_name}.npy"
-        _concatenate(path, parts, offsets, name, dtype, size)
-        files[path.name] = hashed_in_ranges(path)  # ranges: each rank verifies its share
-    counts = _counts(sizes, empty, invalid_utf8)
+
+def merge(
+    work: Path,
+    root: Path,
+    built: list[dict],
+    expected: dict,
+    cfg: Config,
+    rank: int = 0,
+    world: int = 1,
+    together: Together | None = None,
+) -> dict:
+    """Every rank calls it: the parts written into the cache's arrays, then its manifest.
+    Returns what each rank wrote and hashed ("written", "hashed": bytes by rank; "bytes": the
+    arrays' total), for the build's log."""
+    together = _storage_errors(together or (lambda step: [step()]), root)
+    gathered = together(lambda: measure(work, built, rank, world))
+    layout = Layout.of(gathered, "shards" in built[0], expected["split"])
+    together(lambda: preallocate(root, layout) if rank == 0 else None)
+    written = together(lambda: write_mine(work, root, layout, rank, world))
+    hashed = together(lambda: _hash_mine(root, layout, rank, world))
+    together(
+        lambda: _finish(work, root, layout, hashed, built, expected, cfg) if rank == 0 else None
+    )
+    return {
+        "written": written,
+        "hashed": [n for _, n in hashed],
+        "bytes": sum(o.nbytes for o in layout.outputs.values()),
+    }
+
+
+def _storage_errors(together: Together, root: Path) -> Together:
+    """A step whose storage fails (a full disk, a lost mount) fails on every rank, with a
+    message the user can act on: a rank that raised alone would leave the others waiting."""
+
+    def run(step: Callable[[], object]) -> list:
+        def guarded() -> object:
+            try:
+                return step()
+            except OSError as exc:
+                raise DataError(
+                    f"writing the token cache {root} failed: {exc}. Free space there or set "
+                    "data.cache_dir to storage every rank can write, then run the data "
+                    "preparation again (its finished parts are kept)"
+                ) from None
+
+        return together(guarded)
+
+    return run
+
+
+def _placeholders(layout: Layout) -> dict[str, dict]:
+    """The arrays as manifest entries whose ranges are not hashed yet: what share_of deals."""
+    return {
+        f"{name}.npy": {
+            "bytes": out.nbytes,
+            "sha256_ranges": [[a, b, ""] for a, b in range_bounds(out.nbytes)],
+        }
+        for name, out in layout.outputs.items()
+    }
+
+
+def _hash_mine(root: Path, layout: Layout, rank: int, world: int) -> tuple[dict, int]:
+    """This rank's ranges of the written arrays and their sha256, and the bytes it hashed."""
+    ranges: dict[str, list] = {}
+    hashed = 0
+    for name, a, b, _ in share_of(_placeholders(layout), rank, world):
+        path = tmp_path(root, name.removesuffix(".npy"))
+        ranges.setdefault(name, []).append([a, b, sha256_of(path, a, b)])
+        hashed += b - a
+    return ranges, hashed
+
+
+def _finish(
+    work: Path,
+    root: Path,
+    layout: Layout,
+    hashed: list[tuple[dict, int]],
+    built: list[dict],
+    expected: dict,
+    cfg: Config,
+) -> None:
+    """Rank 0: the arrays renamed into place, then the manifest, then the work directory gone."""
+    files, lengths = {}, {}
+    for name, entry in _placeholders(layout).items():
+        ranges = sorted(r for by_rank, _ in hashed for r in by_rank.get(name, []))
+        to = lengths if name.endswith("_lengths.npy") else files
+        to[name] = {"bytes": entry["bytes"], "sha256_ranges": ranges}
+    put_in_place(root, layout)
+    invalid_utf8, hashes, ranges = _source_hashes(layout, built)
+    empty = sum(u["empty"] for u in layout.units)
     manifest = {
         "version": CACHE_VERSION,
         "fingerprint": _with_hashes(json.loads((work / "build.json").read_text()), hashes, ranges),
@@ -57,67 +134,14 @@ def merge(work: Path, root: Path, built: list[dict], expected: dict, cfg: Config
             "not_utf8": f"data.on_invalid_utf8={cfg.data.on_invalid_utf8}",
             "too_long": "kept here; the batch plan drops examples longer than data.max_len",
         },
-        "counts": counts,
+        "counts": _counts(layout.totals(), empty, invalid_utf8),
         "files": files,
+        # Apart from `files`: derived from the offsets, so not part of the cache's digest, and
+        # a cache without them (built before they were stored) reads the same.
+        "lengths": lengths,
     }
     write_atomic(root / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
     shutil.rmtree(work)
-
-
-def _sizes(parts: list[Path], names: list[str]) -> tuple[dict[str, int], int]:
-    """Each array's length in the cache, and the records the parts dropped as empty."""
-    # From the small arrays alone: a side's token count is the sum of its lengths, so the
-    # token arrays are read once, by the copy (_concatenate).
-    sizes = {name: 0 for name in names}
-    empty = 0
-    for path in parts:
-        with np.load(path) as part:
-            for name in names:
-                if not name.endswith("_tokens"):
-                    sizes[name] += len(part[name])
-            for side in (n.removesuffix("_lengths") for n in names if n.endswith("_lengths")):
-                sizes[f"{side}_tokens"] += int(part[f"{side}_lengths"].sum())
-            empty += int(part["empty"])
-    return sizes, empty
-
-
-def _outputs(names: list[str], dtypes: dict, sizes: dict[str, int]) -> dict[str, tuple]:
-    """{cache array: (part array, dtype, length)}, in the order they are written."""
-    outputs = {}
-    for name in names:
-        if name.endswith("_lengths"):  # stored as offsets: n + 1 entries
-            side = name.removesuffix("_lengths")
-            outputs[f"{side}_offsets"] = (name, np.int64, sizes[name] + 1)
-        else:
-            outputs[name] = (name, dtypes[name], sizes[name])
-    return outputs
-
-
-def _concatenate(
-    path: Path, parts: list[Path], offsets: list[int], name: str, dtype, size: int
-) -> None:
-    """Array `name` of every part, one after another, as the cache's array at `path` (offsets,
-    for lengths), written to a temporary file, synced and renamed into place."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(size,))
-    at, total = 0, 0
-    to_offsets = path.stem.endswith("_offsets")
-    if to_offsets:
-        arr[0], at = 0, 1
-    for p, offset in zip(parts, offsets, strict=True):
-        with np.load(p) as part:
-            chunk = part[name]
-        if name == "ids":  # a shard's part counts its records from the shard's start
-            chunk = chunk + offset
-        if to_offsets:
-            chunk = total + np.cumsum(chunk)
-            total = int(chunk[-1]) if len(chunk) else total
-        arr[at : at + len(chunk)] = chunk
-        at += len(chunk)
-    arr.flush()
-    del arr
-    fsync_path(tmp)
-    os.replace(tmp, path)
 
 
 def _counts(sizes: dict[str, int], empty: int, invalid_utf8: int) -> dict[str, int]:
@@ -134,26 +158,18 @@ def _counts(sizes: dict[str, int], empty: int, invalid_utf8: int) -> dict[str, i
     return counts
 
 
-def _parts_in_order(work: Path, built: list[dict]) -> tuple[list[Path], list[int], int, dict, dict]:
-    """The part files in corpus order, the record index each one's ids count from, the lines
-    skipped as not UTF-8, and the source files' sha256 that the shards' readers took: whole
-    files', and byte ranges' ([start, end, sha256] by file) where files were cut."""
-    if "shards" not in built[0]:  # chunks of the whole stream, ids already global
-        parts = [work / part_name(c) for c in range(built[0]["chunks"])]
-        return parts, [0] * len(parts), built[0]["invalid_utf8"], built[0]["sha256"], {}
-    parts, offsets, start, invalid, hashes, ranges = [], [], 0, 0, {}, {}
-    for s in range(built[0]["shards"]):
-        note = json.loads(read_text(work / shard_name(s)) or "null")
-        if note is None:
-            raise DataError(f"the data preparation lost shard {s}'s note; run it again")
-        parts += [work / shard_part_name(s, k) for k in range(note["chunks"])]
-        offsets += [start] * note["chunks"]
-        start += note["records"]
-        invalid += note["invalid_utf8"]
-        hashes.update(note.get("sha256", {}))
-        for path, piece in note.get("sha256_ranges", {}).items():
+def _source_hashes(layout: Layout, built: list[dict]) -> tuple[int, dict, dict]:
+    """The lines skipped as not UTF-8, and the source files' sha256 that the readers took:
+    whole files', and byte ranges' ([start, end, sha256] by file) where files were cut."""
+    if not layout.shards:  # chunks of the whole stream: rank 0 read and hashed it all
+        return built[0]["invalid_utf8"], built[0]["sha256"], {}
+    invalid, hashes, ranges = 0, {}, {}
+    for unit in layout.units:  # in corpus order
+        invalid += unit["invalid_utf8"]
+        hashes.update(unit["sha256"])
+        for path, piece in (unit["sha256_ranges"] or {}).items():
             ranges.setdefault(path, []).append(piece)
-    return parts, offsets, invalid, hashes, ranges
+    return invalid, hashes, ranges
 
 
 def _with_hashes(stamp: dict, hashes: dict[str, str], ranges: dict[str, list]) -> dict:
@@ -169,11 +185,15 @@ def _with_hashes(stamp: dict, hashes: dict[str, str], ranges: dict[str, list]) -
     return stamp
 
 
-def log_built(cache: TokenCache, seconds: float, world_size: int, most_read: int) -> None:
+def log_built(
+    cache: TokenCache, seconds: float, world_size: int, most_read: int, merged: dict
+) -> None:
     c = cache.counts()
     log.info(
         "token cache %s: %d examples of %d records (%d empty dropped, %d not UTF-8 skipped), "
-        "%d source tokens, built in %.1f s by %d rank(s), the busiest reading %d records",
+        "%d source tokens, built in %.1f s by %d rank(s), the busiest reading %d records; "
+        "merged at known offsets: rank 0 wrote %d and hashed %d of the %d bytes (%s), the "
+        "busiest wrote %d and hashed %d",
         cache.root,
         c["examples"],
         c["records_read"],
@@ -183,4 +203,10 @@ def log_built(cache: TokenCache, seconds: float, world_size: int, most_read: int
         seconds,
         world_size,
         most_read,
+        merged["written"][0],
+        merged["hashed"][0],
+        merged["bytes"],
+        size_text(merged["bytes"]),
+        max(merged["written"]),
+        max(merged["hashed"]),
     )
