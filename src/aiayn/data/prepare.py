@@ -24,8 +24,8 @@ log = logging.getLogger("aiayn")
 LARGE_WORLD = 16
 """From this many ranks (two nodes of 8 GPUs) a start that prepares its own data says so, and
 how to prepare it first. Below it a job is one node, and preparing at the first start is the
-convenience the demos and tests rely on; from it, every minute rank 0 spends training a
-tokenizer or merging a cache (or a few ranks copying a Hub split) idles 15 or more GPUs on
+convenience the demos and tests rely on; from it, every minute a start spends training a
+tokenizer on rank 0 or building a cache (or copying a Hub split) idles 15 or more GPUs on
 several nodes, while a CPU job does the same work on CPUs
 (slurm/prepare.sbatch)."""
 
