@@ -196,7 +196,7 @@ def beam_search_n_best(
     forced).
 
     Hypotheses are ranked by log P(Y | X) / lp(Y). A hypothesis that ends in eos is finished.
-    A sentence stops when no live hypothesis can still beat its best finished one (a live
+    A sentence stops when no live hypothesis can still beat its n_best-th finished one (a live
     score can at best be divided by lp at the length limit, since log-probabilities only add
     negative terms), or at its length limit, where eos is forced. Stopping once `beam`
     hypotheses have finished (fairseq's rule) is not enough: a confident model puts improbable
@@ -223,7 +223,8 @@ def beam_search_n_best(
         last = src.new_full((src.size(0), 1), bos_id)  # (B' * W, 1), W = 1 at first, then K
         history = src.new_zeros((src.size(0), 0))  # (B' * W, t): tokens of each hypothesis
         scores = torch.zeros(src.size(0), 1, device=src.device)  # (B', W) log P so far
-        # (B',) score of each sentence's best finished hypothesis, float64 like the Python
+        # (B',) score of each sentence's n_best-th finished hypothesis (its best with n_best
+        # 1; -inf while fewer have finished), float64 like the Python
         # floats that rank them
         best = torch.full((src.size(0),), float("-inf"), dtype=torch.float64, device=src.device)
         for step in range(int(limits.max()) + 1):
@@ -246,7 +247,7 @@ def beam_search_n_best(
             # 2K candidates: even if K of them end in eos, K live ones remain.
             vals, idx = cand.topk(2 * K, dim=1)  # (n, 2K)
             origin, tok = idx // V, idx % V  # (n, 2K): hypothesis extended, token appended
-            _finish(finished, best, live, vals, origin, tok, history, step, alpha, eos_id)
+            _finish(finished, best, live, vals, origin, tok, history, step, alpha, eos_id, n_best)
             # The K best candidates that do not end in eos live on (stable order by score).
             rank = torch.arange(2 * K, device=src.device).expand(n, -1)
             order = torch.where(tok == eos_id, rank + 2 * K, rank).argsort(dim=1)[:, :K]
@@ -302,9 +303,10 @@ def _only_eos(logp: torch.Tensor, eos_id: int) -> torch.Tensor:
     return forced
 
 
-def _finish(finished, best, live, vals, origin, tok, history, step, alpha, eos_id) -> None:
+def _finish(finished, best, live, vals, origin, tok, history, step, alpha, eos_id, n_best) -> None:
     """Record the hypotheses ending in eos among the top K candidates, keeping each sentence's
-    K best in finished[live[b]] and the score of its best in best[b]."""
+    K best in finished[live[b]] and the score of its n_best-th in best[b] once it has that
+    many."""
     K = vals.size(1) // 2
     ends = (tok[:, :K] == eos_id) & torch.isfinite(vals[:, :K])  # (n, K)
     if not bool(ends.any()):
@@ -317,7 +319,8 @@ def _finish(finished, best, live, vals, origin, tok, history, step, alpha, eos_i
         hyps.append((float(vals[b, j]) / lp, ids))
         hyps.sort(key=lambda hyp: hyp[0], reverse=True)
         del hyps[K:]
-        best[b] = hyps[0][0]
+        if len(hyps) >= n_best:
+            best[b] = hyps[n_best - 1][0]
 
 
 def generate(
