@@ -461,3 +461,16 @@ def test_an_ensembles_score_is_the_mean_of_its_members_scores(toy, src):
         for h in hyps:
             mean = (score(toy, s, h.ids, 0.6) + score(other, s, h.ids, 0.6)) / 2
             assert abs(h.score - mean) < 1e-4
+
+
+def test_an_ensemble_of_models_over_other_vocabularies_is_refused(tok, corpus, tmp_path):
+    from aiayn.config import TokenizerConfig
+    from aiayn.errors import ConfigError
+    from aiayn.infer.ensemble import check_same_vocabulary
+    from aiayn.tokenizer import train_tokenizer
+
+    check_same_vocabulary(["a", "b"], [tok, tok])
+    sents = (corpus / "train.en").read_text().splitlines()
+    other = train_tokenizer(TokenizerConfig(vocab_size=120), sents, tmp_path / "other.model")
+    with pytest.raises(ConfigError, match="b has another vocabulary than a .* same tokenizer"):
+        check_same_vocabulary(["a", "b"], [tok, other])
