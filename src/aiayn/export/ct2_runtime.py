@@ -16,6 +16,11 @@ reads it. Greedy output equals the torch engine's token for token
   a sinusoidal export's table has at least 1024 rows (for callers of CTranslate2 itself, whose
   limits are their own). Generation may go on up to the export's max_positions (aiayn.json),
   where the torch engine stops at model.max_len.
+
+n-best lists (decode.n_best, CTranslate2's num_hypotheses) carry CTranslate2's scores: log P /
+len^alpha, of a softmax that leaves pad and bos out (suppress_sequences) where aiayn bans them
+after its softmax, so they are higher by that mass and near-ties can swap. Sampling
+(decode.sampling) draws from CTranslate2's generator, seeded once: not aiayn's samples.
 """
 
 from __future__ import annotations
@@ -160,7 +165,7 @@ def translate_ct2(
             sampling_temperature=sampling.temperature,
         )
         if sampling.enabled
-        else dict(beam_size=dec.beam, length_penalty=dec.alpha)
+        else dict(beam_size=dec.beam)
     )
 
     def decode(batch: list[list[int]], index: list[int]) -> list[list[Hypothesis]]:
@@ -169,6 +174,7 @@ def translate_ct2(
             model.pieces(batch),
             num_hypotheses=dec.n_best,
             return_scores=True,
+            length_penalty=dec.alpha,  # its scores' too: log P / len^alpha
             max_decoding_length=max(limits),
             min_decoding_length=dec.min_len,
             max_input_length=0,  # cut by translate_batches, with a warning, not silently at 1024
