@@ -408,6 +408,13 @@ def test_a_sentences_sample_depends_on_its_seed_and_key_not_on_its_batch(toy, sr
     assert alone == batch
     flipped = [h[0].ids for h in _sample(toy, src.flip(0), keys[::-1], temperature=1.5)]
     assert flipped[::-1] == batch
+    # n samples: each sentence's the same alone as in the batch (its draws fixed by its source)
+    three = _sample(toy, src, keys, temperature=1.5, n=3)
+    row, key = src[5], keys[5]
+    alone = _sample(toy, row[row != PAD][None], [key], temperature=1.5, n=3)[0]
+    assert [h.ids for h in alone] == [h.ids for h in three[5]]
+    # the scores to the last bits that a padded batch moves (translate.length_batches)
+    assert all(abs(a.score - b.score) < 1e-5 for a, b in zip(alone, three[5], strict=True))
     assert batch != greedy_search(toy, src, **KW)  # it does sample
     other = [h[0].ids for h in _sample(toy, src, keys, temperature=1.5, seed=8)]
     assert other != batch

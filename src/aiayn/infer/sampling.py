@@ -77,10 +77,14 @@ def sample_search(
     B = src.size(0)
     limits = _max_lengths(model, src, pad_id, max_len_b)  # (B,)
     steps = int(limits.max())
-    # (B * n, steps): sample j of sentence b is row b * n + j; its u[t] picks token t.
-    uniforms = torch.cat(
-        [torch.rand(n, steps, generator=sentence_generator(seed, key)) for key in keys]
-    ).to(src.device)
+    # (B * n, steps): sample j of sentence b is row b * n + j; its u[t] picks token t. Each
+    # sentence draws (n, its own limit), which its source fixes, whatever the batch: the
+    # columns past it are never read.
+    uniforms = torch.ones(B * n, steps)
+    for b, (key, limit) in enumerate(zip(keys, limits.tolist(), strict=True)):
+        drawn = torch.rand(n, limit, generator=sentence_generator(seed, key))
+        uniforms[b * n : (b + 1) * n, :limit] = drawn
+    uniforms = uniforms.to(src.device)
     src = src.repeat_interleave(n, dim=0)  # (B * n, S)
     out: list[list[int]] = [[] for _ in range(B * n)]
     total = [0.0] * (B * n)
