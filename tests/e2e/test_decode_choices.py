@@ -110,12 +110,15 @@ def test_an_ensemble_of_a_model_twice_translates_as_that_model(trained):
     run, lines = trained
     stdin = "\n".join(lines[:20]) + "\n"
     for beam in ("decode.beam=1", "decode.beam=3"):
-        one = aiayn("translate", "--checkpoint", str(run), "--n-best", "1", beam, stdin=stdin)
+        # batch_size 1: the stream reads 16 lines a batch, so indices go on across batches
+        beam = f"{beam} decode.batch_size=1".split()
+        one = aiayn("translate", "--checkpoint", str(run), "--n-best", "1", *beam, stdin=stdin)
         twice = aiayn(
             "translate", "--checkpoint", str(run), "--checkpoint", str(run), "--n-best", "1",
-            beam, stdin=stdin,
+            *beam, stdin=stdin,
         )  # fmt: skip
         assert one.returncode == 0 and twice.returncode == 0, twice.stderr
+        assert sorted(parse_n_best(one.stdout)) == list(range(20))
         assert twice.stdout == one.stdout  # scores, to the printed digits, too
     # a glob: both kept checkpoints, an ensemble of two different models
     pattern = str(run / "checkpoints" / "step_*")

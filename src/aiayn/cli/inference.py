@@ -25,9 +25,7 @@ def add_parsers(sub) -> None:
         [
             "echo 'forty-two thousand one' | aiayn translate runs/demo",
             "aiayn translate --checkpoint runs/demo --input de.txt --output en.txt decode.beam=1",
-            "aiayn translate exports/demo-ct2 --engine ctranslate2 --input de.txt",
-            "aiayn translate runs/demo --n-best 4 --json < de.txt",
-            "aiayn translate 'runs/seed*/averaged' < de.txt   # an ensemble",
+            "aiayn translate exports/demo-ct2 --engine ctranslate2 --n-best 4 --input de.txt",
         ],
     )
     add_checkpoint(p, "decode.beam=1 decode.max_len_b=80", many=True)
