@@ -80,7 +80,9 @@ def _keys_of(cls: type, prefix: str) -> list[Key]:
     keys = []
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(_default(f)):
-            continue  # a section: listed on its own
+            if prefix:  # a section within a section (decode.sampling): its keys, dotted
+                keys += _keys_of(type(_default(f)), f"{prefix}{f.name}.")
+            continue  # a top-level section: listed on its own
         annotation, doc = docs.get(f.name, (str(f.type), None))
         rng = f.metadata.get("range") if f.metadata else None
         rng_text = str(rng) if rng is not None and (rng.low, rng.high) != (None, None) else None

@@ -20,6 +20,11 @@ English side the monolingual text (its German is used only by the "full" row). S
                 back-translation tagged <bt> (data.sources, weights 1:1); the same untagged;
                 and the full parallel set (both halves). Each averaged and scored on
                 test_2016_flickr.
+  6. --variants  Edunov et al. (2018)'s other synthetic sources, each translated from half B
+                by the same reverse model and trained on untagged and tagged: sampled from the
+                10 most probable tokens, sampled from all, and beam output with noise (words
+                dropped and blanked with p 0.1, moved at most 3 places). About an hour of CPU
+                per row, six rows: not yet measured (docs/recipes.md#back-translation).
 A stage whose result exists is kept, so an interrupted run goes on where it stopped.
 key=value overrides go to every training (e.g. train.max_steps=1000).
 """
@@ -45,6 +50,13 @@ from stages import (  # launch/stages.py
 CONFIG = "configs/multi30k_de_en.yaml"
 DATA = Path("data/backtranslation")
 TAG = "<bt>"
+VARIANTS = {
+    "sampled top-10": ["decode.sampling.enabled=true", "decode.sampling.top_k=10"],
+    "sampled": ["decode.sampling.enabled=true"],
+    "noised beam": ["decode.noise.drop=0.1", "decode.noise.blank=0.1", "decode.noise.swap=3"],
+}
+"""--variants: the synthetic sources beside beam's, as `aiayn translate` overrides (Edunov et
+al. 2018, §3 and Table 1)."""
 
 
 def split_halves(train: Path, out: Path) -> int:
@@ -73,9 +85,37 @@ def train_and_score(name: str, common: list[str], data: list[str], k: int) -> di
     return json.loads(summary.read_text())["scores"]["test"]
 
 
+def back_translate(data_dir: Path, prefix: str, decoding: list[str]) -> None:
+    """Half B's English into German by the averaged reverse model, with `decoding` overrides:
+    PREFIX.de, beside a copy of the English as PREFIX.en (kept where it exists)."""
+    if not (data_dir / f"{prefix}.de").is_file():
+        reverse = "runs/backtranslation/reverse/averaged"
+        run(["translate", "--checkpoint", reverse, "--input", f"{DATA}/mono.en",
+             "--output", f"{DATA}/{prefix}.de", *decoding])  # fmt: skip
+        (data_dir / f"{prefix}.en").write_bytes((data_dir / "mono.en").read_bytes())
+    lines = (data_dir / f"{prefix}.de").read_text("utf-8").splitlines()
+    empty = sum(not line.strip() for line in lines)
+    # decode.min_len keeps beam search from the empty hypothesis (docs/recipes.md); with
+    # decode.min_len=0 some are empty, and the token cache drops those pairs.
+    print(f"{empty} of {len(lines)} back-translations ({prefix}) are empty")
+
+
+def bt_sources(prefix: str, tag: str) -> str:
+    """data.sources: half A and the back-translation PREFIX, 1:1, the latter with `tag`."""
+    return (
+        f"data.sources=[{{name: parallel, path: {DATA}/half_a, weight: 1}}, "
+        f"{{name: bt, path: {DATA}/{prefix}, weight: 1{tag}}}]"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=CONFIG)
+    parser.add_argument(
+        "--variants",
+        action="store_true",
+        help="also the sampled (top-10, unrestricted) and noised back-translations' rows",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value, given to every training")
     args = parser.parse_args(argv)
     cfg = load_config(ROOT / args.config, args.overrides)  # validated before any stage runs
@@ -103,24 +143,18 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_once(data_dir / "bpe8k_bt.model", [*common, *half_a, symbols])
     row("reverse en->de, half A", "reverse", ["data.src_lang=en", "data.tgt_lang=de", *half_a])
     with stage("back-translate"):
-        if not (data_dir / "bt.de").is_file():
-            reverse = "runs/backtranslation/reverse/averaged"
-            run(["translate", "--checkpoint", reverse, "--input", f"{DATA}/mono.en",
-                 "--output", f"{DATA}/bt.de"])  # fmt: skip
-            (data_dir / "bt.en").write_bytes((data_dir / "mono.en").read_bytes())
-        lines = (data_dir / "bt.de").read_text("utf-8").splitlines()
-        empty = sum(not line.strip() for line in lines)
-        # decode.min_len keeps beam search from the empty hypothesis (docs/recipes.md); with
-        # decode.min_len=0 some are empty, and the token cache drops those pairs.
-        print(f"{empty} of {len(lines)} back-translations are empty")
+        back_translate(data_dir, "bt", [])
     row("half A", "half", half_a)
     for name, tag in (("tagged", f", tag: '{TAG}'"), ("untagged", "")):
-        sources = (
-            f"data.sources=[{{name: parallel, path: {DATA}/half_a, weight: 1}}, "
-            f"{{name: bt, path: {DATA}/bt, weight: 1{tag}}}]"
-        )
-        row(f"half A + BT, {name}", name, ["data.train=null", sources])
+        row(f"half A + BT, {name}", name, ["data.train=null", bt_sources("bt", tag)])
     row("full parallel (A + B)", "full", [])
+    for variant, decoding in VARIANTS.items() if args.variants else ():
+        prefix = "bt_" + variant.replace(" ", "_").replace("-", "")
+        with stage(f"back-translate, {variant}"):
+            back_translate(data_dir, prefix, decoding)
+        for name, tag in (("tagged", f", tag: '{TAG}'"), ("untagged", "")):
+            data = ["data.train=null", bt_sources(prefix, tag)]
+            row(f"half A + BT {variant}, {name}", f"{prefix}_{name}", data)
     stage.done()
 
     print(f"\nBack-translation, Multi30k de->en, test_2016_flickr ({args.config})\n")

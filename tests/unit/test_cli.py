@@ -36,12 +36,12 @@ REPORTS_NUMBERS = {
     "finish",
     "config show",
     "config check",
+    "translate",  # --n-best: each hypothesis's score
 }
 REPORTS_NO_NUMBERS = {
     "train",  # its numbers go to the log, TensorBoard and run_dir
     "data download",
     "demo-data",
-    "translate",
     "generate",
     "average",
     "export",
@@ -144,12 +144,14 @@ def test_the_checkpoint_is_taken_as_an_argument_or_an_option_with_overrides_anyw
     a = parse(["translate", "runs/demo", "--input", "x", "decode.beam=1"])
     b = parse(["translate", "--checkpoint", "runs/demo", "--input", "x", "decode.beam=1"])
     c = parse(["translate", "decode.beam=1", "--checkpoint", "runs/demo", "--input", "x"])
-    for args in (a, b, c):
+    for args in (a, b, c):  # translate takes several (an ensemble): a list
         assert (args.checkpoint, args.overrides, args.input) == (
-            "runs/demo",
+            ["runs/demo"],
             ["decode.beam=1"],
             "x",
         )
+    d = parse(["translate", "r1", "r2", "decode.beam=1", "--checkpoint", "r3", "decode.alpha=0"])
+    assert (d.checkpoint, d.overrides) == (["r1", "r2", "r3"], ["decode.beam=1", "decode.alpha=0"])
     assert parse(["export", "--checkpoint", "r", "--out", "o"]).checkpoint == "r"
     assert parse(["average", "a", "b", "--checkpoint", "c", "--out", "o"]).checkpoint == [
         "a",
@@ -165,7 +167,7 @@ def test_the_checkpoint_is_taken_as_an_argument_or_an_option_with_overrides_anyw
     "argv, message",
     [
         (["translate"], "give CHECKPOINT: as an argument or as --checkpoint"),
-        (["translate", "a", "--checkpoint", "b"], "CHECKPOINT given twice"),
+        (["generate", "a", "--checkpoint", "b"], "CHECKPOINT given twice"),
         (["export", "r", "--out", "x", "stray"], "unrecognized argument: stray"),
         (["finish", "--last", "2"], "give RUN"),
     ],

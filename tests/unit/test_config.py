@@ -113,13 +113,23 @@ def test_every_shipped_config_loads(path):
     assert isinstance(cfg, Config)
 
 
-def bounded_fields():
-    defaults = Config()
-    for section in dataclasses.fields(Config):
-        values = getattr(defaults, section.name)
-        for f in dataclasses.fields(values) if dataclasses.is_dataclass(values) else ():
-            if "range" in f.metadata:
-                yield section.name, f.name, f.metadata["range"]
+def bounded_fields(values=None, prefix=""):
+    """(dotted section, field, range) of every bounded field, in sections within sections too
+    (decode.sampling)."""
+    values = Config() if values is None else values
+    for f in dataclasses.fields(values):
+        inner = getattr(values, f.name)
+        if dataclasses.is_dataclass(inner):
+            yield from bounded_fields(inner, f"{prefix}{f.name}.")
+        elif prefix and "range" in f.metadata:
+            yield prefix[:-1], f.name, f.metadata["range"]
+
+
+def _nested(section: str, value) -> dict:
+    """{"decode": {"sampling": value}} for "decode.sampling"."""
+    for part in reversed(section.split(".")):
+        value = {part: value}
+    return value
 
 
 @pytest.mark.parametrize("section, name, bound", list(bounded_fields()))
@@ -129,11 +139,13 @@ def test_every_declared_range_refuses_the_value_past_each_end(section, name, bou
         outside.append(bound.low if bound.low_open else bound.low - 1)
     if bound.high is not None:
         outside.append(bound.high if bound.high_open else bound.high + 1)
-    default = getattr(getattr(Config(), section), name)
+    default = Config()
+    for part in [*section.split("."), name]:
+        default = getattr(default, part)
     for value in outside:
         raw_value = [value, value] if isinstance(default, list) else value
         with pytest.raises(ConfigError, match=rf"{section}\.{name} must be .*, got"):
-            config_from_dict({"data": {"train": "x"}, section: {name: raw_value}})
+            config_from_dict({"data": {"train": "x"}, **_nested(section, {name: raw_value})})
 
 
 def test_the_ranges_are_declared_on_the_fields():
@@ -147,8 +159,10 @@ def test_the_ranges_are_declared_on_the_fields():
         "distributed.zero_stage",
         "data.pad_to_multiple",
         "train.ema",
+        "decode.sampling.top_p",
+        "decode.noise.swap",
     } <= declared
-    assert len(declared) == 56  # every numeric field with a bound
+    assert len(declared) == 64  # every numeric field with a bound
 
 
 SHAKESPEARE = Path(__file__).parents[2] / "configs" / "tinyshakespeare_lm.yaml"
@@ -377,3 +391,33 @@ def test_the_paper_configs_take_the_papers_batch_on_1_to_8_gpus(project_root):
         cfg = load_config(Path(project_root) / f"configs/wmt14_en_de_{name}.yaml")
         assert {cfg.train.step_tokens(w) for w in (1, 2, 4, 8)} == {24576}
         assert cfg.train.grad_accum is None
+
+
+def test_decode_sampling_noise_and_n_best_are_checked_together():
+    data = "data.train=x"
+    cfg = load_config(
+        None,
+        [data, "decode.sampling.enabled=true", "decode.sampling.top_k=10", "decode.noise.swap=3"],
+    )
+    assert cfg.decode.sampling.top_k == 10 and cfg.decode.noise.swap == 3
+    assert cfg.decode.sampling.top_p == 1.0 and cfg.decode.noise.drop == 0.0
+    bad = [
+        data,
+        "decode.sampling.top_p=0",
+        "decode.sampling.temperature=0",
+        "decode.noise.drop=1.5",
+        "decode.beam=4",
+        "decode.n_best=5",
+    ]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, bad)
+    text = str(err.value)
+    assert "decode.sampling.top_p must be in (0, 1]" in text
+    assert "decode.sampling.temperature must be > 0" in text
+    assert "decode.noise.drop must be 0..1" in text
+    assert "decode.n_best 5 is more than decode.beam 4" in text and "decode.beam=5" in text
+    with pytest.raises(ConfigError, match=r"did you mean decode\.sampling\.top_k\?"):
+        load_config(None, [data, "decode.sampling.topk=3"])
+    # n samples a sentence need no beam
+    sampled = load_config(None, [data, "decode.sampling.enabled=true", "decode.n_best=5"])
+    assert sampled.decode.n_best == 5

@@ -342,14 +342,142 @@ def test_min_len_keeps_eos_back_until_that_many_tokens_but_not_for_an_empty_sour
 
 
 def test_an_empty_line_is_translated_as_an_empty_line_without_decoding_it(tok):
+    from aiayn.infer.decode import Hypothesis
     from aiayn.infer.translate import translate_batches
 
     seen = []
 
-    def decode(batch):
+    def decode(batch, index):
         seen.extend(batch)
-        return [ids[::-1] for ids in batch]
+        return [[Hypothesis(-1.0, ids[::-1])] for ids in batch]
 
     out = translate_batches(tok, ["one two", "", "three"], 64, 2, decode)
-    assert out[1] == "" and out[0] and out[2]
+    assert out[1] == [("", 0.0)] and out[0][0][0] and out[2][0][0]
     assert [] not in seen and len(seen) == 2
+
+
+# n-best lists, sampling, noise, ensembles (issue 57)
+
+
+def test_the_n_best_list_starts_with_the_beam_output_and_is_sorted_by_its_scores(toy, src):
+    from aiayn.infer.decode import beam_search_n_best
+
+    best = beam_search(toy, src, beam=4, alpha=0.6, **KW)
+    lists = beam_search_n_best(toy, src, beam=4, alpha=0.6, n_best=4, **KW)
+    assert [hyps[0].ids for hyps in lists] == best
+    assert all(len(hyps) == 4 for hyps in lists)
+    for s, hyps in zip(src, lists, strict=True):
+        scores = [h.score for h in hyps]
+        assert scores == sorted(scores, reverse=True)
+        assert len({tuple(h.ids) for h in hyps}) == 4  # four different hypotheses
+        # each score is the hypothesis's log P / lp, as recomputed by a full forward
+        assert all(abs(h.score - score(toy, s, h.ids, 0.6)) < 1e-4 for h in hyps)
+    with pytest.raises(ValueError, match="widen the beam"):
+        beam_search_n_best(toy, src, beam=2, n_best=3, **KW)
+
+
+def test_a_scored_greedy_search_is_greedy_search_with_its_hypotheses_log_p(toy, src):
+    from aiayn.infer.decode import scored_greedy_search
+
+    hyps = scored_greedy_search(toy, src, alpha=0.6, scored=True, **KW)
+    assert [h.ids for h in hyps] == greedy_search(toy, src, **KW)
+    for s, h in zip(src, hyps, strict=True):
+        if len(h.ids) < 4 + (s != PAD).sum():  # ended by eos, not cut at its limit
+            assert abs(h.score - score(toy, s, h.ids, 0.6)) < 1e-4
+
+
+def _sample(model, src, keys, **kw):
+    from aiayn.infer.sampling import sample_search
+
+    return sample_search(model, src, keys, **{"seed": 7, **kw}, **KW)
+
+
+def test_top_k_one_and_a_tiny_top_p_sample_what_greedy_search_finds(toy, src):
+    greedy = greedy_search(toy, src, **KW)
+    keys = [(0, i) for i in range(len(src))]
+    for filters in (dict(top_k=1), dict(top_p=1e-6), dict(top_k=1, temperature=3.0)):
+        assert [h[0].ids for h in _sample(toy, src, keys, **filters)] == greedy, filters
+
+
+def test_a_sentences_sample_depends_on_its_seed_and_key_not_on_its_batch(toy, src):
+    keys = [(0, i) for i in range(len(src))]
+    batch = [h[0].ids for h in _sample(toy, src, keys, temperature=1.5)]
+    # alone, or in another batch in another order: the same samples
+    alone = [_sample(toy, row[row != PAD][None], [k], temperature=1.5)[0][0].ids
+             for row, k in zip(src, keys, strict=True)]  # fmt: skip
+    assert alone == batch
+    flipped = [h[0].ids for h in _sample(toy, src.flip(0), keys[::-1], temperature=1.5)]
+    assert flipped[::-1] == batch
+    # n samples: each sentence's the same alone as in the batch (its draws fixed by its source)
+    three = _sample(toy, src, keys, temperature=1.5, n=3)
+    row, key = src[5], keys[5]
+    alone = _sample(toy, row[row != PAD][None], [key], temperature=1.5, n=3)[0]
+    assert [h.ids for h in alone] == [h.ids for h in three[5]]
+    # the scores to the last bits that a padded batch moves (translate.length_batches)
+    assert all(abs(a.score - b.score) < 1e-5 for a, b in zip(alone, three[5], strict=True))
+    assert batch != greedy_search(toy, src, **KW)  # it does sample
+    other = [h[0].ids for h in _sample(toy, src, keys, temperature=1.5, seed=8)]
+    assert other != batch
+    # n samples a sentence: the first of them is the n = 1 sample, the list sorted by score
+    many = _sample(toy, src, keys, temperature=1.5, n=3)
+    assert all([h.score for h in m] == sorted((h.score for h in m), reverse=True) for m in many)
+    assert any(len({tuple(h.ids) for h in m}) > 1 for m in many)
+
+
+def test_noise_drops_blanks_and_moves_words_at_most_swap_positions():
+    from aiayn.infer.sampling import noised, sentence_generator
+
+    words = [f"w{i}" for i in range(40)]
+
+    def g(i=0):
+        return sentence_generator(3, (0, i, 1))
+
+    assert noised(words, g(), 0.1, 0.1, 3, "<blank>") == noised(words, g(), 0.1, 0.1, 3, "<blank>")
+    assert noised(words, g(), 0.1, 0.1, 3, "<blank>") != noised(words, g(1), 0.1, 0.1, 3, "<blank>")
+    assert noised(words, g(), 1.0, 0.0, 0, "_") == []
+    assert noised(words, g(), 0.0, 1.0, 0, "_") == ["_"] * 40
+    shuffled = noised(words, g(), 0.0, 0.0, 3, "_")
+    assert sorted(shuffled) == sorted(words) and shuffled != words
+    assert all(abs(words.index(w) - i) <= 3 for i, w in enumerate(shuffled))
+    dropped = noised(words, g(), 0.5, 0.0, 0, "_")
+    assert 5 < len(dropped) < 35 and dropped == [w for w in words if w in dropped]
+
+
+def test_an_ensemble_of_one_model_twice_is_that_model_bit_for_bit(toy, src):
+    from aiayn.infer.decode import beam_search_n_best, scored_greedy_search
+    from aiayn.infer.ensemble import Ensemble
+
+    twice = Ensemble([toy, toy])
+    assert greedy_search(twice, src, **KW) == greedy_search(toy, src, **KW)
+    one = scored_greedy_search(toy, src, scored=True, alpha=0.6, **KW)
+    assert scored_greedy_search(twice, src, scored=True, alpha=0.6, **KW) == one
+    one = beam_search_n_best(toy, src, beam=4, n_best=4, **KW)
+    assert beam_search_n_best(twice, src, beam=4, n_best=4, **KW) == one  # scores' bits too
+    assert twice.training and toy.training  # the searches gave the mode back
+
+
+def test_an_ensembles_score_is_the_mean_of_its_members_scores(toy, src):
+    from aiayn.infer.decode import beam_search_n_best
+    from aiayn.infer.ensemble import Ensemble
+
+    other = tiny(seed=1)  # untrained: it pulls the ensemble elsewhere
+    pair = Ensemble([toy, other])
+    lists = beam_search_n_best(pair, src, beam=3, n_best=3, alpha=0.6, **KW)
+    assert [h[0].ids for h in lists] != beam_search(toy, src, beam=3, alpha=0.6, **KW)
+    for s, hyps in zip(src, lists, strict=True):
+        for h in hyps:
+            mean = (score(toy, s, h.ids, 0.6) + score(other, s, h.ids, 0.6)) / 2
+            assert abs(h.score - mean) < 1e-4
+
+
+def test_an_ensemble_of_models_over_other_vocabularies_is_refused(tok, corpus, tmp_path):
+    from aiayn.config import TokenizerConfig
+    from aiayn.errors import ConfigError
+    from aiayn.infer.ensemble import check_same_vocabulary
+    from aiayn.tokenizer import train_tokenizer
+
+    check_same_vocabulary(["a", "b"], [tok, tok])
+    sents = (corpus / "train.en").read_text().splitlines()
+    other = train_tokenizer(TokenizerConfig(vocab_size=120), sents, tmp_path / "other.model")
+    with pytest.raises(ConfigError, match="b has another vocabulary than a .* same tokenizer"):
+        check_same_vocabulary(["a", "b"], [tok, other])

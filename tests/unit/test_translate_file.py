@@ -12,7 +12,7 @@ LINES = [f"line {i} " + "x" * (i % 17) for i in range(500)] + ["", "  ", "ünïc
 
 
 def upper(calls):
-    def translate(lines):
+    def translate(lines, chunk=0):
         calls.append(len(lines))
         return [line.upper() for line in lines]
 
@@ -53,7 +53,7 @@ def test_a_resumed_translation_skips_what_was_written_and_refuses_other_parts(tm
     parts = out.with_name("out.txt.parts")
     calls = []
 
-    def dies_after_two(lines):
+    def dies_after_two(lines, chunk):
         if len(calls) == 2:
             raise KeyboardInterrupt  # a kill after two chunks
         return upper(calls)(lines)

@@ -90,14 +90,17 @@ def add_json(p: argparse.ArgumentParser, note: str | None = None) -> None:
     p.add_argument("--json", action="store_true", help=help)
 
 
-def add_checkpoint(p: argparse.ArgumentParser, overrides_example: str) -> None:
-    """The checkpoint and how to run it: translate, evaluate, generate."""
+def add_checkpoint(p: argparse.ArgumentParser, overrides_example: str, many: bool = False) -> None:
+    """The checkpoint and how to run it: translate, evaluate, generate; several (`many`) are
+    an ensemble."""
     add_either(
         p,
         "checkpoint",
         "CHECKPOINT",
         "a run_dir (its latest checkpoint), a step or averaged dir, an exported .safetensors, "
-        "or with --engine ctranslate2 a CTranslate2 export directory",
+        "or with --engine ctranslate2 a CTranslate2 export directory"
+        + ("; several, or a glob: an ensemble (docs/serving.md)" if many else ""),
+        many=many,
     )
     p.add_argument(
         "--device",
@@ -134,7 +137,11 @@ def finish_args(args: argparse.Namespace, extra: list[str]) -> argparse.Namespac
     for dest, metavar, many in args._either:
         given, option = getattr(args, f"{dest}_arg"), getattr(args, dest)
         if many:
-            value = list(given or []) + list(option or [])
+            given = list(given or [])
+            if overrides is not None:  # "*" then "*": the first positional took the overrides
+                overrides[:0] = [w for w in given if OVERRIDE.match(w)]
+                given = [w for w in given if not OVERRIDE.match(w)]
+            value = given + list(option or [])
         else:
             if given is not None and option is not None:
                 if overrides is not None and OVERRIDE.match(given):

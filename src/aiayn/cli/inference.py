@@ -25,10 +25,12 @@ def add_parsers(sub) -> None:
         [
             "echo 'forty-two thousand one' | aiayn translate runs/demo",
             "aiayn translate --checkpoint runs/demo --input de.txt --output en.txt decode.beam=1",
-            "aiayn translate exports/demo-ct2 --engine ctranslate2 --input de.txt",
+            "aiayn translate exports/demo-ct2 --engine ctranslate2 --n-best 4 --input de.txt",
         ],
     )
-    add_checkpoint(p, "decode.beam=1 decode.max_len_b=80")
+    add_checkpoint(p, "decode.beam=1 decode.max_len_b=80", many=True)
+    _add_n_best(p)
+    add_json(p, "--n-best lists, a line per sentence")
     p.add_argument("--input", help="source file (default: stdin)")
     add_output(p, "hypotheses file (default: stdout)")
     p.add_argument(
@@ -48,7 +50,8 @@ def add_parsers(sub) -> None:
             "aiayn evaluate runs/tinyshakespeare --device cpu train.eval_stride=128",
         ],
     )
-    add_checkpoint(p, "decode.beam=1 train.eval_stride=128")
+    add_checkpoint(p, "decode.beam=1 train.eval_stride=128", many=True)
+    _add_n_best(p)
     p.add_argument(
         "--split", default="test", choices=["train", "valid", "test"], help="which split"
     )
@@ -104,19 +107,52 @@ def add_parsers(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="the sampler's seed")
 
 
-def cmd_translate(args) -> int:
-    from aiayn.checkpoint.inference import load_for_inference
-    from aiayn.export.ct2_runtime import check_engine, translate_ct2
-    from aiayn.infer.stream import translate_stream
-    from aiayn.infer.translate import translate
+def _add_n_best(p) -> None:
+    p.add_argument(
+        "--n-best",
+        type=int,
+        default=None,
+        metavar="K",
+        help="the K best hypotheses of each sentence with their scores, `INDEX ||| TEXT ||| "
+        "SCORE` a line (decode.n_best=K; K <= decode.beam); evaluate scores the first and "
+        "writes the lists beside the hypotheses (.nbest)",
+    )
 
-    check_engine(args.checkpoint, args.engine)
+
+def _models(args) -> list[str]:
+    """--checkpoint's values (globs expanded), each checked against --engine; --n-best made the
+    override it stands for. An ensemble is for --engine torch."""
+    from aiayn.errors import ConfigError
+    from aiayn.export.ct2_runtime import check_engine
+    from aiayn.infer.ensemble import checkpoint_paths
+
+    checkpoints = checkpoint_paths(args.checkpoint)
+    for checkpoint in checkpoints:
+        check_engine(checkpoint, args.engine)
+    if len(checkpoints) > 1 and args.engine != "torch":
+        raise ConfigError(
+            f"CHECKPOINT names {len(checkpoints)} models: an ensemble runs with --engine torch "
+            "(give its checkpoints, not their CTranslate2 exports)"
+        )
+    if args.n_best is not None:
+        args.overrides = [*args.overrides, f"decode.n_best={args.n_best}"]
+    return checkpoints
+
+
+def cmd_translate(args) -> int:
+    from aiayn.export.ct2_runtime import translate_ct2
+    from aiayn.infer.ensemble import load_ensemble
+    from aiayn.infer.stream import translate_stream
+    from aiayn.infer.translate import n_best_lines, translate, translate_n_best
+
+    checkpoints = _models(args)
+    n_best = args.n_best is not None or args.json
     if args.input and not Path(args.input).is_file():
         from aiayn.errors import DataError
 
         raise DataError(f"--input {args.input}: no such file")
     if args.input and args.output and args.engine == "torch":
-        return _translate_file(args)
+        return _translate_file(args, checkpoints, n_best)
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         from aiayn.errors import ConfigError
 
@@ -127,17 +163,29 @@ def cmd_translate(args) -> int:
     if args.engine == "ctranslate2":
         from aiayn.export.ct2_runtime import Ct2Model
 
-        model = Ct2Model(args.checkpoint, args.overrides, args.device, args.threads)
+        model = Ct2Model(checkpoints[0], args.overrides, args.device, args.threads)
         batch = model.cfg.decode.batch_size
 
-        def translate_lines(lines: list[str]) -> list[str]:
-            return translate_ct2(model, lines)
+        def hypotheses(lines: list[str], first: int):
+            return translate_ct2(model, lines, n_best=n_best)
     else:
-        cfg, model, tok, _ = load_for_inference(args.checkpoint, args.overrides, args.device)
+        cfg, model, tok, _ = load_ensemble(checkpoints, args.overrides, args.device)
         device, batch = next(model.parameters()).device, cfg.decode.batch_size
+        run = translate_n_best if n_best else translate
 
-        def translate_lines(lines: list[str]) -> list[str]:
-            return translate(model, tok, lines, cfg.decode, device)
+        def hypotheses(lines: list[str], first: int):
+            return run(model, tok, lines, cfg.decode, device, first=first)
+
+    done = 0  # the stream's lines before this batch: its sentences' indices and seeds
+
+    def translate_lines(lines: list[str]) -> list[str]:
+        nonlocal done
+        hyps = hypotheses(lines, done)
+        if n_best:  # a sentence's lines together, so that the stream writes them together
+            text = n_best_lines(hyps, done, as_json=args.json)
+            hyps = text if args.json else _by_sentence(text, len(lines))
+        done += len(lines)
+        return hyps
 
     # Up to 16 batches read ahead where lines are waiting (a file, a full pipe), sorted by
     # length among themselves; a line typed alone is translated at once.
@@ -150,28 +198,56 @@ def cmd_translate(args) -> int:
     return 0
 
 
-def _translate_file(args) -> int:
+def _by_sentence(lines: list[str], n: int) -> list[str]:
+    """n-best text lines (`INDEX ||| ...`) joined into one string per sentence."""
+    out: list[list[str]] = [[] for _ in range(n)]
+    first = int(lines[0].split(" ||| ", 1)[0]) if lines else 0
+    for line in lines:
+        out[int(line.split(" ||| ", 1)[0]) - first].append(line)
+    return ["\n".join(group) for group in out]
+
+
+def _translate_file(args, checkpoints: list[str], n_best: bool) -> int:
     """--input to --output in chunks, on every rank of the launcher's group (one process
-    without one), resumable (aiayn/infer/translate_file.py)."""
-    from aiayn.checkpoint.inference import load_for_inference
+    without one), resumable (aiayn/infer/translate_file.py). An n-best list is a JSON line per
+    input line: a chunk does not know its first line's number, which the text format needs."""
     from aiayn.checkpoint.locate import locate
     from aiayn.distributed.env import setup, teardown
-    from aiayn.infer.translate import translate
+    from aiayn.errors import ConfigError
+    from aiayn.infer.ensemble import load_ensemble
+    from aiayn.infer.translate import n_best_lines, translate, translate_n_best
     from aiayn.infer.translate_file import translate_file
     from aiayn.train.monitor import setup_logging
     from aiayn.train.report import log_checksums
 
+    if n_best and not args.json:
+        raise ConfigError(
+            "--n-best with --input and --output writes a JSON line per input line: add --json "
+            "(or read the input from stdin for the `INDEX ||| TEXT ||| SCORE` lines)"
+        )
     env = setup(args.device)
     setup_logging(None, env.rank)
     try:
-        # Rank 0 finds and verifies the checkpoint, and every rank loads what it found: W
-        # ranks hashing it would read it W times from shared storage.
-        found = env.decide(lambda: locate(args.checkpoint))
-        cfg, model, tok, ckpt = load_for_inference(found, args.overrides, env.device)
+        # Rank 0 finds and verifies the checkpoints, and every rank loads what it found: W
+        # ranks hashing them would read them W times from shared storage.
+        located = env.decide(lambda: [locate(c) for c in checkpoints])
+        cfg, model, tok, found = load_ensemble(located, args.overrides, env.device)
         log_checksums(env)
-        settings = {"checkpoint": str(ckpt.resolve()), "overrides": list(args.overrides)}
+        settings = {
+            "checkpoint": [str(c.resolve()) for c in found]
+            if len(found) > 1
+            else str(found[0].resolve()),
+            "overrides": list(args.overrides),
+        }
+
+        def chunk(lines: list[str], j: int) -> list[str]:
+            if not n_best:
+                return translate(model, tok, lines, cfg.decode, env.device, j)
+            hyps = translate_n_best(model, tok, lines, cfg.decode, env.device, j)
+            return n_best_lines(hyps, as_json=True)
+
         translate_file(
-            lambda lines: translate(model, tok, lines, cfg.decode, env.device),
+            chunk,
             Path(args.input),
             Path(args.output),
             settings,
@@ -188,15 +264,14 @@ def _translate_file(args) -> int:
 
 def cmd_evaluate(args) -> int:
     from aiayn.eval.evaluate import evaluate, evaluate_ct2
-    from aiayn.export.ct2_runtime import check_engine
 
-    check_engine(args.checkpoint, args.engine)
+    checkpoints = _models(args)
     if args.engine == "ctranslate2":
         result = evaluate_ct2(
-            args.checkpoint, args.split, args.overrides, device=args.device, threads=args.threads
+            checkpoints[0], args.split, args.overrides, device=args.device, threads=args.threads
         )
     else:
-        result = evaluate(args.checkpoint, args.split, args.overrides, args.device)
+        result = evaluate(checkpoints, args.split, args.overrides, args.device)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0

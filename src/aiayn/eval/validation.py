@@ -127,7 +127,7 @@ class Validation:
         In lockstep every rank takes as many batches as the busiest (an empty sentence past its
         own) and waits for the others at the end of each."""
         cfg, started = self.cfg, time.perf_counter()
-        decode = decoder(model, self.tok, cfg.decode, device)
+        decode = decoder(model, self.tok, cfg.decode, device, scored=False)
         lockstep = isinstance(model, Lockstep)
         if lockstep and self._rounds is None:  # the busiest rank's batches: found once
             self._rounds = int(env.max([float(len(self.mine))])[0])
@@ -136,10 +136,11 @@ class Validation:
         for b in range(rounds):
             if b < len(self.mine):
                 idx = self.mine[b]
-                hyps = self.tok.decode(decode([self.sources[i] for i in idx]))
+                best = [h[0].ids for h in decode([self.sources[i] for i in idx], idx)]
+                hyps = self.tok.decode(best)
                 mine.extend(zip(idx, hyps, strict=True))
             else:
-                decode([[]])
+                decode([[]], [0])
             if lockstep:
                 model.idle()
         busiest = env.max([time.perf_counter() - started])[0]

@@ -16,6 +16,11 @@ reads it. Greedy output equals the torch engine's token for token
   a sinusoidal export's table has at least 1024 rows (for callers of CTranslate2 itself, whose
   limits are their own). Generation may go on up to the export's max_positions (aiayn.json),
   where the torch engine stops at model.max_len.
+
+n-best lists (decode.n_best, CTranslate2's num_hypotheses) carry CTranslate2's scores: log P /
+len^alpha, of a softmax that leaves pad and bos out (suppress_sequences) where aiayn bans them
+after its softmax, so they are higher by that mass and near-ties can swap. Sampling
+(decode.sampling) draws from CTranslate2's generator, seeded once: not aiayn's samples.
 """
 
 from __future__ import annotations
@@ -128,15 +133,19 @@ def translate_ct2(
     *,
     device: str = "auto",
     threads: int | None = None,
-) -> list[str]:
+    n_best: bool = False,
+) -> list[str] | list[list[tuple[str, float]]]:
     """Translate `lines` with a CTranslate2 export (a directory, or a Ct2Model opened once for
-    many calls): length-sorted batches of decode.batch_size; hypotheses in input order.
+    many calls): length-sorted batches of decode.batch_size; hypotheses in input order; with
+    `n_best`, each line's decode.n_best (text, score) hypotheses, as
+    infer.translate.translate_n_best gives them (CTranslate2's score: log P / len^alpha).
 
     Each hypothesis stops, as aiayn's does, at its source length (+ eos) + decode.max_len_b
     tokens, and at model.max_len - 1. CTranslate2 takes one length limit per batch, so
     the batch decodes to its longest limit and each hypothesis is cut to its own: exact for
     greedy search, where a prefix does not depend on how far decoding goes on."""
-    from aiayn.infer.translate import translate_batches
+    from aiayn.infer.decode import Hypothesis
+    from aiayn.infer.translate import noiser, translate_batches
 
     model = _open(model, overrides, device, threads, "seq2seq")
     dec = model.cfg.decode
@@ -145,21 +154,43 @@ def translate_ct2(
     tok = model.tok
     banned = [[tok.id_to_piece(i)] for i in (tok.pad_id, tok.bos_id)]  # as aiayn.infer.decode
 
-    def decode(batch: list[list[int]]) -> list[list[int]]:
+    sampling = dec.sampling
+    if sampling.enabled:  # CTranslate2 samples with its own generator, seeded once
+        require_ctranslate2().set_random_seed(sampling.seed)
+    search = (
+        dict(
+            beam_size=1,
+            sampling_topk=sampling.top_k,  # 0: the whole vocabulary, as decode.sampling
+            sampling_topp=sampling.top_p,
+            sampling_temperature=sampling.temperature,
+        )
+        if sampling.enabled
+        else dict(beam_size=dec.beam)
+    )
+
+    def decode(batch: list[list[int]], index: list[int]) -> list[list[Hypothesis]]:
         limits = [min(len(ids) + 1 + dec.max_len_b, max_len - 1) for ids in batch]
         results = model.engine.translate_batch(
             model.pieces(batch),
-            beam_size=dec.beam,
-            length_penalty=dec.alpha,
+            num_hypotheses=dec.n_best,
+            return_scores=True,
+            length_penalty=dec.alpha,  # its scores' too: log P / len^alpha
             max_decoding_length=max(limits),
             min_decoding_length=dec.min_len,
             max_input_length=0,  # cut by translate_batches, with a warning, not silently at 1024
             suppress_sequences=banned,
+            **search,
         )
-        hyps = model.ids([r.hypotheses[0] for r in results])
-        return [h[:limit] for h, limit in zip(hyps, limits, strict=True)]
+        return [
+            [
+                Hypothesis(score, ids[:limit])
+                for score, ids in zip(r.scores, model.ids(r.hypotheses), strict=True)
+            ]
+            for r, limit in zip(results, limits, strict=True)
+        ]
 
-    return translate_batches(model.tok, lines, max_len, dec.batch_size, decode)
+    hyps = translate_batches(model.tok, lines, max_len, dec.batch_size, decode, noiser(dec))
+    return hyps if n_best else [h[0][0] for h in hyps]
 
 
 def generate_ct2(

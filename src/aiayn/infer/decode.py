@@ -2,19 +2,45 @@
 
 Each new token costs one decoder step: the decoder is fed only the newest token, and the keys
 and values of earlier positions (and of the encoder output) come from a DecoderState.
-Returned ids exclude bos and eos.
+Returned ids exclude bos and eos. A hypothesis's score is log P(Y | X) / lp(Y), eos counted.
+
+The searches see a model through encode, decode, cfg and parameters only: an ensemble
+(infer/ensemble.py) is one such model, whose `decode` returns log-probabilities already
+(`log_probs = True`) and whose decoder state it makes itself (`new_state`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from aiayn.engine.loss import grad_free
 from aiayn.model import DecoderOnlyLM, DecoderState, Seq2SeqTransformer
+
+
+class Hypothesis(NamedTuple):
+    """One output of a search: its score, log P(Y | X) / lp(Y) with eos counted, and its
+    token ids (no bos, no eos)."""
+
+    score: float
+    ids: list[int]
+
+
+def new_state(model) -> DecoderState:
+    """The decoder state a search carries: an ensemble's holds one per member."""
+    make = getattr(model, "new_state", None)
+    return make() if make is not None else DecoderState()
+
+
+def log_probs(model, logits: torch.Tensor) -> torch.Tensor:
+    """(rows, V) log-probabilities of a step's output: an ensemble's decode gives them."""
+    if getattr(model, "log_probs", False):
+        return logits.float()
+    return torch.log_softmax(logits.float(), dim=-1)
 
 
 @contextmanager
@@ -69,20 +95,45 @@ def greedy_search(
     """The most probable next token at every step, for each sentence of src (B, S), eos not
     before min_len tokens (but for an empty source). A sentence leaves the batch when it
     ends, so later steps decode only the sentences still running."""
+    special = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+    hyps = scored_greedy_search(model, src, max_len_b=max_len_b, min_len=min_len, **special)
+    return [h.ids for h in hyps]
+
+
+def scored_greedy_search(
+    model: Seq2SeqTransformer,
+    src: torch.Tensor,
+    *,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int,
+    max_len_b: int = 50,
+    min_len: int = 0,
+    alpha: float = 0.0,
+    scored: bool = False,
+) -> list[Hypothesis]:
+    """greedy_search's hypotheses with their scores (log P / lp(Y) with `alpha`, as beam
+    search scores them) when `scored`, else 0.0. The argmax is of the logits, scored or not
+    (the log-softmax only reads the chosen tokens' log P): the same output either way."""
     out: list[list[int]] = [[] for _ in range(src.size(0))]
+    total = [0.0] * src.size(0)  # log P of each sentence's hypothesis so far
     with _eval_mode(model):
         memory, src_mask = model.encode(src)  # (B, S, D), (B, 1, 1, S)
         limits = _max_lengths(model, src, pad_id, max_len_b)  # (B,)
         minimums = _min_lengths(src, pad_id, min_len)  # (B,)
         live = list(range(src.size(0)))  # the sentence of each row still decoded
-        state = DecoderState()
+        state = new_state(model)
         last = src.new_full((src.size(0), 1), bos_id)  # (B', 1)
         for step in range(int(limits.max())):
             logits = model.decode(last, memory, src_mask, state)[:, -1]  # (B', V)
+            logp = log_probs(model, logits) if scored else None
             logits = _banned(logits, pad_id, bos_id, eos_id)
             if step < min_len:
                 logits = _no_early_eos(logits, step, minimums, eos_id)
             last = logits.argmax(dim=-1, keepdim=True)
+            if logp is not None:
+                for b, lp in zip(live, logp.gather(1, last)[:, 0].tolist(), strict=True):
+                    total[b] += lp
             for b, token in zip(live, last[:, 0].tolist(), strict=True):
                 out[b].append(token)
             ended = (last[:, 0] == eos_id) | (step + 1 >= limits)  # (B',)
@@ -95,7 +146,11 @@ def greedy_search(
                 memory, src_mask = memory[keep], src_mask[keep]
                 state.reorder(keep)
                 state.select_sources(keep)
-    return [_cut(row, eos_id) for row in out]
+    # A hypothesis cut at its limit has no eos: its length counts its tokens alone.
+    return [
+        Hypothesis(t / length_penalty(len(row), alpha) if scored else 0.0, _cut(row, eos_id))
+        for row, t in zip(out, total, strict=True)
+    ]
 
 
 def _cut(ids: list[int], eos_id: int) -> list[int]:
@@ -114,12 +169,34 @@ def beam_search(
     eos_id: int,
     pad_id: int,
 ) -> list[list[int]]:
+    """The best hypothesis of each sentence by beam_search_n_best (see there)."""
+    special = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+    lengths = dict(max_len_b=max_len_b, min_len=min_len)
+    if beam == 1:
+        return greedy_search(model, src, **lengths, **special)
+    hyps = beam_search_n_best(model, src, beam=beam, alpha=alpha, **lengths, **special)
+    return [h[0].ids for h in hyps]
+
+
+def beam_search_n_best(
+    model: Seq2SeqTransformer,
+    src: torch.Tensor,
+    *,
+    beam: int = 4,
+    alpha: float = 0.6,
+    max_len_b: int = 50,
+    min_len: int = 0,
+    n_best: int = 1,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int,
+) -> list[list[Hypothesis]]:
     """Beam search over B sentences at once (up to B * beam decoder rows), §6.1, eos not
     before min_len tokens (but for an empty source, and at the length limit, where eos is
     forced).
 
     Hypotheses are ranked by log P(Y | X) / lp(Y). A hypothesis that ends in eos is finished.
-    A sentence stops when no live hypothesis can still beat its best finished one (a live
+    A sentence stops when no live hypothesis can still beat its n_best-th finished one (a live
     score can at best be divided by lp at the length limit, since log-probabilities only add
     negative terms), or at its length limit, where eos is forced. Stopping once `beam`
     hypotheses have finished (fairseq's rule) is not enough: a confident model puts improbable
@@ -129,10 +206,12 @@ def beam_search(
     The first step decodes one row per sentence (bos), later ones `beam` rows per sentence,
     consecutive (row b * beam + k is hypothesis k of sentence b); they share the sentence's
     cross-attention keys and values. A sentence that stops leaves the batch.
+
+    Returns each sentence's n_best (<= beam) finished hypotheses, best first: the search keeps
+    `beam` of them, so a longer list would need a wider beam (decode.n_best's check).
     """
-    if beam == 1:
-        special = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
-        return greedy_search(model, src, max_len_b=max_len_b, min_len=min_len, **special)
+    if not 1 <= n_best <= beam:
+        raise ValueError(f"n_best {n_best} must be 1..beam ({beam}): widen the beam")
     K = beam
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(src.size(0))]
     with _eval_mode(model):
@@ -140,24 +219,35 @@ def beam_search(
         limits = _max_lengths(model, src, pad_id, max_len_b)  # (B,)
         minimums = _min_lengths(src, pad_id, min_len)  # (B,)
         live = list(range(src.size(0)))  # the sentence of each row of the (B', ...) tensors
-        state = DecoderState()
+        state = new_state(model)
         last = src.new_full((src.size(0), 1), bos_id)  # (B' * W, 1), W = 1 at first, then K
         history = src.new_zeros((src.size(0), 0))  # (B' * W, t): tokens of each hypothesis
         scores = torch.zeros(src.size(0), 1, device=src.device)  # (B', W) log P so far
-        # (B',) score of each sentence's best finished hypothesis, float64 like the Python
+        # (B',) score of each sentence's n_best-th finished hypothesis (its best with n_best
+        # 1; -inf while fewer have finished), float64 like the Python
         # floats that rank them
         best = torch.full((src.size(0),), float("-inf"), dtype=torch.float64, device=src.device)
         for step in range(int(limits.max()) + 1):
             n, W = scores.shape
             logits = model.decode(last, memory, src_mask, state)[:, -1]  # (n * W, V)
             at_limit = step >= limits  # (n,)
-            logp = _step_logp(logits, step, W, minimums, at_limit, min_len, pad_id, bos_id, eos_id)
+            logp = _step_logp(
+                log_probs(model, logits),
+                step,
+                W,
+                minimums,
+                at_limit,
+                min_len,
+                pad_id,
+                bos_id,
+                eos_id,
+            )
             V = logp.size(-1)
             cand = (scores.view(-1, 1) + logp).view(n, W * V)  # (n, W * V)
             # 2K candidates: even if K of them end in eos, K live ones remain.
             vals, idx = cand.topk(2 * K, dim=1)  # (n, 2K)
             origin, tok = idx // V, idx % V  # (n, 2K): hypothesis extended, token appended
-            _finish(finished, best, live, vals, origin, tok, history, step, alpha, eos_id)
+            _finish(finished, best, live, vals, origin, tok, history, step, alpha, eos_id, n_best)
             # The K best candidates that do not end in eos live on (stable order by score).
             rank = torch.arange(2 * K, device=src.device).expand(n, -1)
             order = torch.where(tok == eos_id, rank + 2 * K, rank).argsort(dim=1)[:, :K]
@@ -180,14 +270,13 @@ def beam_search(
             last = last.view(-1, 1)  # (n' * K, 1)
             history = torch.cat([history[rows], last], dim=1)  # (n' * K, t + 1)
             state.reorder(rows)
-    return [hyps[0][1] for hyps in finished]
+    return [[Hypothesis(*h) for h in hyps[:n_best]] for hyps in finished]
 
 
-def _step_logp(logits, step, W, minimums, at_limit, min_len, pad_id, bos_id, eos_id):
+def _step_logp(logp, step, W, minimums, at_limit, min_len, pad_id, bos_id, eos_id):
     """A beam step's log-probabilities (n * W, V) of its W rows per sentence: pad and bos
     banned, eos held back before min_len tokens, and only eos where a sentence is at its
     length limit."""
-    logp = torch.log_softmax(logits.float(), dim=-1)  # (n * W, V)
     logp = _banned(logp, pad_id, bos_id, eos_id)
     if step < min_len:
         logp = _no_early_eos(logp, step, minimums.repeat_interleave(W), eos_id)
@@ -214,9 +303,10 @@ def _only_eos(logp: torch.Tensor, eos_id: int) -> torch.Tensor:
     return forced
 
 
-def _finish(finished, best, live, vals, origin, tok, history, step, alpha, eos_id) -> None:
+def _finish(finished, best, live, vals, origin, tok, history, step, alpha, eos_id, n_best) -> None:
     """Record the hypotheses ending in eos among the top K candidates, keeping each sentence's
-    K best in finished[live[b]] and the score of its best in best[b]."""
+    K best in finished[live[b]] and the score of its n_best-th in best[b] once it has that
+    many."""
     K = vals.size(1) // 2
     ends = (tok[:, :K] == eos_id) & torch.isfinite(vals[:, :K])  # (n, K)
     if not bool(ends.any()):
@@ -229,7 +319,8 @@ def _finish(finished, best, live, vals, origin, tok, history, step, alpha, eos_i
         hyps.append((float(vals[b, j]) / lp, ids))
         hyps.sort(key=lambda hyp: hyp[0], reverse=True)
         del hyps[K:]
-        best[b] = hyps[0][0]
+        if len(hyps) >= n_best:
+            best[b] = hyps[n_best - 1][0]
 
 
 def generate(

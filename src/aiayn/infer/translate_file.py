@@ -68,7 +68,7 @@ def _lines(path: Path, start: int, end: int) -> list[str]:
 
 
 def translate_file(
-    translate: Callable[[list[str]], list[str]],
+    translate: Callable[[list[str], int], list[str]],
     source: Path,
     output: Path,
     settings: dict,
@@ -78,8 +78,9 @@ def translate_file(
     chunk_bytes: int = 1 << 20,
     gather: Callable[[object], list] = lambda mine: [mine],
 ) -> None:
-    """Translate `source` into `output` with `translate` (lines -> hypotheses), this rank
-    taking chunks rank, rank + W, ...; every rank calls it. `settings` (the checkpoint and
+    """Translate `source` into `output` with `translate` (a chunk's lines and its number ->
+    one output line each: the number and a line's place in the chunk seed its samples), this
+    rank taking chunks rank, rank + W, ...; every rank calls it. `settings` (the checkpoint and
     overrides) go into the plan that resumed parts must match. `barrier` and `gather` (every
     rank's value, in rank order) are the group's; rank 0 logs each rank's lines and speed."""
     parts = output.with_name(output.name + ".parts")
@@ -115,7 +116,7 @@ def translate_file(
         if part.is_file():
             continue
         lines = chunks[j]() if callable(chunks[j]) else _lines(source, *chunks[j])
-        hyps = translate(lines)
+        hyps = translate(lines, j)
         write_atomic(part, "".join(h + "\n" for h in hyps))
         lines_done += len(lines)
     seconds = time.perf_counter() - started
