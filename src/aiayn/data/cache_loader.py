@@ -168,27 +168,11 @@ class CacheLoader:
         (the cache's content is in the fingerprint)."""
         saved = state.get("fingerprint", {})
         named = saved.get("cache")
-        # An earlier aiayn's name for this cache: its manifest's digest, or (`or` tries it
-        # last, as it may read the whole cache) its whole arrays'.
-        if named not in (None, self.cache.digest) and (
-            named == self.cache.manifest_digest or named == self._older_digest(saved)
-        ):
+        if named not in (None, self.cache.digest) and self.cache.earlier_name_of(named):
             state = {**state, "fingerprint": {**saved, "cache": self.cache.digest}}
         self._pos = saved_position(state, STATE_VERSION, self._fingerprint, "the token cache")
         self.epoch = self._pos["epoch"]
         self._resume_pending = True
-
-    def _older_digest(self, saved: dict) -> str | None:
-        """The digest a position saved by an earlier aiayn has for this cache's tokens, where
-        this one was rebuilt since by a merge that records no whole-array sha256. Reading the
-        whole cache to take it is paid only by such a position (once: the next save names the
-        new digest)."""
-        cache = self.cache
-        if saved.get("cache") in (None, cache.digest):
-            return None
-        if all("sha256" in f for f in cache.manifest["files"].values()):
-            return None  # the digest is already the whole arrays'
-        return cache.whole_digest()
 
     def stats(self) -> dict[str, int]:
         """What the cache read and dropped, and the batches this rank took since it was built."""

@@ -190,8 +190,8 @@ class MixedCacheLoader(CacheLoader):
 
     def _older_digests(self, state: dict) -> dict:
         """This loader's fingerprint, with a source's cache named as `state` names it where
-        that is the digest of the same tokens built by an earlier aiayn (CacheLoader's
-        `_older_digest`: the whole cache read once, only for such a position)."""
+        that is the digest of the same tokens built by an earlier aiayn
+        (TokenCache.earlier_name_of: the whole cache read once, only for such a position)."""
         saved = state.get("fingerprint", {}).get("mixture", {}).get("sources")
         ours = self._fingerprint["mixture"]["sources"]
         if not isinstance(saved, list) or len(saved) != len(ours):
@@ -199,10 +199,7 @@ class MixedCacheLoader(CacheLoader):
         sources = []
         for mine, theirs, cache in zip(ours, saved, self.caches, strict=True):
             named = theirs.get("cache") if isinstance(theirs, dict) else None
-            older = named not in (None, mine["cache"]) and any(
-                "sha256" not in f for f in cache.manifest["files"].values()
-            )
-            same = older and cache.whole_digest() == named
+            same = named not in (None, mine["cache"]) and cache.earlier_name_of(named)
             sources.append({**mine, "cache": named} if same else mine)
         mixture = {**self._fingerprint["mixture"], "sources": sources}
         return {**self._fingerprint, "mixture": mixture}

@@ -109,29 +109,41 @@ class TokenCache:
         # to verify) has the digest of the same tokens without them. A cache merged by every
         # rank records no whole-file sha256 (one rank would read it all): its ranges' stand
         # for it. Such a cache has another digest than the same tokens built before, which
-        # CacheLoader.load_state_dict accepts through `whole_digest`.
-        files = {
-            k: {"bytes": f["bytes"], "sha256": f.get("sha256") or _ranges_sha256(f)}
-            for k, f in self.manifest["files"].items()
-        }
-        arrays = json.dumps(files, sort_keys=True)
-        return hashlib.sha256(arrays.encode()).hexdigest()
+        # the loaders accept through `earlier_name_of`.
+        files = self.manifest["files"]
+        return _arrays_digest(
+            files, {k: f.get("sha256") or _ranges_sha256(f) for k, f in files.items()}
+        )
+
+    def earlier_name_of(self, named: str) -> bool:
+        """Whether `named`, the cache a saved position names, is an earlier aiayn's name for
+        this cache's tokens: the digest of its arrays' whole sha256 (before the ranks merged the
+        cache, each hashing its share), or, before caches were named by content, the digest of
+        the whole manifest as that aiayn wrote it (each array's size and whole sha256, no stored
+        lengths; corpus paths and times as they are). What the manifest records is tried first;
+        the arrays are read, once, only where it records no whole sha256."""
+        files = self.manifest["files"]
+        whole = {k: f["sha256"] for k, f in files.items() if f.get("sha256")}
+        if len(whole) == len(files):
+            return named == self._manifest_digest(whole)
+        whole = self._whole_sha256()
+        return named in (_arrays_digest(files, whole), self._manifest_digest(whole))
 
     def whole_digest(self) -> str:
         """The digest that this cache's arrays had when caches recorded each array's whole
-        sha256: it reads every byte of the cache, so it is taken only where a saved position
-        names a digest that is neither (a cache rebuilt by this version of aiayn)."""
-        files = {
-            k: {"bytes": f["bytes"], "sha256": f.get("sha256") or sha256_of(self.root / k)}
-            for k, f in self.manifest["files"].items()
-        }
-        return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+        sha256 (it reads the arrays a manifest records no whole sha256 for)."""
+        return _arrays_digest(self.manifest["files"], self._whole_sha256())
 
-    @property
-    def manifest_digest(self) -> str:
-        """The digest in positions saved by aiayn before it named caches by content: the whole
-        manifest's, corpus paths and modification times included."""
-        return hashlib.sha256(json.dumps(self.manifest, sort_keys=True).encode()).hexdigest()
+    def _whole_sha256(self) -> dict[str, str]:
+        files = self.manifest["files"]
+        return {k: f.get("sha256") or sha256_of(self.root / k) for k, f in files.items()}
+
+    def _manifest_digest(self, whole: dict[str, str]) -> str:
+        files = {
+            k: {"bytes": f["bytes"], "sha256": whole[k]} for k, f in self.manifest["files"].items()
+        }
+        written = {k: v for k, v in self.manifest.items() if k != "lengths"} | {"files": files}
+        return hashlib.sha256(json.dumps(written, sort_keys=True).encode()).hexdigest()
 
     def counts(self) -> dict[str, int]:
         return dict(self.manifest["counts"])
@@ -187,6 +199,12 @@ def open_cache(
     cache = TokenCache(root, manifest, **arrays)
     _check_index(cache)
     return cache
+
+
+def _arrays_digest(files: dict[str, dict], sha256: dict[str, str]) -> str:
+    """The digest of arrays of these sizes (`files`, a manifest's) and sha256."""
+    arrays = {k: {"bytes": f["bytes"], "sha256": sha256[k]} for k, f in files.items()}
+    return hashlib.sha256(json.dumps(arrays, sort_keys=True).encode()).hexdigest()
 
 
 def _ranges_sha256(entry: dict) -> str:
