@@ -107,7 +107,8 @@ wikitext2: install
 	$(BIN)/python launch/lm_recipe.py wikitext2
 
 # Three passes. The tests of one process run side by side, one per core (pytest-xdist; most of
-# them keep one core busy, and each worker gets its share of the cores, tests/conftest.py).
+# them keep one core busy, and each worker gets its share of the cores, tests/conftest.py), a
+# module's tests on one worker (loadscope): a module's fixture (a trained run) is made once.
 # The multi-process ones (distributed) follow, DIST_WORKERS modules at a time: their ranks
 # wait on each other and on process start-up, so two at a time keep 2 cores 90% busy and
 # take 20% less time than one at a time (docs/development.md#tests). The Slurm tests come
@@ -121,7 +122,7 @@ DURATIONS ?= 15
 
 test: install $(BENCH_STAMP)
 	status=0; \
-	$(BIN)/pytest -q -n auto --dist loadgroup -m "not distributed and not slurm" --durations=$(DURATIONS) \
+	$(BIN)/pytest -q -n auto --dist loadscope -m "not distributed and not slurm" --durations=$(DURATIONS) \
 		$(PYTEST_ARGS) || status=1; \
 	$(BIN)/pytest -q -n $(DIST_WORKERS) --dist loadfile -m "distributed and not slurm" \
 		--durations=$(DURATIONS) $(PYTEST_ARGS) || status=1; \

@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -47,3 +48,52 @@ def pytest_report_header(config):
 @pytest.fixture
 def project_root():
     return ROOT
+
+
+def _torch_switches() -> tuple:
+    """The process-wide switches a run sets (runtime/torch_settings.py): deterministic
+    kernels, TF32, the attention kernels, and TorchInductor's determinism once imported."""
+    import torch
+
+    b = torch.backends
+    inductor = sys.modules.get("torch._inductor.config")
+    return (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        b.cudnn.deterministic,
+        b.cudnn.benchmark,
+        b.cuda.matmul.allow_tf32,
+        b.cudnn.allow_tf32,
+        (b.cuda.cudnn_sdp_enabled(), b.cuda.flash_sdp_enabled()),
+        (b.cuda.mem_efficient_sdp_enabled(), b.cuda.math_sdp_enabled()),
+        getattr(inductor, "deterministic", False),  # its default before it is imported
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def torch_switches_at_start() -> tuple:
+    """The switches as the session found them: before any module's fixture trained a run."""
+    return _torch_switches()
+
+
+@pytest.fixture(autouse=True)
+def torch_switches_restored(torch_switches_at_start):
+    """After each test, the switches as the session started: a test or a module's fixture that
+    trains in this process (train.deterministic=true, say) must not change what the tests after
+    it find. Each run sets what it needs when it starts."""
+    yield
+    if _torch_switches() == torch_switches_at_start:
+        return
+    import torch
+
+    b = torch.backends
+    det, warn, cudnn_det, bench, tf32, cudnn_tf32, sdp1, sdp2, ind = torch_switches_at_start
+    torch.use_deterministic_algorithms(det, warn_only=warn)
+    b.cudnn.deterministic, b.cudnn.benchmark = cudnn_det, bench
+    b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32 = tf32, cudnn_tf32
+    b.cuda.enable_cudnn_sdp(sdp1[0])
+    b.cuda.enable_flash_sdp(sdp1[1])
+    b.cuda.enable_mem_efficient_sdp(sdp2[0])
+    b.cuda.enable_math_sdp(sdp2[1])
+    if (inductor := sys.modules.get("torch._inductor.config")) is not None:
+        inductor.deterministic = ind

@@ -25,8 +25,6 @@ STEPS = 40
 # One thread per process: the same reduction order in every run, and the runs leave the other
 # core to the poller that watches for a save in progress.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-# The one-process tests share the uninterrupted run: on one xdist worker (make test: loadgroup).
-pytestmark = pytest.mark.xdist_group("kill_resume")
 
 
 def overrides(run_dir: Path, corpus: Path) -> list[str]:

@@ -159,7 +159,8 @@ def compute(directory: Path, spec: dict) -> dict:
 
 def decoded(tok, tgt_ids: list[list[int]]) -> dict:
     """Rows of target ids with pieces that only the source model knows among the target's
-    (the joint vocabulary lets a decoder emit them), and MarianTokenizer's text of each."""
+    (the joint vocabulary lets a decoder emit them), and MarianTokenizer's text of each; none
+    where the models have fewer than 3 such pieces."""
     vocab = tok.get_vocab()
     tgt, src = tok.spm_target, tok.spm_source
     source_only = [
@@ -170,7 +171,8 @@ def decoded(tok, tgt_ids: list[list[int]]) -> dict:
         and tgt.piece_to_id(piece) == tgt.unk_id()
         and src.piece_to_id(piece) != src.unk_id()
     ]
-    assert len(source_only) >= 3, "the spec's models share too many pieces"
+    if len(source_only) < 3:  # a spec whose models share their pieces (the e2e test's)
+        return {"decode_rows": [], "decoded": []}
     rows = [
         [*tgt_ids[0][:1], *source_only[:2], *tgt_ids[0][1:-1]],
         [source_only[2], *tgt_ids[1][:-1]],

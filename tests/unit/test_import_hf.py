@@ -111,6 +111,7 @@ def test_a_piece_only_the_source_model_knows_is_decoded_as_marian_tokenizer_does
     _, _, tok, _ = load_for_inference(imported, (), "cpu")
     ours = {m: a for a, m in enumerate(tok.bundle.order)}  # Marian's id -> aiayn's
     rows = [[ours[i] for i in row] for row in ref["decode_rows"]]
+    assert len(rows) == 2, "the unit spec's models must have pieces only the source knows"
     texts = tok.decode(rows)
     assert texts == ref["decoded"]
     assert all("\u2581" not in text for text in texts)
