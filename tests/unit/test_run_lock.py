@@ -37,10 +37,13 @@ from aiayn.distributed.run_lock import RunLock
 lock = RunLock.acquire(Path(sys.argv[1]))
 child = 0
 if sys.argv[2] == "fork":
+    r, w = os.pipe()
     child = os.fork()
-    if child == 0:
+    if child == 0:  # fork's handlers have run: the child's copy of the lock is closed
+        os.write(w, b"x")
         time.sleep(60)
         os._exit(0)
+    os.read(r, 1)  # the child has run that far (a loaded machine may not have scheduled it)
 print("ready", child, flush=True)
 time.sleep(60)
 """
