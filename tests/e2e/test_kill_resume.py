@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
-from aiayn.checkpoint import read_trainer_state
-from aiayn.checkpoint.tools import export
+from aiayn.checkpoint import checkpoints_in, read_trainer_state
+from aiayn.checkpoint.locate import locate
+from aiayn.checkpoint.tools import average, export
 
 import tiny  # tests/e2e/tiny.py, beside this file
 from helpers import checkpoint_dir, torchrun, weights_at  # tests/helpers.py
@@ -189,7 +191,8 @@ def test_evaluate_and_export_take_the_runs_moving_average_by_the_name_ema(
     tmp_path, numbers, straight
 ):
     """`aiayn evaluate --checkpoint RUN/ema` scores the EMA's weights, its hypotheses written
-    apart from the checkpoint's own; `aiayn export RUN/ema` writes those weights."""
+    apart from the checkpoint's own; `aiayn export RUN/ema` writes those weights; `aiayn
+    average` averages the checkpoints' EMAs beside their weights."""
     cli = [sys.executable, "-m", "aiayn", "evaluate", "--checkpoint", str(straight / "ema")]
     proc = subprocess.run(
         [*cli, "--split", "test", "--json", f"data.test={numbers}/test"],
@@ -205,6 +208,20 @@ def test_evaluate_and_export_take_the_runs_moving_average_by_the_name_ema(
     exported, ema = load_file(out), load_file(step / "ema.safetensors")
     assert exported.keys() == ema.keys()
     assert all(torch.equal(exported[k], ema[k]) for k in ema)
+
+    # An average of checkpoints with EMAs averages those too: OUTPUT/ema, weights only.
+    ckpts = checkpoints_in(straight / "checkpoints")
+    assert len(ckpts) == 2
+    averaged = average(ckpts, tmp_path / "averaged")
+    emas = [load_file(c / "ema.safetensors") for c in ckpts]
+    got = load_file(averaged / "ema.safetensors")
+    assert got.keys() == emas[0].keys()
+    for k, t in got.items():
+        assert torch.equal(t, (emas[0][k] + emas[1][k]) / 2), k
+    assert not torch.equal(got[k], load_file(averaged / "model.safetensors")[k])
+    with safe_open(str(averaged / "ema.safetensors"), framework="pt") as fh:
+        assert "aiayn_ema_updates" not in fh.metadata()
+    assert locate(averaged / "ema").weights == averaged / "ema.safetensors"
 
 
 @pytest.mark.distributed

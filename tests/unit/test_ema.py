@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from aiayn.checkpoint import CheckpointManager, read_manifest
 from aiayn.checkpoint.load import load_weights
@@ -54,20 +55,38 @@ def test_decay_zero_keeps_the_model_itself():
     assert not differ, differ  # bitwise: 0 * ema + 1 * w is w
 
 
-def test_ema_follows_its_formula_from_the_starting_weights():
-    decay = 0.75
-    engine = engine_for(f"train.ema={decay}")
+@pytest.mark.parametrize("warmup", [True, False])
+def test_ema_follows_its_formula_from_the_starting_weights(warmup):
+    decay = 0.25  # below the warm-up's decays from update 1 on: (1 + t) / (10 + t) = 0.1, 0.18, ...
+    engine = engine_for(f"train.ema={decay}", f"train.ema_warmup={str(warmup).lower()}")
     expected = [p.detach().clone() for p in engine.module.parameters()]  # it starts there
     seen: list = []
     train_steps(engine, 4, seen)
-    for weights in seen:
-        expected = [e * decay + w * (1 - decay) for e, w in zip(expected, weights, strict=True)]
+    for t, weights in enumerate(seen):
+        d = min(decay, (1 + t) / (10 + t)) if warmup else decay
+        expected = [e * d + w * (1 - d) for e, w in zip(expected, weights, strict=True)]
     got = engine.ema.shadow
     assert len(got) == len(expected)
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
     assert any(not torch.equal(g, w) for g, w in zip(got, seen[-1], strict=True))
+    assert engine.ema.updates == 4 and engine.ema.current_decay() == decay
     assert engine_for().ema is None  # off by default
+
+
+def test_the_warm_up_reaches_the_decay_and_an_uncounted_checkpoint_keeps_it():
+    engine = engine_for("train.ema=0.999")
+    decays = []
+    for t in (0, 1, 8989, 8991, 20000):
+        engine.ema.updates = t
+        decays.append(engine.ema.current_decay())
+    assert decays[:2] == [0.1, 2 / 11]
+    assert decays[2] < 0.999 and decays[3:] == [0.999, 0.999]
+    # A checkpoint saved before the count was kept had no warm-up: its decay goes on.
+    engine.ema.load(lambda key, start, end: torch.zeros(end - start), None)
+    assert engine.ema.updates is None and engine.ema.current_decay() == 0.999
+    train_steps(engine, 1)
+    assert engine.ema.updates is None
 
 
 def test_validating_the_ema_swaps_it_in_and_the_weights_back_bitwise():
@@ -102,6 +121,8 @@ def test_a_checkpoint_holds_the_ema_which_loads_as_a_model_by_the_name_ema(tmp_p
     train_steps(engine, 3)
     ckpt = save(tmp_path, engine)
     assert "ema.safetensors" in read_manifest(ckpt)["files"]
+    with safe_open(str(ckpt / "ema.safetensors"), framework="pt") as fh:
+        assert fh.metadata()["aiayn_ema_updates"] == "3"  # where a resume's warm-up goes on
     ema = ema_state(engine)
     for name in (tmp_path / "run" / "ema", tmp_path / "run" / "latest" / "ema", ckpt / "ema"):
         found = locate(name)

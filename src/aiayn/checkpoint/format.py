@@ -209,8 +209,8 @@ def ema_weights(ckpt: Path, manifest: dict[str, Any]) -> Path:
     if EMA_FILE not in manifest["files"]:
         raise CheckpointError(
             f"{ckpt}/{EMA} names the moving average of the checkpoint's weights, and it holds "
-            "none: it was saved without train.ema (or is an average). Name the checkpoint "
-            "itself, or train with train.ema set"
+            "none: it was saved without train.ema (or averages checkpoints without one). Name "
+            "the checkpoint itself, or train with train.ema set"
         )
     return ckpt / EMA_FILE
 

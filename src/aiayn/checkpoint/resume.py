@@ -26,6 +26,7 @@ from aiayn.checkpoint.format import (
     read_stored,
 )
 from aiayn.distributed.env import DistEnv
+from aiayn.engine.ema import UPDATES_KEY
 from aiayn.engine.state import partition_rank, trainable
 from aiayn.errors import CheckpointError
 from aiayn.runtime.durable import size_text
@@ -210,7 +211,11 @@ def _load_ema(engine: Any, ckpt: Path, manifest: dict) -> None:
         )
         return
     with safe_open(str(ckpt / EMA_FILE), framework="pt") as fh:
-        engine.ema.load(lambda key, start, end: reshard.Rows(fh, key).read(start, end))
+        updates = (fh.metadata() or {}).get(UPDATES_KEY)
+        engine.ema.load(
+            lambda key, start, end: reshard.Rows(fh, key).read(start, end),
+            None if updates is None else int(updates),
+        )
 
 
 def _warn_of_another_batch(train: Any, world_size: int, manifest: dict) -> None:

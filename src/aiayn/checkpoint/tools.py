@@ -37,6 +37,7 @@ from aiayn.checkpoint.format import (
     ARCHITECTURE_FIELDS,
     CHECKPOINTS_DIR,
     EMA,
+    EMA_FILE,
     FORMAT_VERSION,
     MANIFEST_FILE,
     MODEL_FILE,
@@ -49,6 +50,7 @@ from aiayn.checkpoint.format import (
     step_of,
     tokenizer_file,
 )
+from aiayn.engine.ema import UPDATES_KEY
 from aiayn.engine.state import weights_snapshot
 from aiayn.errors import CheckpointError
 from aiayn.runtime.durable import fsync_path, sha256_of, write_atomic
@@ -123,11 +125,13 @@ def check_same_model(manifests: dict[Path, dict[str, Any]]) -> None:
         )
 
 
-def average_weights(ckpts: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Mean of each tensor over `ckpts` (summed in fp32 in the given order, then cast back);
-    and the first file's metadata (which names tied tensors stored once)."""
+def average_weights(
+    ckpts: list[Path], name: str = MODEL_FILE
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Mean of each tensor of the file `name` over `ckpts` (summed in fp32 in the given order,
+    then cast back); and the first file's metadata (which names tied tensors stored once)."""
     with contextlib.ExitStack() as stack:
-        files = [stack.enter_context(safe_open(c / MODEL_FILE, framework="pt")) for c in ckpts]
+        files = [stack.enter_context(safe_open(c / name, framework="pt")) for c in ckpts]
         keys = set(files[0].keys())
         for ckpt, fh in zip(ckpts[1:], files[1:], strict=True):
             if set(fh.keys()) != keys:
@@ -159,7 +163,8 @@ def average_weights(ckpts: list[Path]) -> tuple[dict[str, torch.Tensor], dict[st
 
 def average(sources: list[str | Path], output: str | Path, last: int | None = None) -> Path:
     """Average checkpoints into a new checkpoint directory `output` (written atomically) that
-    translate and evaluate load like any other. Returns its path."""
+    translate and evaluate load like any other. Where every one holds train.ema's weights,
+    their average is `output`'s (OUTPUT/ema). Returns its path."""
     ckpts = collect(sources, last)
     manifests = {c: read_manifest(c, verify=False) for c in ckpts}  # collect() verified them
     check_same_model(manifests)
@@ -175,6 +180,8 @@ def average(sources: list[str | Path], output: str | Path, last: int | None = No
         save_file(tensors, str(tmp / MODEL_FILE), metadata=metadata)
         del tensors
         names = [MODEL_FILE]
+        if _average_ema(ckpts, manifests, tmp / EMA_FILE):
+            names.append(EMA_FILE)
         if _copy_tokenizer(ckpts[-1], newest, tmp / TOKENIZER_FILE):
             names.append(TOKENIZER_FILE)
         manifest = {
@@ -204,6 +211,20 @@ def average(sources: list[str | Path], output: str | Path, last: int | None = No
         raise
     fsync_path(output.parent)
     return output
+
+
+def _average_ema(ckpts: list[Path], manifests: dict[Path, dict[str, Any]], out: Path) -> bool:
+    """The average of the checkpoints' train.ema weights into `out`, where all hold them
+    (a smoothed model averaged again: "EMA averaged" in docs/recipes.md). Whether written."""
+    without = [c for c in ckpts if EMA_FILE not in manifests[c]["files"]]
+    if without:
+        if len(without) < len(ckpts):
+            log.info("not averaging the EMA of the weights: %s holds none", without[0])
+        return False
+    tensors, metadata = average_weights(ckpts, EMA_FILE)
+    metadata.pop(UPDATES_KEY, None)  # an average is weights only: no EMA goes on from it
+    save_file(tensors, str(out), metadata=metadata)
+    return True
 
 
 # ---- export -------------------------------------------------------------------------------

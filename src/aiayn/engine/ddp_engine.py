@@ -53,7 +53,8 @@ class LocalEngine:
         if cfg.train.ema is not None:
             named = trainable(self.module)
             params = [p for _, p in named]
-            self.ema = EMA(cfg.train.ema, whole_pieces(self.module, named), lambda: params)
+            pieces = whole_pieces(self.module, named)
+            self.ema = EMA(cfg.train.ema, pieces, lambda: params, warmup=cfg.train.ema_warmup)
 
     @property
     def lr(self) -> float:

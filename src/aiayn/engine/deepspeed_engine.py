@@ -77,9 +77,9 @@ class DeepSpeedEngine:
                 self._grad_norm = clip_gradients(params, cfg.train.clip_norm)
 
             self.optimizer.register_step_pre_hook(clip)
-        self.ema = None if cfg.train.ema is None else self._ema(cfg.train.ema)
+        self.ema = None if cfg.train.ema is None else self._ema(cfg.train.ema, cfg.train.ema_warmup)
 
-    def _ema(self, decay: float) -> EMA:
+    def _ema(self, decay: float, warmup: bool) -> EMA:
         """train.ema: stages 0-2 hold the whole weights on every rank, and each rank their
         whole EMA; under stage 3 each rank keeps the EMA of its own partition of each
         parameter (elements [r * n, (r + 1) * n) of the flattened tensor, zero-padded as
@@ -87,7 +87,7 @@ class DeepSpeedEngine:
         named = trainable(self.module)
         if self.zero_stage < 3:
             params = [p for _, p in named]
-            return EMA(decay, whole_pieces(self.module, named), lambda: params)
+            return EMA(decay, whole_pieces(self.module, named), lambda: params, warmup=warmup)
         keys = file_keys(self.module)
         pieces = []
         for _, p in named:
@@ -102,7 +102,7 @@ class DeepSpeedEngine:
             dist.all_gather(parts, mine)
             return torch.cat(parts)
 
-        return EMA(decay, pieces, lambda: [p.ds_tensor for _, p in named], gather)
+        return EMA(decay, pieces, lambda: [p.ds_tensor for _, p in named], gather, warmup)
 
     @property
     def lr(self) -> float:

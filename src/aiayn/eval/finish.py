@@ -4,7 +4,8 @@ RUN/averaged, scored on the dev and test sets, with a summary beside it.
 `aiayn finish RUN --last K` (or `--best K`), or `train.finish: K` at the end of a run (rank 0,
 on CPU-sized work: averaging reads model.safetensors files, one tensor at a time). The average
 is a checkpoint directory like any other: `aiayn evaluate --checkpoint RUN/averaged`, `aiayn
-export RUN/averaged`. A second finish replaces it.
+export RUN/averaged`. A second finish replaces it. A run with train.ema has the average of
+its checkpoints' EMAs scored too (RUN/averaged/ema, `ema_scores` in the summary).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.checkpoint import CHECKPOINTS_DIR, checkpoints_in, read_manifest
+from aiayn.checkpoint.format import EMA, EMA_FILE
 from aiayn.checkpoint.retention import Retention
 from aiayn.checkpoint.tools import average
 from aiayn.config import config_from_dict
@@ -68,27 +70,37 @@ def finish(run_dir: str | Path, k: int, select: str = "last") -> dict[str, Any]:
     average(ckpts, tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    config = read_manifest(out, verify=False)["config"]
+    manifest = read_manifest(out, verify=False)
     summary: dict[str, Any] = {
         "select": select,
         "checkpoints": [c.name for c in ckpts],
         "model": str(out),
         "scores": {},
     }
+    # With train.ema, the average of the checkpoints' EMAs too (OUTPUT/ema): "EMA averaged".
+    models = {"scores": out}
+    if EMA_FILE in manifest["files"]:
+        models["ema_scores"] = out / EMA
+        summary["ema_scores"] = {}
     for split in ("valid", "test"):
-        if not config["data"].get(split):
+        if not manifest["config"]["data"].get(split):
             continue
-        result = evaluate(out, split)
-        summary["scores"][split] = {
-            k: v
-            for k, v in result.items()
-            if k in SCORES
-            or k.endswith("_signature")
-            or k in ("hypotheses_file", "references_file")
-        }
-        shown = ", ".join(f"{k} {result[k]:.4g}" for k in SCORES if k in result)
-        log.info(
-            "finish: the average of %s on %s: %s", ", ".join(summary["checkpoints"]), split, shown
-        )
+        for key, model in models.items():
+            result = evaluate(model, split)
+            summary[key][split] = {
+                k: v
+                for k, v in result.items()
+                if k in SCORES
+                or k.endswith("_signature")
+                or k in ("hypotheses_file", "references_file")
+            }
+            shown = ", ".join(f"{k} {result[k]:.4g}" for k in SCORES if k in result)
+            log.info(
+                "finish: the average of %s%s on %s: %s",
+                "the EMAs of " if key == "ema_scores" else "",
+                ", ".join(summary["checkpoints"]),
+                split,
+                shown,
+            )
     write_atomic(out / SUMMARY, json.dumps(summary, indent=1) + "\n")
     return summary
