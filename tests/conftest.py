@@ -4,13 +4,13 @@ import sys
 import pytest
 
 import cpu_kinds  # tests/cpu_kinds.py
+from prebuild_ops import EXTENSIONS_DIR  # tests/prebuild_ops.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# DeepSpeed compiles its C++ ops into TORCH_EXTENSIONS_DIR on first use. A directory of the
-# checkout's own keeps the tests off ~/.cache, where a user's killed build may have left a lock
-# that the runs would refuse (aiayn/engine/op_builds.py).
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))
+# DeepSpeed compiles its C++ ops into TORCH_EXTENSIONS_DIR on first use (`make test` starts the
+# one the suite needs early: tests/prebuild_ops.py).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)
 
 
 def pytest_addoption(parser):
