@@ -286,8 +286,13 @@ def main(argv: list[str] | None = None) -> None:
         "pairs": args.pairs,
         "zero": args.zero,
         "preset": args.preset,
-        # The checkpoint the restart verified and loaded (step 2), whole: all ranks' files.
-        "ckpt_bytes": sum(f.stat().st_size for f in (first / "checkpoints" / "step_2").rglob("*")),
+        # The checkpoint the restart verified and loaded (the first start's), whole: all ranks'
+        # files, at the smallest W.
+        "ckpt_bytes": sum(
+            f.stat().st_size
+            for f in sorted((first / "checkpoints").glob("step_*"))[0].rglob("*")
+            if f.is_file()
+        ),
         "cache_bytes": cache_size(first / "data_cache" / "train")[0],
         "pair_cache": pair_cache(first / "data_cache" / "train", args.pair_cache),
         "sha256_gbps": sha256_gbps(),
