@@ -8,8 +8,9 @@ A phase is one of three kinds, as the code makes it (scale.py says which, and wh
   throughputs (sha256 measured on this CPU, the filesystem's read per client assumed);
 - grows: work on one host that every rank asks for (the c10d store on rank 0's host).
 The measured seconds at W = 1, 2, 4 are classified too, as a check on that reading of the code:
-on a shared CPU they are first divided by how much slower a constant phase (the imports) ran
-at each W, since W processes on 2 cores slow each other down.
+on a shared CPU they are first divided by how much slower a constant phase (the imports; under
+scale.py's probe, process start, which holds them) ran at each W, since W processes on 2 cores
+slow each other down.
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ class PhaseModel:
     """How one phase scales, read in the code, and what it costs at the target.
 
     constant: the measured seconds (smallest W) + `extra_s`.
-    share: the measured seconds less what the measured units cost at `local_s_per_unit` (the
-      part of the rate the measurement paid too: hashing from the page cache), plus
-      units/W at `s_per_unit`; with `s_per_unit` None, both rates are the measured seconds per
-      measured unit (a phase whose every second is per unit). Plus `extra_s`.
+    share: the measured seconds less what the rank's measured units (measured_units / the
+      measured W) cost at `local_s_per_unit` (the part of the rate the measurement paid too:
+      hashing from the page cache), plus target_units / W at `s_per_unit`; with `s_per_unit`
+      None, both rates are the measured seconds per measured unit of the rank (a phase whose
+      every second is per unit). Plus `extra_s`.
     grows: the measured seconds + `requests` at `s_per_request` (requests that one host serves
       for the whole job: a count that grows with W) + `extra_s`.
     """
@@ -64,17 +66,19 @@ class PhaseModel:
     s_per_request: float = 0.0
     extra_s: float = 0.0
 
-    def at(self, measured_s: float, world: int) -> float:
-        """Seconds at `world` ranks from `measured_s`, this phase's seconds at the smallest W."""
+    def at(self, measured_s: float, world: int, measured_world: int = 1) -> float:
+        """Seconds at `world` ranks from `measured_s`, this phase's seconds at `measured_world`
+        ranks (the smallest W measured)."""
         if self.kind == CONSTANT:
             return measured_s + self.extra_s
         if self.kind == SHARE:
+            mine = self.measured_units / measured_world
             if self.s_per_unit is None:
-                rate = measured_s / self.measured_units if self.measured_units else 0.0
+                rate = measured_s / mine if mine else 0.0
                 fixed = 0.0
             else:
                 rate = self.s_per_unit
-                fixed = max(measured_s - self.measured_units * self.local_s_per_unit, 0.0)
+                fixed = max(measured_s - mine * self.local_s_per_unit, 0.0)
             return fixed + self.target_units / world * rate + self.extra_s
         if self.kind == GROWS:
             return measured_s + self.requests * self.s_per_request + self.extra_s
@@ -106,7 +110,7 @@ def budget(
     rows = []
     for phase, model in models.items():
         seconds = measured[phase]
-        at = model.at(seconds[min(seconds)], world)
+        at = model.at(seconds[min(seconds)], world, min(seconds))
         rows.append(
             BudgetRow(phase, seconds, classify(seconds, slowdown), model.kind, at, model.why)
         )

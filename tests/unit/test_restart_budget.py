@@ -67,6 +67,10 @@ def test_each_kind_of_phase_is_extrapolated_and_the_total_is_their_sum():
     seen = {r.phase: r.seen for r in rows}
     assert seen == {"imports": CONSTANT, "verify": SHARE, "plan": SHARE, "group": CONSTANT}
     assert [r.kind for r in rows] == [CONSTANT, SHARE, SHARE, GROWS]
+    # Measured from W = 2 on: a rank then held half the pairs, so each pair cost twice as much.
+    from_two = {phase: {w: s for w, s in got.items() if w > 1} for phase, got in measured.items()}
+    rows, _ = budget(from_two, {"plan": models["plan"], "imports": models["imports"]}, world=100)
+    assert rows[0].seconds == pytest.approx(0.1 / 500 * 1e5 / 100)
 
 
 def target(world: int) -> Target:
