@@ -21,6 +21,14 @@ pairs, so that the cache build can split it by file (docs/data.md).
 The table gives, per W and phase, the largest value over the ranks and the sum over them: a
 figure whose per-rank maximum stays constant as W grows is one rank's share; one whose
 maximum falls as 1/W is split; one whose sum grows with W is work repeated on every rank.
+
+A second table splits the restart's start-up by phase (the start-up line, aiayn/runtime/
+startup.py: rank 0's from train.log, the other ranks' kept by the probe) for rank 0 and the
+slowest rank at each W. With --budget, the restart is then extrapolated to --budget-world ranks
+(1,024) for transformer_big under ZeRO-3 with a WMT-sized token cache (_restart_budget.py):
+each phase's seconds at the smallest W, scaled as the code scales it, at sha256's speed
+measured here and the assumptions given as arguments. The measurements are kept in
+WORKDIR/restart.json; --budget-from that file prints the budget again without running.
 """
 
 from __future__ import annotations
@@ -35,11 +43,21 @@ import sys
 from pathlib import Path
 
 from _common import machine, markdown_table, torchrun
+from _restart_report import (
+    budget_arguments,
+    cache_size,
+    pair_cache,
+    phase_table,
+    print_budget,
+    sha256_gbps,
+    store_gets_per_s,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 PROBE = Path(__file__).with_name("_scale_probe.py")
 STARTUP = re.compile(r"start-up ([\d.]+) s")
+STARTUP_LINE = re.compile(r"start-up ([\d.]+) s: (.*)")
 BUILT = re.compile(r"token cache .* built in ([\d.]+) s by (\d+) rank")
 PASSED = ("PYTHONPATH", "LD_LIBRARY_PATH")
 SAVED = re.compile(r"saved \S+ in ([\d.]+)s")
@@ -119,6 +137,21 @@ def launch(
     return proc.stdout + proc.stderr
 
 
+def startup_split(line: str) -> dict[str, float]:
+    """A start-up line's seconds by phase, with "total": "start-up 2.98 s: process start
+    0.03 s, imports 0.91 s, ..." (aiayn/runtime/startup.py)."""
+    found = STARTUP_LINE.search(line)
+    parts = (part.rsplit(" ", 2) for part in found.group(2).split(", "))
+    return {name: float(seconds) for name, seconds, _ in parts} | {"total": float(found.group(1))}
+
+
+def restart_splits(log: str, got: list[dict]) -> list[dict[str, float]]:
+    """Each rank's start-up split at the restart: rank 0's from its line in train.log (the
+    last), the others' from the line the probe kept (they log warnings only)."""
+    lines = [m.group(0) for m in STARTUP_LINE.finditer(log)]
+    return [startup_split(lines[-1])] + [startup_split(r["startup_line"]) for r in got[1:]]
+
+
 def reports(out: Path, world: int) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -157,7 +190,11 @@ def main(argv: list[str] | None = None) -> None:
         help="config overrides for every run, e.g. train.malloc=system",
     )
     p.add_argument("--workdir", default=str(ROOT / "runs" / "bench" / "scale"))
+    budget_arguments(p)
     args = p.parse_args(argv)
+    if args.budget_from:
+        print_budget(json.loads(Path(args.budget_from).read_text()), args)
+        return
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -190,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         "cache build s",
         "save s (rank 0)",
     ]
-    rows = []
+    rows, restart = [], {}
     for world in args.world:
         run_dir = work / f"w{world}"
         for phase, steps in (("first start", 2), ("restart", 4)):
@@ -199,6 +236,11 @@ def main(argv: list[str] | None = None) -> None:
             got = reports(out, world)
             log = (run_dir / "train.log").read_text()
             startup = STARTUP.findall(log)[-1]
+            if phase == "restart":
+                restart[world] = {
+                    "splits": restart_splits(log, got),
+                    "hashed": [r["hashed_bytes"] for r in got],
+                }
             built = BUILT.findall(log) if phase == "first start" else []
             rows.append(
                 [
@@ -234,6 +276,32 @@ def main(argv: list[str] | None = None) -> None:
     weights = sorted(run_dir.glob("checkpoints/step_*/model.safetensors"))[-1]
     print(f"\nThe model: {mib(weights.stat().st_size)} MiB of weights (model.safetensors)\n")
     print(markdown_table(header, rows))
+    print(
+        "\nThe restart's start-up by phase, seconds (rank 0, and the rank whose total is "
+        "largest):\n"
+    )
+    print(phase_table(restart))
+    first = work / f"w{min(args.world)}"
+    measured = {
+        "pairs": args.pairs,
+        "zero": args.zero,
+        "preset": args.preset,
+        # The checkpoint the restart verified and loaded (the first start's), whole: all ranks'
+        # files, at the smallest W.
+        "ckpt_bytes": sum(
+            f.stat().st_size
+            for f in sorted((first / "checkpoints").glob("step_*"))[0].rglob("*")
+            if f.is_file()
+        ),
+        "cache_bytes": cache_size(first / "data_cache" / "train")[0],
+        "pair_cache": pair_cache(first / "data_cache" / "train", args.pair_cache),
+        "sha256_gbps": sha256_gbps(),
+        "store_gets_per_s": store_gets_per_s(),
+        "restart": restart,
+    }
+    (work / "restart.json").write_text(json.dumps(measured, indent=1))
+    if args.budget:
+        print_budget(measured, args)
 
 
 if __name__ == "__main__":
