@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from aiayn.config import Config
 from aiayn.distributed.env import DistEnv
 from aiayn.engine import parallelize
-from aiayn.engine.ema import EMA, whole_pieces
+from aiayn.engine.ema import EMA, saved_weights, whole_pieces
 from aiayn.engine.optim import (
     build_optimizer,
     clip_gradients,
@@ -111,13 +111,8 @@ class LocalEngine:
     def weights(self):
         yield Weights.of(self.module)
 
-    @contextlib.contextmanager
     def ema_weights(self):
-        if self.ema is None:
-            yield None
-            return
-        with self.weights() as base:
-            yield self.ema.weights(base)
+        return saved_weights(self)
 
     def ema_applied(self):
         return self.ema.applied([p for _, p in trainable(self.module)])

@@ -17,7 +17,7 @@ from torch import nn
 from aiayn.config import Config
 from aiayn.distributed.env import DistEnv
 from aiayn.engine import deepspeed_config, op_builds, parallelize
-from aiayn.engine.ema import EMA, Piece, file_keys, whole_pieces
+from aiayn.engine.ema import EMA, Piece, file_keys, saved_weights, whole_pieces
 from aiayn.engine.optim import clip_gradients, load_schedule, load_torch_adam, paper_schedule
 from aiayn.engine.precision import autocast
 from aiayn.engine.replicas import replicas_differ
@@ -206,13 +206,8 @@ class DeepSpeedEngine:
 
         yield Weights(specs, metadata or None, each, transient=True)
 
-    @contextlib.contextmanager
     def ema_weights(self):
-        if self.ema is None:
-            yield None
-            return
-        with self.weights() as base:
-            yield self.ema.weights(base)
+        return saved_weights(self)
 
     @contextlib.contextmanager
     def ema_applied(self):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -157,6 +158,17 @@ class EMA:
             with torch.no_grad():
                 for t, k in zip(targets, kept, strict=True):
                     t.copy_(k)
+
+
+@contextlib.contextmanager
+def saved_weights(engine: Any) -> Iterator[Weights | None]:
+    """An engine's `ema_weights()`: what a save writes into ema.safetensors, the engine's
+    `weights()` with the EMA's values (None when train.ema is off)."""
+    if engine.ema is None:
+        yield None
+        return
+    with engine.weights() as base:
+        yield engine.ema.weights(base)
 
 
 def file_keys(module: nn.Module) -> dict[int, str]:
