@@ -2,9 +2,9 @@ import os
 import sys
 
 import pytest
+from prebuild_ops import EXTENSIONS_DIR  # tests/prebuild_ops.py
 
 import cpu_kinds  # tests/cpu_kinds.py
-from prebuild_ops import EXTENSIONS_DIR  # tests/prebuild_ops.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

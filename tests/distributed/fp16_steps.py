@@ -28,6 +28,8 @@ FP16 = [
     "model.dropout=0",
     "train.precision=fp16",
     "schedule.warmup=4",
+    "train.ema=0.5",  # an average of the applied steps only: not moved by the skipped one
+    "train.ema_warmup=false",
 ]
 
 
@@ -39,6 +41,7 @@ def main(out: Path) -> None:
     initial = {k: v.detach().clone() for k, v in engine.module.named_parameters()}
     buffers = {k: v.clone() for k, v in engine.module.named_buffers()}
     mine = [env.rank] if env.distributed else [0, 1]
+    after = []  # the weights after each step
     for step in range(1, STEPS + 1):
         batches = [padded_batch(rows=4 + m, seed=10 * step + m) for m in (0, 1)]
         tokens = sum(b.n_tokens for b in batches)  # the loop's divisor: all ranks' tokens
@@ -50,9 +53,13 @@ def main(out: Path) -> None:
                     loss = loss * float("inf")
                 engine.backward(loss / tokens)
         engine.step()
+        after.append([p.detach().clone() for p in engine.module.parameters()])
     torch.save(
         {
             "weights": {k: v.detach().clone() for k, v in engine.module.named_parameters()},
+            "after": after,
+            "ema": [t.clone() for t in engine.ema.shadow],
+            "ema_updates": engine.ema.updates,
             "initial": initial,
             "skipped_steps": engine.skipped_steps,
             "loss_scale": engine.loss_scale,

@@ -65,6 +65,15 @@ def test_fp16_two_ranks_equal_one_process_accumulating_and_skip_an_overflow_toge
     assert_close(ranks[0]["weights"], single["weights"], atol=0.0)
     with pytest.raises(AssertionError):  # ... and the 3 applied steps moved the weights
         assert_close(single["initial"], single["weights"], atol=1e-4)
+    # train.ema averages the applied steps' weights only: the skipped step is no update.
+    expected = list(single["initial"].values())  # named_parameters' order: parameters()'
+    for step, weights in enumerate(single["after"], start=1):
+        if step != 2:
+            expected = [e * 0.5 + w * 0.5 for e, w in zip(expected, weights, strict=True)]
+    for got in (*ranks, single):
+        assert got["ema_updates"] == 3
+        for g, e in zip(got["ema"], expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
 
     # DDP broadcasts no buffers before each forward: the only ones are constant tables.
     assert not ranks[0]["syncs_buffers"]

@@ -82,6 +82,7 @@ class LocalEngine:
         # The norm stays a tensor so the caller decides when to pay for a host sync.
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_gradients(self.module.parameters(), self.clip_norm)
+        skipped = self.skipped_steps
         if self.scaler.is_enabled():
             # An overflowing fp16 step is skipped, schedule included, as DeepSpeed does: the
             # schedule counts applied updates. The scale's drop is the only public sign of it.
@@ -96,7 +97,7 @@ class LocalEngine:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.ema is not None:
+        if self.ema is not None and self.skipped_steps == skipped:  # not after a skipped step
             self.ema.update()
         return grad_norm.detach()
 

@@ -140,8 +140,9 @@ class DeepSpeedEngine:
     def step(self) -> torch.Tensor:
         if self.ema is not None:
             self.ema.begin()  # before the first update: the average includes the start
+        skipped = self.skipped_steps
         self.model.step()
-        if self.ema is not None:
+        if self.ema is not None and self.skipped_steps == skipped:  # fp16 overflow: no update
             self.ema.update()
         if self._grad_norm is not None:
             norm, self._grad_norm = self._grad_norm, None
