@@ -12,8 +12,8 @@ other ranks (aiayn.runtime.io_counts), the bytes it wrote while saving a
 checkpoint (wchar during CheckpointManager.save), how far its allocated host memory rose during
 a save and during a validation (sampled; under ZeRO-3 one layer's weights, never the whole
 model), the same two rises in CUDA memory allocated when the run is on a GPU, its peak
-resident memory, and its start-up line (aiayn/runtime/startup.py): rank 0 logs it in
-train.log, the other ranks log only warnings, so the probe keeps each rank's as it is made.
+resident memory, and its start-up split by phase (aiayn/runtime/startup.py): rank 0 logs it
+in train.log, the other ranks log only warnings, so the probe keeps each rank's as it is made.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ counts = {
     "save_cuda_growth": 0,
     "valid_cuda_growth": 0,
     "ckpt_stat_calls": 0,
-    "startup_line": None,
+    "startup_split": None,
 }
 
 
@@ -134,13 +134,13 @@ def _measured(name: str, method, counts_writes: bool = False):
     return wrapped
 
 
-def _keeping_line(method):
-    """StartupTimes.first_step_done, keeping the start-up line it returns (every rank's, where
-    the log has rank 0's only)."""
+def _keeping_split(method):
+    """StartupTimes.first_step_done, keeping the start-up split it returns (every rank's, where
+    the log has rank 0's line only)."""
 
     def wrapped(self, *args, **kwargs):
         line, split = method(self, *args, **kwargs)
-        counts["startup_line"] = line
+        counts["startup_split"] = split
         return line, split
 
     return wrapped
@@ -186,7 +186,7 @@ if __name__ == "__main__":
     io_counts.watch(Path(run_dir) / "checkpoints")  # opens and listings from the start
     manager.CheckpointManager.save = _measured("save", manager.CheckpointManager.save, True)
     validation.Validation.run = _measured("valid", validation.Validation.run)
-    StartupTimes.first_step_done = _keeping_line(StartupTimes.first_step_done)
+    StartupTimes.first_step_done = _keeping_split(StartupTimes.first_step_done)
     atexit.register(_report, out, time.perf_counter())
     sys.argv = ["aiayn", *sys.argv[2:]]
     runpy.run_module("aiayn", run_name="__main__")

@@ -22,9 +22,9 @@ The table gives, per W and phase, the largest value over the ranks and the sum o
 figure whose per-rank maximum stays constant as W grows is one rank's share; one whose
 maximum falls as 1/W is split; one whose sum grows with W is work repeated on every rank.
 
-A second table splits the restart's start-up by phase (the start-up line, aiayn/runtime/
-startup.py: rank 0's from train.log, the other ranks' kept by the probe) for rank 0 and the
-slowest rank at each W. With --budget, the restart is then extrapolated to --budget-world ranks
+A second table splits the restart's start-up by phase (the start-up line's split,
+aiayn/runtime/startup.py, each rank's kept by the probe) for rank 0 and the slowest rank at
+each W. With --budget, the restart is then extrapolated to --budget-world ranks
 (1,024) for transformer_big under ZeRO-3 with a WMT-sized token cache (_restart_budget.py):
 each phase's seconds at the smallest W, scaled as the code scales it, at sha256's speed
 measured here and the assumptions given as arguments. The measurements are kept in
@@ -57,7 +57,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 PROBE = Path(__file__).with_name("_scale_probe.py")
 STARTUP = re.compile(r"start-up ([\d.]+) s")
-STARTUP_LINE = re.compile(r"start-up ([\d.]+) s: (.*)")
 BUILT = re.compile(r"token cache .* built in ([\d.]+) s by (\d+) rank")
 PASSED = ("PYTHONPATH", "LD_LIBRARY_PATH")
 SAVED = re.compile(r"saved \S+ in ([\d.]+)s")
@@ -135,21 +134,6 @@ def launch(
     if proc.returncode != 0:
         sys.exit(f"W={world}: the run failed\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
     return proc.stdout + proc.stderr
-
-
-def startup_split(line: str) -> dict[str, float]:
-    """A start-up line's seconds by phase, with "total": "start-up 2.98 s: process start
-    0.03 s, imports 0.91 s, ..." (aiayn/runtime/startup.py)."""
-    found = STARTUP_LINE.search(line)
-    parts = (part.rsplit(" ", 2) for part in found.group(2).split(", "))
-    return {name: float(seconds) for name, seconds, _ in parts} | {"total": float(found.group(1))}
-
-
-def restart_splits(log: str, got: list[dict]) -> list[dict[str, float]]:
-    """Each rank's start-up split at the restart: rank 0's from its line in train.log (the
-    last), the others' from the line the probe kept (they log warnings only)."""
-    lines = [m.group(0) for m in STARTUP_LINE.finditer(log)]
-    return [startup_split(lines[-1])] + [startup_split(r["startup_line"]) for r in got[1:]]
 
 
 def reports(out: Path, world: int) -> list[dict]:
@@ -238,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
             startup = STARTUP.findall(log)[-1]
             if phase == "restart":
                 restart[world] = {
-                    "splits": restart_splits(log, got),
+                    "splits": [r["startup_split"] for r in got],
                     "hashed": [r["hashed_bytes"] for r in got],
                 }
             built = BUILT.findall(log) if phase == "first start" else []

@@ -109,18 +109,3 @@ def test_at_1024_ranks_only_the_store_grows_and_the_checkpoint_is_a_share():
     assert grew == {"process group"}
     assert fell == {"tokenizer/data", "checkpoint verify", "checkpoint load", "data position"}
     assert at[1024]["total"] == pytest.approx(sum(v for p, v in at[1024].items() if p != "total"))
-
-
-def test_scale_reads_back_every_phase_of_the_start_up_line_startup_writes():
-    from scale import startup_split
-
-    from aiayn.runtime.startup import PHASES, StartupTimes
-
-    times = StartupTimes(created=100.0, main_started=100.5, train_started=101.75)
-    for i, phase in enumerate(PHASES[2:]):
-        times.add(phase, 0.25 * (i + 1))
-    line, split = times.summary(now=120.0)
-    got = startup_split(f"2026-11-27 18:00:00 INFO {line}")
-    assert list(got) == [*PHASES, "other", "total"]
-    assert got == pytest.approx(split, abs=0.005)  # the line's two decimals
-    assert got["imports"] == 1.25 and got["total"] == 20.0
