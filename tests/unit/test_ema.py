@@ -83,7 +83,7 @@ def test_the_warm_up_reaches_the_decay_and_an_uncounted_checkpoint_keeps_it():
     assert decays[:2] == [0.1, 2 / 11]
     assert decays[2] < 0.999 and decays[3:] == [0.999, 0.999]
     # A checkpoint saved before the count was kept had no warm-up: its decay goes on.
-    engine.ema.load(lambda key, start, end: torch.zeros(end - start), None)
+    engine.ema.load(lambda key, start, end: torch.zeros(end - start), {})
     assert engine.ema.updates is None and engine.ema.current_decay() == 0.999
     train_steps(engine, 1)
     assert engine.ema.updates is None

@@ -26,7 +26,6 @@ from aiayn.checkpoint.format import (
     read_stored,
 )
 from aiayn.distributed.env import DistEnv
-from aiayn.engine.ema import UPDATES_KEY
 from aiayn.engine.state import partition_rank, trainable
 from aiayn.errors import CheckpointError
 from aiayn.runtime.durable import size_text
@@ -211,10 +210,8 @@ def _load_ema(engine: Any, ckpt: Path, manifest: dict) -> None:
         )
         return
     with safe_open(str(ckpt / EMA_FILE), framework="pt") as fh:
-        updates = (fh.metadata() or {}).get(UPDATES_KEY)
         engine.ema.load(
-            lambda key, start, end: reshard.Rows(fh, key).read(start, end),
-            None if updates is None else int(updates),
+            lambda key, start, end: reshard.Rows(fh, key).read(start, end), fh.metadata() or {}
         )
 
 

@@ -95,10 +95,12 @@ class EMA:
         if self.updates is not None:
             self.updates += 1
 
-    def load(self, read: Read, updates: int | None) -> None:
-        """This rank's pieces from a checkpoint's ema.safetensors, each read by range, and the
-        updates the average had had (None: saved without the count, warm-up over)."""
-        self.updates = updates
+    def load(self, read: Read, metadata: dict[str, str]) -> None:
+        """This rank's pieces from a checkpoint's ema.safetensors, each read by range, and from
+        its `metadata` the updates the average had had (none there: saved before the count was
+        kept, warm-up over)."""
+        updates = metadata.get(UPDATES_KEY)
+        self.updates = None if updates is None else int(updates)
         shadow = []
         for piece, source in zip(self.pieces, self._sources(), strict=True):
             out = torch.zeros(piece.size, dtype=torch.float32, device=source.device)
