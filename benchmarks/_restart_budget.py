@@ -131,12 +131,28 @@ class Target:
     measured_pairs: float
     sha256_gbps: float  # measured: hashlib, one core
     fs_gbps: float  # assumed: one client's read from the shared filesystem
-    store_requests_per_s: float  # assumed: rank 0's c10d store (one libuv loop)
+    store_requests_per_s: float  # measured: rank 0's c10d store (one libuv loop), single keys
+    store_multi_gets_per_s: float  # measured: the same store's reads of GLOO_BATCH keys at once
     nccl_init_s: float  # assumed: NCCL's communicator of `world` ranks
     model_init_s: float  # assumed: transformer_big's parameters initialised on each rank
     first_step_s: float  # assumed: a GPU's first step (CUDA context, cuBLAS, first collectives)
     launcher_s: float = 0.0  # assumed: launch to the workers' creation (the launchers' rendezvous)
     gpus_per_node: int = 8
+    # gloo groups of every rank made at a restart on GPUs (distributed/env.py): host numbers'
+    # and the checkpoint writers'.
+    gloo_groups: int = 2
+
+
+# Keys a gloo rank reads from the store in one request under aiayn's settings
+# (GLOO_ENABLE_STORE_V2_API=1, distributed/env.py; gloo/transport/tcp/context.cc's batch).
+GLOO_BATCH = 128
+
+
+def gloo_store_requests(world: int, groups: int) -> tuple[int, int]:
+    """(single-key requests, multi-key reads) that `groups` gloo groups of `world` ranks ask of
+    the store's host under aiayn's settings: each rank sets its key, then reads all W keys
+    GLOO_BATCH at a time; a key is the rank's address alone, the same size at any W."""
+    return groups * world, groups * world * -(-world // GLOO_BATCH)
 
 
 def zero3_models(t: Target) -> dict[str, PhaseModel]:
@@ -145,13 +161,14 @@ def zero3_models(t: Target) -> dict[str, PhaseModel]:
     hash_s, read_s = 1 / (t.sha256_gbps * 1e9), 1 / (t.fs_gbps * 1e9)
     w = t.world
     # Store requests for the whole job: torch's store-based barrier (2 adds a rank, the last
-    # one's set), NCCL's unique id (one get a rank), and the gloo group aiayn makes for host
-    # numbers on NCCL (distributed/env.py host_group, at the first host collective: on a GPU
-    # in checkpoint verify, on gloo the default group's): gloo's full mesh has each rank read
-    # every rank's key, W(W - 1) reads on the store's host. gloo reads them one request a key
-    # unless GLOO_ENABLE_STORE_V2_API=1 (multi_gets of 128 keys), and each key holds W pair
-    # numbers unless GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER=1 (gloo/transport/tcp/context.cc).
-    requests = 3 * w + w * (w - 1)
+    # one's set) and NCCL's unique id (one get a rank), then the gloo groups aiayn makes on NCCL
+    # (host numbers', the checkpoint writers'): each rank sets its key and reads every rank's,
+    # 128 to a request (gloo's batched reads and keys of one address, distributed/env.py
+    # GLOO_MESH_SETTINGS; without them each key read is a wait and a get, 2W(W - 1) requests a
+    # group, and each key lists W pair numbers).
+    sets, multi_gets = gloo_store_requests(w, t.gloo_groups)
+    requests = 3 * w + sets
+    multi_s = multi_gets / t.store_multi_gets_per_s
     return {
         # Before the start-up line begins (it counts from the process's creation): not measured.
         "launcher": PhaseModel(
@@ -169,11 +186,13 @@ def zero3_models(t: Target) -> dict[str, PhaseModel]:
         "process group": PhaseModel(
             GROWS,
             f"c10d's TCPStore on rank 0's host serves {requests:,.0f} requests (barrier and NCCL "
-            "id: 3 a rank; the gloo host group's full mesh: W(W-1) key reads) at "
-            f"{t.store_requests_per_s:,.0f}/s, + NCCL's init assumed {t.nccl_init_s:g} s",
+            f"id: 3 a rank; {t.gloo_groups} gloo groups' keys: 1 a rank and group) at "
+            f"{t.store_requests_per_s:,.0f}/s and {multi_gets:,.0f} reads of {GLOO_BATCH} keys "
+            f"(each rank reads every key of each gloo group) at {t.store_multi_gets_per_s:,.0f}/s "
+            f"({multi_s:.2f} s), + NCCL's init assumed {t.nccl_init_s:g} s",
             requests=requests,
             s_per_request=1 / t.store_requests_per_s,
-            extra_s=t.nccl_init_s,
+            extra_s=multi_s + t.nccl_init_s,
         ),
         "tokenizer/data": PhaseModel(
             SHARE,

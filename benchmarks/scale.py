@@ -51,6 +51,7 @@ from _restart_report import (
     print_budget,
     sha256_gbps,
     store_gets_per_s,
+    store_multi_gets_per_s,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -281,6 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         "pair_cache": pair_cache(first / "data_cache" / "train", args.pair_cache),
         "sha256_gbps": sha256_gbps(),
         "store_gets_per_s": store_gets_per_s(),
+        "store_multi_gets_per_s": store_multi_gets_per_s(),
         "restart": restart,
     }
     (work / "restart.json").write_text(json.dumps(measured, indent=1))

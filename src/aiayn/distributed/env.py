@@ -231,6 +231,7 @@ def setup(
         # the launcher's store at its first exchange, and workers whose launcher died could
         # no longer save (tests/distributed/test_run_dir_lock.py failed so).
         raise_open_file_limit(world_size)
+        use_scalable_gloo_meshes()
         timeout = timedelta(minutes=timeout_minutes)
         store = _attempt_store(rank, world_size, timeout)
         # NCCL on GPUs; device_id binds the communicator to this rank's GPU now, not at a
@@ -240,6 +241,24 @@ def setup(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **bind
         )
     return DistEnv(rank, world_size, device)
+
+
+# gloo's settings that make its full mesh's rendezvous linear in W on the store's host (torch
+# 2.13's gloo, gloo/transport/tcp/context.cc). By default each rank reads every rank's key one
+# request at a time (a wait and a get: 2W(W - 1) requests a group on one host, 2.1 million at
+# 1,024 ranks) and each key lists one pair number for every rank (8W bytes: 8.6 GB through the
+# store in all). With these, a rank reads the keys 128 to a request (W * ceil(W / 128) requests
+# a group) and a key is its host and address only, the same size at any W. Set only where the
+# user has not: they are gloo's, named "experimental" there; the suite runs every multi-process
+# test under them (tests/distributed/test_gloo_mesh.py counts the requests).
+GLOO_MESH_SETTINGS = {"GLOO_ENABLE_STORE_V2_API": "1", "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER": "1"}
+
+
+def use_scalable_gloo_meshes() -> None:
+    """Before the first gloo group: gloo reads its settings from the environment whenever it
+    makes a group."""
+    for name, value in GLOO_MESH_SETTINGS.items():
+        os.environ.setdefault(name, value)
 
 
 # Sockets a rank may hold: a full mesh for each gloo group (the default or host numbers', the
