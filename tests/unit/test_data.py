@@ -554,6 +554,47 @@ def test_parallel_prefix_glob_reads_every_shard(tmp_path, tok):
     assert [r["src"] for r in open_split(cfg, cfg.train, "seq2seq")] == ["one", "two", "three"]
 
 
+def test_line_files_read_directly_give_their_datasets_records_whole_and_by_shard(tmp_path):
+    """A line-file source reads its files itself (no `datasets` import) for what reads a split
+    through: the records and shards must be the stream's, skipped lines included."""
+    _write_pair(tmp_path / "part1", [b"one", b"t\xffwo", b" two "], [b"eins", b"zwei", b"zwei"])
+    _write_pair(tmp_path / "part2", [b"three"], [b"drei"])
+    (tmp_path / "t1.txt").write_bytes(b" a  line \n\nb\xff\nlast")
+    (tmp_path / "t2.txt").write_bytes(b"c\n")
+    text = DataConfig(format="text", train=str(tmp_path / "t*.txt"), on_invalid_utf8="skip")
+    for cfg, kind, n in (
+        (s2s_cfg(tmp_path / "part*", on_invalid_utf8="skip"), "seq2seq", 3),
+        (text, "lm", 4),  # the empty line is a record: the loader drops it, and counts it
+    ):
+        source = open_split(cfg, cfg.train, kind)
+        streamed = list(source.records(source.dataset()))
+        assert len(streamed) == n and list(source) == streamed
+        assert list(source.raw()) == list(source.dataset())
+        assert source.num_shards() == source.dataset().num_shards == 2
+        for i in range(2):
+            assert list(source.shard_records(2, i)) == list(source.records(source.shard(2, i)))
+
+
+def test_a_token_cache_built_from_line_files_does_not_import_datasets(corpus, tmp_path):
+    """0.7 s of every fresh run's process (the tokenizer's sample, the cache, validation)."""
+    code = f"""
+import sys
+from aiayn.config import load_config
+from aiayn.data import sample_sentences
+from aiayn.data.cache import ensure_cache
+from aiayn.tokenizer import Tokenizer, train_tokenizer
+cfg = load_config(None, ["data.train={corpus}/train", "data.valid={corpus}/valid",
+    "data.cache_dir={tmp_path}/cache", "tokenizer.path={tmp_path}/spm.model",
+    "tokenizer.vocab_size=60"])
+train_tokenizer(cfg.tokenizer, sample_sentences(cfg.data, "seq2seq", 500, 1), cfg.tokenizer_path)
+ensure_cache(cfg, "train", Tokenizer(cfg.tokenizer_path))
+print("datasets" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "False"
+
+
 def test_sentence_sample_is_bounded_deterministic_and_has_both_sides(corpus):
     cfg = s2s_cfg(corpus / "train")
     a = sample_sentences(cfg, "seq2seq", 100, seed=1)

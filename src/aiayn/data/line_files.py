@@ -38,24 +38,35 @@ _SCAN_BLOCK = 1 << 22  # bytes read at a time when checking a file
 def parallel_source(cfg: DataConfig, split: str, check: bool = True) -> Source:
     """The (source, target) file pairs of `split`, a prefix or a glob of prefixes."""
     pairs = [list(p) for p in parallel_files(split, cfg.src_lang, cfg.tgt_lang)]
-    kwargs = {"pairs": pairs, "strict": cfg.on_invalid_utf8 == "error"}
-    # No `features=`: datasets would re-encode every example through them, at many times the
-    # cost of reading it (benchmarks/README.md). The generator yields plain strings anyway.
-    make = partial(_from_generator, _parallel_examples, kwargs)
-    return _line_source(cfg, split, make, pairs, check)
+    return _line_source(cfg, split, _parallel_examples, "pairs", pairs, pairs, check)
 
 
 def text_source(cfg: DataConfig, split: str, check: bool = True) -> Source:
     """The text files of `split`, a path or a glob."""
     files = expand_files(split)
-    kwargs = {"files": files, "strict": cfg.on_invalid_utf8 == "error"}
-    make = partial(_from_generator, _text_examples, kwargs)
-    return _line_source(cfg, split, make, [[f] for f in files], check)
+    return _line_source(cfg, split, _text_examples, "files", files, [[f] for f in files], check)
 
 
-def _line_source(cfg: DataConfig, split: str, make, groups: list, check: bool) -> Source:
-    """A source of line-aligned files; each group (a file pair, or a file) is one shard of the
-    generator's stream, in order (datasets shards a list argument by its items)."""
+def _line_source(
+    cfg: DataConfig,
+    split: str,
+    generator: Callable[..., Iterator[dict]],
+    argument: str,
+    items: list,
+    groups: list,
+    check: bool,
+) -> Source:
+    """A source of line-aligned files read by `generator(argument=items, strict=...)`; each
+    group (a file pair, or a file: items[i]) is one shard of its stream, in order (datasets
+    shards a list argument by its items)."""
+    strict = cfg.on_invalid_utf8 == "error"
+    # No `features=`: datasets would re-encode every example through them, at many times the
+    # cost of reading it (benchmarks/README.md). The generator yields plain strings anyway.
+    make = partial(_from_generator, generator, {argument: items, "strict": strict})
+
+    def generate(shards: list[int] | None) -> Iterator[dict]:
+        chosen = items if shards is None else [items[i] for i in shards]
+        return generator(**{argument: chosen, "strict": strict})
 
     def check_lines(shards: list[int] | None, hashes: dict | None) -> int:  # None: all
         chosen = groups if shards is None else [groups[i] for i in shards]
@@ -63,7 +74,12 @@ def _line_source(cfg: DataConfig, split: str, make, groups: list, check: bool) -
         return _check_lines(chosen, split, cfg.on_invalid_utf8, shards is None, hashes)
 
     source = Source(
-        split, make, normalize=lambda rec: rec, check_lines=check_lines, shard_files=groups
+        split,
+        make,
+        normalize=lambda rec: rec,
+        check_lines=check_lines,
+        shard_files=groups,
+        generate=generate,
     )
     if check:
         source.check()

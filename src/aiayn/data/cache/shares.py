@@ -74,7 +74,7 @@ def open_share(
     source = open_split(cfg.data, spec, cfg.model.kind, check=False, local=local)
     share = Share(source, rank, world_size)
     if world_size > 1:
-        n_shards = source.dataset().num_shards
+        n_shards = source.num_shards()
         strict = cfg.data.on_invalid_utf8 == "error"
         if n_shards >= world_size:
             share.shards = n_shards
@@ -151,7 +151,7 @@ def _read_shard(share: Share, s: int) -> tuple[Iterator[dict], Callable[[], dict
     hashes: dict[str, str] = {}
     skipped = share.source.check_shard(s, hashes)
     hashes = hashes or _shard_hashes(share.source, share.shards, s)
-    records = share.source.records(share.source.shard(share.shards, s))
+    records = share.source.shard_records(share.shards, s)
     return records, lambda: {"invalid_utf8": skipped, "sha256": hashes}
 
 
@@ -204,7 +204,7 @@ def _chunks(records: Iterator[dict]) -> Iterator:
 
 def _my_chunks(source, rank: int, world_size: int, work: Path) -> Iterator:
     """(chunk index, records before it, normalised records or None, size) for every chunk."""
-    raw = iter(source.dataset())
+    raw = source.raw()
     for c in itertools.count():
         block = list(itertools.islice(raw, _CHUNK))
         if not block:
