@@ -44,7 +44,8 @@ class Source:
         # The records of some shards (None: all), unnormalised, in the dataset's order, read
         # by the source's own reader: for local line files, whose dataset only wraps that
         # reader. What reads a split from start to end (the token cache's build, a tokenizer's
-        # sample, validation) then needs no `datasets`, whose import is 0.7 s of a process.
+        # sample, the run's dev and test copies) then needs no `datasets`, whose import is 0.7 s
+        # of a process; a StreamLoader keeps the dataset, for its saved positions.
         self._generate = generate
 
     def shard(self, num_shards: int, index: int) -> IterableDataset:
