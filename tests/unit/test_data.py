@@ -576,7 +576,8 @@ def test_line_files_read_directly_give_their_datasets_records_whole_and_by_shard
 
 
 def test_a_token_cache_built_from_line_files_does_not_import_datasets(corpus, tmp_path):
-    """0.7 s of every fresh run's process (the tokenizer's sample, the cache, validation)."""
+    """0.7 s of CPU in a process that trains a tokenizer or builds a cache (one that
+    validates still imports it: its StreamLoader keeps datasets' positions)."""
     code = f"""
 import sys
 from aiayn.config import load_config
