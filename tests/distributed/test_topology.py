@@ -173,13 +173,11 @@ def assert_own_files_only(log: str) -> None:
     assert restart_4[3] == 0, restart_4
     for (_, opens, _, _), saved, now in ((restart_4, 2, 4), (restart_2, 4, 2)):
         assert opens <= 10 + saved + -(-(2 * saved + 7) // now), (opens, saved, now)
-    # Rank 0's opens also count the retention's reads of the kept manifests (one per kept
-    # checkpoint, in the background: they land in this save's count or the next), not rank
-    # files: 1 checkpoint kept at step 10's save, 2 at step 15's, so step 15's count may hold
-    # 0-3 more reads than step 10's (3 measured once under load) or 1 fewer. Rank files
-    # opened by rank 0 would add 2 per rank from W = 2 to 4.
-    assert r0_10[0] == r0_15[0] == r0_20[0] and r0_10[2] == r0_15[2] == r0_20[2]
-    assert -1 <= r0_15[1] - r0_10[1] <= 3, (r0_10, r0_15, r0_20)
+    # Rank 0 too, but for its gathers: rank files it opened would add 2 per rank from W = 2 to
+    # 4. The retention's reads of the kept manifests and its deletions, in a thread of their
+    # own, are not counted (io_counts.uncounted): they landed in one save's count or the next
+    # by timing alone.
+    assert r0_10[:3] == r0_15[:3] == r0_20[:3], (r0_10, r0_15, r0_20)
     assert r0_15[3] / 3 == pytest.approx(r0_10[3], rel=0.02), (r0_10, r0_15)
 
 

@@ -47,6 +47,7 @@ from aiayn.checkpoint.retention import LATEST, Retention, pointed
 from aiayn.checkpoint.tensor_files import TensorFile, slice_bytes, write_slices
 from aiayn.engine.state import host_copy
 from aiayn.errors import CheckpointError
+from aiayn.runtime import io_counts
 from aiayn.runtime.durable import fsync_path, sha256_of, write_atomic
 
 log = logging.getLogger(__name__)
@@ -287,7 +288,8 @@ class Writer:
         """The retention rules, after the save of `saved` (in their own thread): a failure
         here (`best` not written) is the log's, not the save's, which is complete."""
         try:
-            self.retention.after_save(self.root, checkpoints_in(self.root))
+            with io_counts.uncounted():
+                self.retention.after_save(self.root, checkpoints_in(self.root))
         except Exception:
             log.warning("after saving %s: deleting old checkpoints failed", saved, exc_info=True)
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger("aiayn")
@@ -26,8 +29,24 @@ _watched: set[str] = set()  # folders whose files' opens and listings are counte
 _EVENTS = {"open": "opens", "os.listdir": "listings", "os.scandir": "listings"}
 
 
+_thread = threading.local()  # .off: this thread's I/O is not counted (`uncounted`)
+
+
 def count(kind: str, n: int = 1) -> None:
-    _counts[kind] += n
+    if not getattr(_thread, "off", False):
+        _counts[kind] += n
+
+
+@contextmanager
+def uncounted() -> Iterator[None]:
+    """What this thread does inside is not counted: rank 0's retention reads and deletes old
+    checkpoints in a thread of its own, whose I/O would land in whichever save's or restart's
+    span it happened to overlap (the W = 2 and 4 counts then differed by timing alone)."""
+    _thread.off = True
+    try:
+        yield
+    finally:
+        _thread.off = False
 
 
 def counts() -> dict[str, int]:
@@ -52,7 +71,7 @@ def _audit(event: str, args: tuple) -> None:
             path = os.path.abspath(path)
         path += os.sep if kind == "listings" else ""
         if any(path.startswith(folder) for folder in _watched):
-            _counts[kind] += 1
+            count(kind)
     except Exception:  # noqa: BLE001 (a hook that raises fails the open it audits)
         pass
 
