@@ -457,3 +457,21 @@ def test_the_counter_sees_opens_and_listings_under_the_watched_folder_only(tmp_p
     sorted(tmp_path.iterdir())
     got = io_counts.since(before)
     assert (got["opens"], got["listings"], got["stats"]) == (2, 1, 0), got
+
+    # The retention's thread is not counted (io_counts.uncounted), while the others are.
+    def retention() -> None:
+        with io_counts.uncounted():
+            (watched / "old.pt").write_bytes(b"x")
+            glob.glob(str(watched / "*.pt"))
+            io_counts.exists(watched / "old.pt")
+        io_counts.exists(watched / "old.pt")  # after the block: counted again
+
+    import threading
+
+    before = io_counts.counts()
+    thread = threading.Thread(target=retention)
+    thread.start()
+    thread.join()
+    os.close(os.open(watched / "a.pt", os.O_RDONLY))
+    got = io_counts.since(before)
+    assert (got["opens"], got["listings"], got["stats"]) == (1, 0, 1), got
