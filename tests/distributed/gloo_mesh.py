@@ -4,7 +4,8 @@ tensor over the group; prints, as JSON, the store's requests summed over the ran
 of the keys gloo read and the sum each rank got, for each W asked.
 
 The ranks are forked from a server that has imported torch (multiprocessing's forkserver): a
-plain fork of a process holding a TCPStore server hangs one rank in ten here.
+plain fork of a process holding a TCPStore server left one rank hanging before its key was
+set, in every try here (W = 4 to 48).
 Usage: python gloo_mesh.py W [W ...]
 """
 
