@@ -74,22 +74,19 @@ def sha256_gbps(mib: int = 64, repeats: int = 3) -> float:
 def store_gets_per_s(n: int = 5000) -> float:
     """Key reads a second from torch's c10d TCPStore (libuv) on this host: one client's
     sequential gets over loopback, the client on the same cores as the server."""
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=60), wait_for_workers=False)
-    store.set("key", b"x" * 64)
-    started = time.perf_counter()
-    for _ in range(n):
-        store.get("key")
-    return n / (time.perf_counter() - started)
+    return _store_reads_per_s(n, keys=1, value_bytes=64)
 
 
 def store_multi_gets_per_s(n: int = 500, keys: int = 128, value_bytes: int = 160) -> float:
     """Reads of `keys` keys in one request (multi_get) a second from the same store: what a gloo
     rank asks under aiayn's settings (_restart_budget.GLOO_BATCH keys of a rank's address, 154
     bytes here with the host's name: tests/distributed/test_gloo_mesh.py)."""
+    return _store_reads_per_s(n, keys, value_bytes)
+
+
+def _store_reads_per_s(n: int, keys: int, value_bytes: int) -> float:
+    """Requests a second reading `keys` keys of `value_bytes` each (a get for one, a multi_get
+    for more) from a TCPStore made here, one client over loopback."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
@@ -98,9 +95,10 @@ def store_multi_gets_per_s(n: int = 500, keys: int = 128, value_bytes: int = 160
     names = [str(k) for k in range(keys)]
     for name in names:
         store.set(name, b"x" * value_bytes)
+    read = (lambda: store.get(names[0])) if keys == 1 else (lambda: store.multi_get(names))
     started = time.perf_counter()
     for _ in range(n):
-        store.multi_get(names)
+        read()
     return n / (time.perf_counter() - started)
 
 
