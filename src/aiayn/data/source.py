@@ -61,7 +61,7 @@ class Source:
 
     def shard_records(self, num_shards: int, index: int) -> Iterator[dict]:
         """The normalised records of `shard(num_shards, index)`."""
-        if self._generate is not None and num_shards == len(self.shard_files or ()):
+        if self._generate is not None and num_shards == self.num_shards():
             return map(self.normalize, self._generate([index]))
         return self.records(self.shard(num_shards, index))
 
@@ -95,8 +95,8 @@ class Source:
 
     def __iter__(self) -> Iterator[dict]:
         if self._generate is not None:
-            return map(self.normalize, self._generate(None))
-        return self.records(self.dataset())
+            return map(self.normalize, self.raw())
+        return self.records(self.dataset())  # a Hub source's records name its network errors
 
 
 def expand_files(spec: str) -> list[str]:
