@@ -575,20 +575,68 @@ def test_line_files_read_directly_give_their_datasets_records_whole_and_by_shard
             assert list(source.shard_records(2, i)) == list(source.records(source.shard(2, i)))
 
 
-def test_a_token_cache_built_from_line_files_does_not_import_datasets(corpus, tmp_path):
-    """0.7 s of CPU in a process that trains a tokenizer or builds a cache (one that
-    validates still imports it: its StreamLoader keeps datasets' positions)."""
+def test_jsonl_read_directly_gives_its_datasets_records_and_eval_batches(corpus, tok, tmp_path):
+    """JSON Lines files read by their own reader (no `datasets` import: the run's dev and test
+    copies are jsonl) give the normalised records and shards of their dataset: blank lines,
+    a field some records lack (None there, absent here), nesting, gzip; an evaluation pass
+    gives the same batches as one through the dataset. A JSON array is left to `datasets`."""
+    rows = [{"translation": {"en": e, "de": d}} for e, d in zip(
+        lines(corpus / "train.en"), lines(corpus / "train.de"), strict=True)]  # fmt: skip
+    rows[3] = {"translation": {"en": "no target here"}, "note": 1}
+    rows[5]["translation"]["de"] = None
+    text = [json.dumps(r, ensure_ascii=False) for r in rows]
+    (tmp_path / "a.jsonl").write_text("\n".join(text[:300]) + "\n\n  \n")
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as fh:
+        fh.write("\n".join(text[300:]))
+    cfg = DataConfig(format="jsonl", train=str(tmp_path / "*.jsonl*"), src_lang="en")
+    cfg.tgt_lang, cfg.shuffle_buffer, cfg.max_len = "de", 64, 64
+    source = open_split(cfg, cfg.train, "seq2seq")
+    assert source.reads_directly
+    streamed = list(source.records(source.dataset()))
+    assert len(streamed) == len(rows) and list(source) == streamed
+    assert streamed[3] == {"src": "no target here", "tgt": ""} and streamed[5]["tgt"] == ""
+    assert source.num_shards() == source.dataset().num_shards == 2
+    for i in range(2):
+        assert list(source.shard_records(2, i)) == list(source.records(source.shard(2, i)))
+    direct = loader(cfg, tok, max_tokens=150, train=False)
+    through = loader(cfg, tok, max_tokens=150, train=False)
+    through.source._generate = None  # the dataset's reading, as a training loader's
+    assert not through.source.reads_directly
+    got, want = list(direct), list(through)
+    assert len(got) == len(want) > 3 and all(map(same, got, want))
+    assert direct.stats() == through.stats()
+
+    (tmp_path / "arr.json").write_text(json.dumps(rows[:2]))
+    array = dataclasses.replace(cfg, train=str(tmp_path / "arr.json"))
+    source = open_split(array, array.train, "seq2seq")
+    assert not source.reads_directly and len(list(source)) == 2
+    (tmp_path / "bad.jsonl").write_text(text[0] + "\n" + text[1][:-3] + "\n")
+    bad = dataclasses.replace(cfg, train=str(tmp_path / "bad.jsonl"))
+    with pytest.raises(DataError, match=r"bad.jsonl line 2 is not a JSON record"):
+        list(open_split(bad, bad.train, "seq2seq"))
+
+
+def test_a_token_cache_and_validation_on_the_run_copy_do_not_import_datasets(corpus, tmp_path):
+    """0.7 s of CPU in every process that trains a tokenizer, builds a cache or validates
+    (on the run's jsonl copy of the dev set: its batches and its sentences to translate)."""
     code = f"""
-import sys
+import itertools, sys
 from aiayn.config import load_config
-from aiayn.data import sample_sentences
+from aiayn.data import make_loader, open_split, sample_sentences
 from aiayn.data.cache import ensure_cache
+from aiayn.data.run_splits import with_run_copy
 from aiayn.tokenizer import Tokenizer, train_tokenizer
 cfg = load_config(None, ["data.train={corpus}/train", "data.valid={corpus}/valid",
     "data.cache_dir={tmp_path}/cache", "tokenizer.path={tmp_path}/spm.model",
-    "tokenizer.vocab_size=60"])
+    "tokenizer.vocab_size=60", "run_dir={tmp_path}/run"])
 train_tokenizer(cfg.tokenizer, sample_sentences(cfg.data, "seq2seq", 500, 1), cfg.tokenizer_path)
-ensure_cache(cfg, "train", Tokenizer(cfg.tokenizer_path))
+tok = Tokenizer(cfg.tokenizer_path)
+ensure_cache(cfg, "train", tok)
+cfg = with_run_copy(cfg, "valid")
+assert cfg.data.format == "jsonl", cfg.data
+batches = list(make_loader(cfg, cfg.data.valid, tok, train=False))
+pairs = list(itertools.islice(open_split(cfg.data, cfg.data.valid, "seq2seq"), 10))
+assert batches and len(pairs) == 10
 print("datasets" in sys.modules)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -1,5 +1,7 @@
 """Records with fields: tsv, jsonl and parquet files read by `datasets`' builders, and Hub
-datasets streamed over the network.
+datasets streamed over the network. JSON Lines files are also read by a reader of their own
+(`_jsonl_lines`) wherever a split is read through or passed over once, as line files are: the
+run's dev and test copies are jsonl, and every process that validates reads them.
 
 A record's fields are found where data.src_field/tgt_field (or text_field/label_field) say,
 dots reaching into nested records, and normalised as data/source.py describes. Opening reads
@@ -8,12 +10,14 @@ the first record, so that an empty corpus or a field that is not there fails bef
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiayn.config import DataConfig
+from aiayn.data.line_files import open_bytes
 from aiayn.data.source import Source, expand_files
 from aiayn.errors import DataError
 
@@ -105,15 +109,64 @@ def record_source(cfg: DataConfig, split: str, kind: str, local: list[str] | Non
             features=_string_features({c: types[c] for c in columns}),
         )
         fields = {"seq2seq": ("src", "tgt"), "lm": ("text",), "classifier": ("text", "label")}
-        normalize = _field_reader(kind, [[f] for f in fields[kind]], name)
+        normalize = _FieldReader(kind, [[f] for f in fields[kind]], name)
         builder = "csv"
     else:
         kw, normalize = {}, _normalizer(cfg, kind, name)
         builder = {"jsonl": "json", "parquet": "parquet"}[cfg.format]
-
+    generate = _jsonl_lines(files) if cfg.format == "jsonl" else None
     return Source(
-        name, lambda: _stream(builder, files, kw), normalize, shard_files=[[f] for f in files]
+        name,
+        lambda: _stream(builder, files, kw),
+        normalize,
+        shard_files=[[f] for f in files],
+        generate=generate,
     )
+
+
+_OTHER_COMPRESSION = (".bz2", ".xz", ".zst", ".lz4", ".zip", ".tar")
+
+
+def _jsonl_lines(files: list[str]) -> Callable[[list[int] | None], Iterator[dict]] | None:
+    """A reader of JSON Lines files, each file a shard, giving the records `datasets`' json
+    builder gives, but for a field that some other record has: there it is None, here absent,
+    and the normaliser reads both as empty (`_get`). None, leaving them to `datasets`, where
+    they may not be JSON Lines (the first file's first line is no JSON object: a JSON array, a
+    pretty-printed record) or are compressed other than by gzip."""
+    if any(f.endswith(_OTHER_COMPRESSION) for f in files):
+        return None
+    with open_bytes(files[0]) as fh:
+        first = next((line for line in fh if line.strip()), b"{}")
+    try:
+        if not isinstance(json.loads(first), dict):
+            return None
+    except ValueError:
+        return None
+
+    def generate(shards: list[int] | None) -> Iterator[dict]:
+        for path in files if shards is None else [files[i] for i in shards]:
+            with open_bytes(path) as fh:
+                for lineno, line in enumerate(fh, start=1):
+                    if line.strip():
+                        yield _json_record(line, path, lineno)
+
+    return generate
+
+
+def _json_record(line: bytes, path: str, lineno: int) -> dict:
+    try:
+        record = json.loads(line)
+    except ValueError as exc:  # UnicodeDecodeError is one
+        raise DataError(
+            f"{path} line {lineno} is not a JSON record ({exc}); data.format jsonl reads one "
+            "JSON object a line, in UTF-8"
+        ) from None
+    if not isinstance(record, dict):
+        raise DataError(
+            f"{path} line {lineno} holds a JSON {type(record).__name__}, not an object; "
+            "data.format jsonl reads one JSON object a line"
+        )
+    return record
 
 
 def _stream(builder: str, files: list[str], kw: dict) -> IterableDataset:
@@ -122,7 +175,7 @@ def _stream(builder: str, files: list[str], kw: dict) -> IterableDataset:
     return datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kw)
 
 
-def _normalizer(cfg: DataConfig, kind: str, name: str) -> Callable[[dict], dict]:
+def _normalizer(cfg: DataConfig, kind: str, name: str) -> _FieldReader:
     if kind == "seq2seq":
         # WMT-style hub records nest both sides under "translation"; find them there by default.
         paths = [
@@ -133,27 +186,38 @@ def _normalizer(cfg: DataConfig, kind: str, name: str) -> Callable[[dict], dict]
         paths = [[cfg.text_field]]
     else:
         paths = [[cfg.text_field], [cfg.label_field]]
-    return _field_reader(kind, paths, name)
+    return _FieldReader(kind, paths, name)
 
 
-def _field_reader(kind: str, paths: list[list[str]], name: str) -> Callable[[dict], dict]:
-    keys = {"seq2seq": ("src", "tgt"), "lm": ("text",), "classifier": ("text", "label")}[kind]
+class _FieldReader:
+    """A record's fields, normalised (data/source.py). A field a record lacks reads as empty,
+    as `datasets` gives None for a field that some other record of the file has; `check`, for
+    the first record, says which field is not there and how to name another."""
 
-    def normalize(rec: dict) -> dict:
-        out = {
-            key: _get(rec, candidates, name) for key, candidates in zip(keys, paths, strict=True)
-        }
-        for key in keys:
+    def __init__(self, kind: str, paths: list[list[str]], name: str):
+        self.keys = {"seq2seq": ("src", "tgt"), "lm": ("text",), "classifier": ("text", "label")}[
+            kind
+        ]
+        self.paths, self.name = paths, name
+
+    def check(self, rec: dict) -> dict:
+        return self._read(rec, strict=True)
+
+    def __call__(self, rec: dict) -> dict:
+        return self._read(rec, strict=False)
+
+    def _read(self, rec: dict, strict: bool) -> dict:
+        pairs = zip(self.keys, self.paths, strict=True)
+        out = {key: _get(rec, candidates, self.name, strict) for key, candidates in pairs}
+        for key in self.keys:
             if key == "label":
-                out[key] = _label(out[key], name)
+                out[key] = _label(out[key], self.name)
             else:
                 out[key] = "" if out[key] is None else str(out[key]).strip()
         return out
 
-    return normalize
 
-
-def _get(rec: dict, candidates: list[str], name: str):
+def _get(rec: dict, candidates: list[str], name: str, strict: bool):
     for path in candidates:
         if path in rec:  # a key that itself holds a dot
             return rec[path]
@@ -164,6 +228,8 @@ def _get(rec: dict, candidates: list[str], name: str):
             node = node[part]
         else:
             return node
+    if not strict:
+        return None
     raise DataError(
         f"{name}: a record has no field {' or '.join(candidates)} (it has {sorted(rec)}); set "
         "data.src_field/tgt_field (dots reach into nested records: translation.de) or "
@@ -184,7 +250,7 @@ def _label(value, name: str) -> int:
 
 def check_first_record(source: Source) -> None:
     """Fail at open, not mid-run: an empty corpus, or fields that are not where config says."""
-    first = next(iter(source.dataset()), None)
+    first = next(source.raw(), None)
     if first is None:
         raise DataError(f"corpus {source.name} is empty: it holds no records")
-    source.normalize(first)
+    source.normalize.check(first)

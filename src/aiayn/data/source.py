@@ -43,10 +43,17 @@ class Source:
         known, e.g. a Hub dataset)."""
         # The records of some shards (None: all), unnormalised, in the dataset's order, read
         # by the source's own reader: for local line files, whose dataset only wraps that
-        # reader. What reads a split from start to end (the token cache's build, a tokenizer's
-        # sample, the run's dev and test copies) then needs no `datasets`, whose import is 0.7 s
-        # of a process; a StreamLoader keeps the dataset, for its saved positions.
+        # reader, and JSON Lines files (data/records.py). What reads a split from start to end
+        # (the token cache's build, a tokenizer's sample, the run's dev and test copies, an
+        # evaluation pass) then needs no `datasets`, whose import is 0.7 s of a process; a
+        # training StreamLoader keeps the dataset, for its saved positions.
         self._generate = generate
+
+    @property
+    def reads_directly(self) -> bool:
+        """Whether the source reads its records without `datasets` (local line and JSON Lines
+        files): then a pass from the start needs no dataset."""
+        return self._generate is not None
 
     def shard(self, num_shards: int, index: int) -> IterableDataset:
         """Shard `index` of `num_shards` (contiguous: files, or a Hub repository's files, in
@@ -55,20 +62,20 @@ class Source:
 
     def num_shards(self) -> int:
         """The shards the dataset has (a local source's: its file groups)."""
-        if self._generate is not None and self.shard_files is not None:
+        if self.reads_directly and self.shard_files is not None:
             return len(self.shard_files)
         return self.dataset().num_shards
 
     def shard_records(self, num_shards: int, index: int) -> Iterator[dict]:
         """The normalised records of `shard(num_shards, index)`."""
-        if self._generate is not None and num_shards == self.num_shards():
+        if self.reads_directly and num_shards == self.num_shards():
             return map(self.normalize, self._generate([index]))
         return self.records(self.shard(num_shards, index))
 
     def raw(self) -> Iterator[dict]:
         """Every record from the start, unnormalised: `iter(dataset())`, read directly where
         the source can."""
-        return self._generate(None) if self._generate is not None else iter(self.dataset())
+        return self._generate(None) if self.reads_directly else iter(self.dataset())
 
     def check(self, hashes: dict[str, str] | None = None) -> None:
         """Read every line-aligned file through (alignment, UTF-8, some usable line) and count
@@ -94,7 +101,7 @@ class Source:
         return map(self.normalize, ds)
 
     def __iter__(self) -> Iterator[dict]:
-        if self._generate is not None:
+        if self.reads_directly:
             return map(self.normalize, self.raw())
         return self.records(self.dataset())  # a Hub source's records name its network errors
 
