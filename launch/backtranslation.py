@@ -23,8 +23,11 @@ English side the monolingual text (its German is used only by the "full" row). S
   6. --variants  Edunov et al. (2018)'s other synthetic sources, each translated from half B
                 by the same reverse model and trained on untagged and tagged: sampled from the
                 10 most probable tokens, sampled from all, and beam output with noise (words
-                dropped and blanked with p 0.1, moved at most 3 places). About an hour of CPU
-                per row, six rows: not yet measured (docs/recipes.md#back-translation).
+                dropped and blanked with p 0.1, moved at most 3 places). Untagged rows first.
+                --variants-only: the reverse model and these rows, with beam's untagged row
+                (after the untagged variants) to compare them with on the same machine, without
+                half A, beam tagged and full. A row takes 15-25 min on 2 cores
+                (docs/recipes.md#back-translation).
 A stage whose result exists is kept, so an interrupted run goes on where it stopped.
 key=value overrides go to every training (e.g. train.max_steps=1000).
 """
@@ -100,12 +103,14 @@ def back_translate(data_dir: Path, prefix: str, decoding: list[str]) -> None:
     print(f"{empty} of {len(lines)} back-translations ({prefix}) are empty")
 
 
-def bt_sources(prefix: str, tag: str) -> str:
-    """data.sources: half A and the back-translation PREFIX, 1:1, the latter with `tag`."""
-    return (
+def bt_data(prefix: str, tag: str) -> list[str]:
+    """Overrides for data.sources of half A and the back-translation PREFIX, 1:1, the latter
+    with `tag`, in place of data.train."""
+    sources = (
         f"data.sources=[{{name: parallel, path: {DATA}/half_a, weight: 1}}, "
         f"{{name: bt, path: {DATA}/{prefix}, weight: 1{tag}}}]"
     )
+    return ["data.train=null", sources]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         "--variants",
         action="store_true",
         help="also the sampled (top-10, unrestricted) and noised back-translations' rows",
+    )
+    parser.add_argument(
+        "--variants-only",
+        action="store_true",
+        help="the reverse model, beam's untagged row and the --variants rows, without half A, "
+        "beam tagged and full: the variants against beam measured on one machine",
     )
     parser.add_argument("overrides", nargs="*", help="key=value, given to every training")
     args = parser.parse_args(argv)
@@ -142,19 +153,28 @@ def main(argv: list[str] | None = None) -> int:
         symbols = f"tokenizer.user_symbols=[{TAG}]"
         tokenizer_once(data_dir / "bpe8k_bt.model", [*common, *half_a, symbols])
     row("reverse en->de, half A", "reverse", ["data.src_lang=en", "data.tgt_lang=de", *half_a])
+    tags = {"tagged": f", tag: '{TAG}'", "untagged": ""}
     with stage("back-translate"):
         back_translate(data_dir, "bt", [])
-    row("half A", "half", half_a)
-    for name, tag in (("tagged", f", tag: '{TAG}'"), ("untagged", "")):
-        row(f"half A + BT, {name}", name, ["data.train=null", bt_sources("bt", tag)])
-    row("full parallel (A + B)", "full", [])
-    for variant, decoding in VARIANTS.items() if args.variants else ():
-        prefix = "bt_" + variant.replace(" ", "_").replace("-", "")
+    if not args.variants_only:
+        row("half A", "half", half_a)
+        for name, tag in tags.items():
+            row(f"half A + BT, {name}", name, bt_data("bt", tag))
+        row("full parallel (A + B)", "full", [])
+    variants = VARIANTS if args.variants or args.variants_only else {}
+    prefixes = {v: "bt_" + v.replace(" ", "_").replace("-", "") for v in variants}
+    for variant, decoding in variants.items():
         with stage(f"back-translate, {variant}"):
-            back_translate(data_dir, prefix, decoding)
-        for name, tag in (("tagged", f", tag: '{TAG}'"), ("untagged", "")):
-            data = ["data.train=null", bt_sources(prefix, tag)]
-            row(f"half A + BT {variant}, {name}", f"{prefix}_{name}", data)
+            back_translate(data_dir, prefixes[variant], decoding)
+    # Every variant untagged, then (--variants-only) beam's untagged row on this machine to
+    # compare them with, then the tagged ones: Edunov et al.'s comparison first, as an
+    # interrupted run keeps what it finished.
+    for variant, prefix in prefixes.items():
+        row(f"half A + BT {variant}, untagged", f"{prefix}_untagged", bt_data(prefix, ""))
+    if args.variants_only:
+        row("half A + BT, untagged", "untagged", bt_data("bt", ""))
+    for variant, prefix in prefixes.items():
+        row(f"half A + BT {variant}, tagged", f"{prefix}_tagged", bt_data(prefix, tags["tagged"]))
     stage.done()
 
     print(f"\nBack-translation, Multi30k de->en, test_2016_flickr ({args.config})\n")
@@ -163,9 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in rows.items():
         scores = f"{r['bleu_lc']:.2f} | {r['bleu']:.2f} | {r['chrf']:.2f}"
         print(f"| {name} | {scores} | {stage.times[name] / 60:.1f} min |")
-    print(f"\nback-translating half B: {stage.times['back-translate'] / 60:.1f} min")
+    for name, seconds in stage.times.items():
+        if name.startswith("back-translate"):
+            print(f"{name} (half B): {seconds / 60:.1f} min")
     print(f"total: {stage.times['total'] / 60:.1f} min (a kept stage counts 0)")
-    print(f"cased: {rows['half A']['bleu_signature']}")
+    print(f"cased: {next(iter(rows.values()))['bleu_signature']}")
     return 0
 
 
