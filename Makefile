@@ -120,7 +120,10 @@ PYTEST_ARGS ?=
 DIST_WORKERS ?= 2
 DURATIONS ?= 15
 
+# The sources are byte-compiled first: where PYTHONDONTWRITEBYTECODE is set (CI), every process
+# the tests start would compile each aiayn module it imports, about 0.1 s of CPU a process.
 test: install prebuild-ops $(BENCH_STAMP)
+	$(BIN)/python -m compileall -q src tests > /dev/null
 	status=0; \
 	$(BIN)/pytest -q -n auto --dist loadscope -m "not distributed and not slurm" --durations=$(DURATIONS) \
 		$(PYTEST_ARGS) || status=1; \
