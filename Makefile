@@ -115,7 +115,8 @@ wikitext2: install
 # last, alone: a loaded machine delays their two-node rendezvous and signals. Each pass runs
 # whatever the one before reported. PYTEST_ARGS reaches all three, e.g.
 # PYTEST_ARGS="--cpu-kind avx2" (tests/cpu_kinds.py). Each pass ends with its slowest tests
-# (DURATIONS of them), so that a CI log shows where the suite's time goes.
+# and the tests that took the most CPU, theirs and their processes' (DURATIONS of each:
+# tests/cpu_seconds.py), so that a CI log shows where the suite's time goes.
 PYTEST_ARGS ?=
 DIST_WORKERS ?= 2
 DURATIONS ?= 15

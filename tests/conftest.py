@@ -8,6 +8,8 @@ import cpu_kinds  # tests/cpu_kinds.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+pytest_plugins = ("cpu_seconds",)  # tests/cpu_seconds.py: each test's CPU, listed at the end
+
 # DeepSpeed compiles its C++ ops into TORCH_EXTENSIONS_DIR on first use (`make test` starts the
 # one the suite needs early: tests/prebuild_ops.py).
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)
