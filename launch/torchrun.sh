@@ -8,8 +8,12 @@
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: NPROC=N $0 CONFIG [key=value ...]" >&2; exit 2; }
 config=$1; shift
-gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
-nproc=${NPROC:-$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)}
+if [ -n "${NPROC:-}" ]; then
+  nproc=$NPROC
+else  # asking torch takes a second of CPU: only when NPROC does not say
+  gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
+  nproc=$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)
+fi
 cmd=(python -m aiayn.distributed.run --standalone --nproc_per_node="$nproc"
      --max-restarts="${MAX_RESTARTS:-3}" -m aiayn train --config "$config" "$@")
 echo "+ ${cmd[*]}" >&2

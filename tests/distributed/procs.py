@@ -55,6 +55,24 @@ def accelerate_launch(*options: str, nproc: int = 2) -> list[str]:
     return [exe, "launch", *options, *machine, "--main_process_port", str(free_port())]
 
 
+LAUNCH = Path(__file__).resolve().parents[2] / "launch"
+
+
+def launch_wrapper(script: str, *args: str, env: dict | None = None, timeout: int = 600) -> str:
+    """launch/SCRIPT ARGS, a wrapper users start runs with, this venv's python and torchrun first
+    on PATH, run to its end: the command it printed first ("+ ..."), checked to be printed."""
+    bin_dir = Path(sys.executable).parent
+    path = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    cmd = [str(LAUNCH / script), *args]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env={**ENV, **path, **(env or {})}
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    printed = proc.stderr.splitlines()[0]
+    assert printed.startswith("+ "), printed
+    return printed
+
+
 def run(cmd: list[str], timeout: int = 600) -> str:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

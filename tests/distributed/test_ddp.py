@@ -16,7 +16,7 @@ from aiayn.tokenizer import Tokenizer
 
 from helpers import consumed, free_port, torchrun, weights_at  # tests/helpers.py
 from processes import logged, wait_until  # tests/processes.py
-from procs import ENV, STEPS, accelerate_launch, aiayn, assert_close, run
+from procs import ENV, LAUNCH, STEPS, aiayn, assert_close, launch_wrapper, run
 
 pytestmark = pytest.mark.distributed
 FIXED_BATCH = ("train.tokens_per_step=1200", "logging.record_ids=true")
@@ -38,9 +38,12 @@ def test_two_ddp_ranks_equal_one_process_accumulating_two_micro_batches(setup, d
     assert sorted(steps) == list(range(1, STEPS + 1))
     assert all(sorted(steps[s]) == sorted(ids) for s, ids in consumed(ddp_run).items())
     assert_close(weights_at(ddp_run, STEPS), weights_at(single, STEPS), atol=1e-5)
-    # ... and both differ from one process taking one micro-batch per step:
+    # ... and both differ from one process taking one micro-batch per step, started by
+    # launch/single.sh, which prints the command it runs:
     other = root / "accum1"
-    run([sys.executable] + aiayn(config, other))
+    printed = launch_wrapper("single.sh", str(config), f"run_dir={other}")
+    assert "python -m aiayn train" in printed and f"--config {config} run_dir={other}" in printed
+    assert "x 1 accumulated x 1 ranks per step" in (other / "train.log").read_text()
     with pytest.raises(AssertionError):
         assert_close(weights_at(ddp_run, STEPS), weights_at(other, STEPS), atol=1e-5)
 
@@ -95,9 +98,13 @@ def test_compiled_layers_under_ddp_follow_the_eager_ranks(setup, ddp_run):
     """train.compile with DDP's gradient hooks: the same weights as eager, up to the float
     rounding of the fused kernels, and replicas that agree at every save."""
     root, config = setup
-    run_dir = root / "ddp2_compiled"
-    run(torchrun(2) + aiayn(config, run_dir, "train.compile=true"))
+    run_dir = root / "ddp2_compiled"  # started by launch/torchrun.sh, which prints its command
+    args = (str(config), f"run_dir={run_dir}", "train.compile=true")
+    printed = launch_wrapper("torchrun.sh", *args, env={"NPROC": "2", "MAX_RESTARTS": "0"})
+    launcher = "python -m aiayn.distributed.run --standalone --nproc_per_node=2 --max-restarts=0"
+    assert launcher in printed and " ".join(args[1:]) in printed, printed
     log = (run_dir / "train.log").read_text()
+    assert "x 2 ranks per step" in log
     assert "differ between data-parallel ranks" not in log and log.count("saved ") == 2
     assert_close(weights_at(run_dir, STEPS), weights_at(ddp_run, STEPS), atol=1e-5)  # 4e-7 seen
 
@@ -146,13 +153,20 @@ def test_two_nodes_on_localhost_with_c10d_rendezvous(setup, ddp_run):
     assert_close(weights_at(run_dir, STEPS), weights_at(ddp_run, STEPS), atol=1e-6)
 
 
-def test_accelerate_launch_multi_process(setup, ddp_run):
+def test_accelerate_launch_multi_process(setup, ddp_run, tmp_path):
+    """launch/accelerate.sh with configs/accelerate/ddp_2proc.yaml (on a free port: accelerate
+    ignores MASTER_PORT): it prints its command and its 2 processes train as torchrun's."""
     root, config = setup
     exe = Path(sys.executable).parent / "accelerate"
     if not exe.exists() and shutil.which("accelerate") is None:
         pytest.skip("accelerate is not installed")
+    acc = (LAUNCH.parent / "configs" / "accelerate" / "ddp_2proc.yaml").read_text()
+    (tmp_path / "accelerate.yaml").write_text(acc + f"main_process_port: {free_port()}\n")
     run_dir = root / "accelerate"
-    run(accelerate_launch("--multi_gpu") + aiayn(config, run_dir))
+    args = (str(tmp_path / "accelerate.yaml"), str(config), f"run_dir={run_dir}")
+    printed = launch_wrapper("accelerate.sh", *args)
+    assert f"accelerate launch --config_file {args[0]}" in printed and args[2] in printed
+    assert "x 2 ranks per step" in (run_dir / "train.log").read_text()
     assert_close(weights_at(run_dir, STEPS), weights_at(ddp_run, STEPS), atol=1e-6)
 
 
