@@ -194,11 +194,10 @@ class _FieldReader:
     as `datasets` gives None for a field that some other record of the file has; `check`, for
     the first record, says which field is not there and how to name another."""
 
+    KEYS = {"seq2seq": ("src", "tgt"), "lm": ("text",), "classifier": ("text", "label")}
+
     def __init__(self, kind: str, paths: list[list[str]], name: str):
-        self.keys = {"seq2seq": ("src", "tgt"), "lm": ("text",), "classifier": ("text", "label")}[
-            kind
-        ]
-        self.paths, self.name = paths, name
+        self.keys, self.paths, self.name = self.KEYS[kind], paths, name
 
     def check(self, rec: dict) -> dict:
         return self._read(rec, strict=True)
