@@ -30,11 +30,8 @@ def translate(
     chunk: int = 0,
     first: int = 0,
 ) -> list[str]:
-    """Translate `lines` in length-sorted batches; hypotheses come back in input order."""
-    decode = decoder(model, tok, cfg, device, chunk, first, scored=False)
-    hyps = translate_batches(
-        tok, lines, model.cfg.max_len, cfg.batch_size, decode, noiser(cfg, chunk, first)
-    )
+    """Each line's best translation, in input order (greedy search leaves its score unmade)."""
+    hyps = _translated(model, tok, lines, cfg, device, chunk, first, scored=False)
     return [h[0][0] for h in hyps]
 
 
@@ -50,10 +47,13 @@ def translate_n_best(
     """Each line's decode.n_best (text, score) hypotheses, best first, in input order. `chunk`
     (a file's chunk, translate_file) and a line's index in `lines` after `first` (the lines of
     a stream before these) seed its samples and noise."""
-    decode = decoder(model, tok, cfg, device, chunk, first)
-    return translate_batches(
-        tok, lines, model.cfg.max_len, cfg.batch_size, decode, noiser(cfg, chunk, first)
-    )
+    return _translated(model, tok, lines, cfg, device, chunk, first, scored=True)
+
+
+def _translated(model, tok, lines, cfg, device, chunk, first, scored):
+    decode = decoder(model, tok, cfg, device, chunk, first, scored=scored)
+    max_len, noise = model.cfg.max_len, noiser(cfg, chunk, first)
+    return translate_batches(tok, lines, max_len, cfg.batch_size, decode, noise)
 
 
 Decode = Callable[[list[list[int]], list[int]], list[list[Hypothesis]]]
