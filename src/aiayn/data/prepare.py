@@ -99,34 +99,20 @@ def prepare_data(
                 env.world_size,
             )
         return tok, None
+
+    def build(train: Config, **where) -> TokenCache:
+        return ensure_cache(
+            train, "train", tok, rank=rank, world_size=world, sync=sync, rebuild=rebuild, **where
+        )
+
     if cfg.data.sources:  # a mixture: a cache per source, each keyed by its own corpus
-        caches = [
-            ensure_cache(
-                as_train(cfg, source),
-                "train",
-                tok,
-                rank=rank,
-                world_size=world,
-                sync=sync,
-                rebuild=rebuild,
-                folder=cache_folder(source),
-                local=materialise(as_train(cfg, source), rank, world, sync) if copy else None,
-            )
-            for source, copy in zip(cfg.data.sources, sync(missing)[0], strict=True)
-        ]
+        caches = []
+        for source, copy in zip(cfg.data.sources, sync(missing)[0], strict=True):
+            train = as_train(cfg, source)
+            local_copy = materialise(train, rank, world, sync) if copy else None
+            caches.append(build(train, folder=cache_folder(source), local=local_copy))
     else:
-        caches = [
-            ensure_cache(
-                cfg,
-                "train",
-                tok,
-                rank=rank,
-                world_size=world,
-                sync=sync,
-                rebuild=rebuild,
-                local=local,
-            )
-        ]
+        caches = [build(cfg, local=local)]
     if not shared:
         for cache in caches:
             _same_tokens_on_every_node(env, cache)
