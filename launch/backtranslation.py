@@ -26,8 +26,8 @@ English side the monolingual text (its German is used only by the "full" row). S
                 dropped and blanked with p 0.1, moved at most 3 places). Untagged rows first.
                 --variants-only: the reverse model and these rows, with beam's untagged row
                 (after the untagged variants) to compare them with on the same machine, without
-                half A, beam tagged and full. A row takes 15-25 min on 2 cores
-                (docs/recipes.md#back-translation).
+                half A, beam tagged and full. A row takes 15-17 min on 2 cores; the untagged
+                rows' results: docs/recipes.md#sampled-and-noised-back-translation.
 A stage whose result exists is kept, so an interrupted run goes on where it stopped.
 key=value overrides go to every training (e.g. train.max_steps=1000).
 """
