@@ -224,16 +224,16 @@ class StreamLoader:
         while True:
             if self.train or not self.source.reads_directly:
                 ds = self.source.dataset(state)
-                records, state_after = self.source.records(ds), ds.state_dict
+                records, state_of = self.source.records(ds), ds.state_dict
             else:
                 # An evaluation pass reads with the source's own reader (no `datasets` import,
                 # 0.7 s of a process) from its first record, counted by "read": its position
-                # is never part of a checkpoint, so it needs no dataset state.
-                records, state_after = itertools.islice(iter(self.source), read, None), dict
+                # is never part of a checkpoint, so it has no dataset state (None).
+                records, state_of = itertools.islice(iter(self.source), read, None), None
             epoch_batches = 0
             while examples := list(itertools.islice(records, self.chunk_size)):
                 anchor = dict(epoch=epoch, chunk=chunk, source=state, read=read, next_id=next_id)
-                state = state_after()  # the next chunk starts here
+                state = state_of() if state_of else None  # the next chunk starts here
                 built = self._build_chunk(examples, anchor)
                 yield built
                 epoch_batches += len(built.batches)
