@@ -42,11 +42,11 @@ def uncounted() -> Iterator[None]:
     """What this thread does inside is not counted: rank 0's retention reads and deletes old
     checkpoints in a thread of its own, whose I/O would land in whichever save's or restart's
     span it happened to overlap (the W = 2 and 4 counts then differed by timing alone)."""
-    _thread.off = True
+    before, _thread.off = getattr(_thread, "off", False), True
     try:
         yield
     finally:
-        _thread.off = False
+        _thread.off = before  # an enclosing `uncounted` stays in force
 
 
 def counts() -> dict[str, int]:
