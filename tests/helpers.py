@@ -5,6 +5,8 @@ Importable from every test folder (pytest puts tests/ on sys.path: tests/conftes
 there); a script a test starts as a process puts tests/ on its sys.path itself."""
 
 import json
+import os
+import random
 import socket
 import sys
 from pathlib import Path
@@ -15,9 +17,52 @@ from safetensors.torch import load_file
 # --- ports and launchers ---------------------------------------------------------------------
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range: the ports a connect() or a bind to port
+    0 are given."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _port_block() -> range:
+    """This process's ports to hand out: below the ephemeral range, where no other process's
+    outgoing connection or port-0 server can take one between the pick and the test server's
+    bind (the race that bind-to-0-and-close has), a block of its own for each xdist worker."""
+    ports = range(10_000, _ephemeral_low())
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    size = len(ports) // max(workers, 1)
+    index = int(worker) if worker.isdigit() and int(worker) < workers else 0
+    return ports[index * size : (index + 1) * size]
+
+
+_PORTS = _port_block()
+_next_port = random.Random(os.getpid()).randrange(max(len(_PORTS), 1))
+"""Handed out in turn from a start of this process's own, so that a test's next launch and a
+child process of the same worker pick other ports than the ones just picked."""
+
+
 def free_ports(n: int) -> list[int]:
-    """n ports free on 127.0.0.1 now, all bound at once so that they differ. Another process
-    may take one before the test's server binds it: a race the tests accept."""
+    """n different ports free on 127.0.0.1 now, from this process's block (`_port_block`).
+    Where the kernel leaves no room below its ephemeral range, ports it gives for port 0, all
+    bound at once so that they differ (another process may then take one first)."""
+    global _next_port
+    picked: list[int] = []
+    for _ in range(len(_PORTS)):
+        if len(picked) == n:
+            return picked
+        port = _PORTS[_next_port % len(_PORTS)]
+        _next_port += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use, or in TIME_WAIT: the next one
+        picked.append(port)
+    if len(picked) == n:
+        return picked
     socks = [socket.socket() for _ in range(n)]
     try:
         for s in socks:
