@@ -28,6 +28,7 @@ English side the monolingual text (its German is used only by the "full" row). S
                 (after the untagged variants) to compare them with on the same machine, without
                 half A, beam tagged and full. A row takes 15-17 min on 2 cores; the untagged
                 rows' results: docs/recipes.md#sampled-and-noised-back-translation.
+                --seeds 1 2 3: the untagged rows at each train.seed, with their mean and sd.
 A stage whose result exists is kept, so an interrupted run goes on where it stopped.
 key=value overrides go to every training (e.g. train.max_steps=1000).
 """
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import statistics
 from pathlib import Path
 
 from aiayn.config import load_config
@@ -113,6 +115,21 @@ def bt_data(prefix: str, tag: str) -> list[str]:
     return ["data.train=null", sources]
 
 
+def print_seed_means(rows: dict[str, dict], seeds: list[int]) -> None:
+    """The rows trained at several seeds: test BLEU lowercased per seed, mean and sd."""
+    by_row: dict[str, list[float]] = {}
+    for name, scores in rows.items():
+        by_row.setdefault(name.split(", seed ")[0], []).append(scores["bleu_lc"])
+    print(f"\n| model | test BLEU lc, seeds {' / '.join(map(str, seeds))} | mean (sd) |")
+    print("| --- | --- | ---: |")
+    for name, bleu in by_row.items():
+        if len(bleu) > 1:
+            each = " / ".join(f"{b:.2f}" for b in bleu)
+            print(
+                f"| {name} | {each} | {statistics.mean(bleu):.2f} ({statistics.stdev(bleu):.2f}) |"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=CONFIG)
@@ -126,6 +143,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the reverse model, beam's untagged row and the --variants rows, without half A, "
         "beam tagged and full: the variants against beam measured on one machine",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        metavar="S",
+        help="train.seed of each variant's untagged row (and beam's, with --variants-only): "
+        "the variants seed by seed, then beam's; a seed other than the config's trains "
+        "RUN_seedS; tagged rows at the first seed only (default: the config's train.seed)",
     )
     parser.add_argument("overrides", nargs="*", help="key=value, given to every training")
     args = parser.parse_args(argv)
@@ -141,7 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     half_a = [f"data.train={DATA}/half_a"]
     rows = {}
 
-    def row(name: str, run_name: str, data: list[str]) -> None:
+    seeds = args.seeds or [cfg.train.seed]
+
+    def row(name: str, run_name: str, data: list[str], seed: int | None = None) -> None:
+        if seed is not None and seed != cfg.train.seed:
+            name, run_name, data = f"{name}, seed {seed}", f"{run_name}_seed{seed}", [*data]
+            data.append(f"train.seed={seed}")
         with stage(name):
             rows[name] = train_and_score(run_name, common, data, k)
 
@@ -169,12 +200,16 @@ def main(argv: list[str] | None = None) -> int:
     # Every variant untagged, then (--variants-only) beam's untagged row on this machine to
     # compare them with, then the tagged ones: Edunov et al.'s comparison first, as an
     # interrupted run keeps what it finished.
-    for variant, prefix in prefixes.items():
-        row(f"half A + BT {variant}, untagged", f"{prefix}_untagged", bt_data(prefix, ""))
+    for seed in seeds:
+        for variant, prefix in prefixes.items():
+            untagged = bt_data(prefix, "")
+            row(f"half A + BT {variant}, untagged", f"{prefix}_untagged", untagged, seed)
     if args.variants_only:
-        row("half A + BT, untagged", "untagged", bt_data("bt", ""))
+        for seed in seeds:
+            row("half A + BT, untagged", "untagged", bt_data("bt", ""), seed)
     for variant, prefix in prefixes.items():
-        row(f"half A + BT {variant}, tagged", f"{prefix}_tagged", bt_data(prefix, tags["tagged"]))
+        tagged = bt_data(prefix, tags["tagged"])
+        row(f"half A + BT {variant}, tagged", f"{prefix}_tagged", tagged, seeds[0])
     stage.done()
 
     print(f"\nBack-translation, Multi30k de->en, test_2016_flickr ({args.config})\n")
@@ -183,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in rows.items():
         scores = f"{r['bleu_lc']:.2f} | {r['bleu']:.2f} | {r['chrf']:.2f}"
         print(f"| {name} | {scores} | {stage.times[name] / 60:.1f} min |")
+    if len(seeds) > 1:
+        print_seed_means(rows, seeds)
     for name, seconds in stage.times.items():
         if name.startswith("back-translate"):
             print(f"{name} (half B): {seconds / 60:.1f} min")
