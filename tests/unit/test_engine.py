@@ -18,6 +18,7 @@ from aiayn.model.layers import FeedForward
 from aiayn.model.transformer import DecoderState
 
 from batches import TINY, padded_batch
+from helpers import SMALL_MODEL  # tests/helpers.py
 
 BASE = ["data.train=corpus/train", "data.max_len=30"]
 
@@ -285,8 +286,13 @@ def two_batch_shapes():
 def test_compiled_layers_give_eager_gradients_under_the_same_parameter_names():
     """train.compile: each layer through TorchInductor, on two batch shapes (the second
     recompiles), against the eager model; checkpoints must not see a difference."""
-    eager = engine_for("model.dropout=0")  # the same masks would need the same RNG calls
-    compiled = engine_for("model.dropout=0", "train.compile=true")
+    # The distributed tests' model, dropout 0 as theirs: the layers TorchInductor compiles
+    # here are the second pass's compiled DDP ranks' (test_ddp.py), which then find them in
+    # the suite's cache (tests/conftest.py) instead of compiling them again, 15 CPU-s a rank.
+    # Dropout 0 also because the same masks would need the same RNG calls.
+    small = [f"model.{k}={SMALL_MODEL[k]}" for k in ("d_model", "d_ff", "h")]
+    eager = engine_for("model.dropout=0", *small)
+    compiled = engine_for("model.dropout=0", *small, "train.compile=true")
     assert list(compiled.module.state_dict()) == list(eager.module.state_dict())
     for batch in two_batch_shapes():
         losses = []
