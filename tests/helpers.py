@@ -29,8 +29,10 @@ def _ephemeral_low() -> int:
 def _port_block() -> range:
     """This process's ports to hand out: below the ephemeral range, where no other process's
     outgoing connection or port-0 server can take one between the pick and the test server's
-    bind (the race that bind-to-0-and-close has), a block of its own for each xdist worker."""
-    ports = range(10_000, _ephemeral_low())
+    bind (the race that bind-to-0-and-close has), and below the rendezvous ports
+    slurm/train.sbatch derives from a job's id (20000 and up), a block of its own for each
+    xdist worker."""
+    ports = range(10_000, min(20_000, _ephemeral_low()))
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
     size = len(ports) // max(workers, 1)
