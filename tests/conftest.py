@@ -13,12 +13,6 @@ pytest_plugins = ("cpu_seconds",)  # tests/cpu_seconds.py: each test's CPU, list
 # DeepSpeed compiles its C++ ops into TORCH_EXTENSIONS_DIR on first use (`make test` starts the
 # one the suite needs early: tests/prebuild_ops.py).
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)
-# TorchInductor keeps what it compiles (graphs, C++ kernels) in /tmp/torchinductor_$USER unless
-# told otherwise: shared by every checkout and kept from run to run, so that a clone's time
-# depended on what the machine had compiled before. The checkout's own starts cold on a fresh
-# clone, as on CI; the second pass's compiled DDP ranks find the layers the first pass's
-# compiled engine test built (the same model: tests/unit/test_engine.py).
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(ROOT, ".cache", "torchinductor"))
 
 
 def pytest_addoption(parser):
