@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def row(name: str, run_name: str, data: list[str], seed: int | None = None) -> None:
         if seed is not None and seed != cfg.train.seed:
-            name, run_name, data = f"{name}, seed {seed}", f"{run_name}_seed{seed}", [*data]
-            data.append(f"train.seed={seed}")
+            name, run_name = f"{name}, seed {seed}", f"{run_name}_seed{seed}"
+            data = [*data, f"train.seed={seed}"]
         with stage(name):
             rows[name] = train_and_score(run_name, common, data, k)
 

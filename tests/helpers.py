@@ -52,9 +52,7 @@ def free_ports(n: int) -> list[int]:
     bound at once so that they differ (another process may then take one first)."""
     global _next_port
     picked: list[int] = []
-    for _ in range(len(_PORTS)):
-        if len(picked) == n:
-            return picked
+    for _ in range(len(_PORTS) if n else 0):
         port = _PORTS[_next_port % len(_PORTS)]
         _next_port += 1
         with socket.socket() as s:
@@ -63,8 +61,8 @@ def free_ports(n: int) -> list[int]:
             except OSError:
                 continue  # in use, or in TIME_WAIT: the next one
         picked.append(port)
-    if len(picked) == n:
-        return picked
+        if len(picked) == n:
+            return picked
     socks = [socket.socket() for _ in range(n)]
     try:
         for s in socks:

@@ -288,9 +288,8 @@ def test_compiled_layers_give_eager_gradients_under_the_same_parameter_names():
     recompiles), against the eager model; checkpoints must not see a difference."""
     # The distributed tests' model, dropout 0 as theirs: the layers TorchInductor compiles
     # here are the second pass's compiled DDP ranks' (test_ddp.py), which then find them in
-    # TorchInductor's cache instead of compiling them again (that test: 56
-    # CPU-s against 65 cold, measured).
-    # Dropout 0 also because the same masks would need the same RNG calls.
+    # TorchInductor's cache instead of compiling them again (that test: 56 CPU-s against 65
+    # cold, measured). Dropout 0 also because the same masks would need the same RNG calls.
     small = [f"model.{k}={SMALL_MODEL[k]}" for k in ("d_model", "d_ff", "h")]
     eager = engine_for("model.dropout=0", *small)
     compiled = engine_for("model.dropout=0", *small, "train.compile=true")
