@@ -2,8 +2,8 @@
 
 An async save writes from host copies, since the next optimizer update changes the weights and
 Adam's moments in place. Copied device to host one tensor at a time into fresh pageable memory,
-they held the loop 0.17-0.39 s per save of transformer_base on an H200, seven times a 0.05 s
-step (benchmarks/README.md). Here they go into host buffers kept from save to save (pinned on
+they held the loop for several steps' time per save (benchmarks/README.md). Here they go into
+host buffers kept from save to save (pinned on
 CUDA), on a CUDA stream of their own: the loop only queues the copies, the copy engine runs
 them beside the next step's forward and backward, and the next update waits for them
 (`guard`, which the loop calls before every optimizer step). The writer thread waits for

@@ -27,8 +27,8 @@ from aiayn.runtime.durable import count_hashed
 if TYPE_CHECKING:
     from datasets import IterableDataset
 
-# `datasets` is imported where a stream is made, not here: it takes about 0.5 s, and a run
-# that reads its token cache (a restart, most of all) makes no stream.
+# `datasets` is imported where a stream is made, not here: a run that reads its token cache (a
+# restart, most of all) makes no stream.
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from aiayn.errors import DataError
 if TYPE_CHECKING:
     from datasets import IterableDataset
 
-# `datasets` is imported where a stream is made, not here: it takes about 0.5 s, and a run
-# that reads its token cache (a restart, most of all) makes no stream.
+# `datasets` is imported where a stream is made, not here: a run that reads its token cache (a
+# restart, most of all) makes no stream.
 
 
 class HubSource(Source):

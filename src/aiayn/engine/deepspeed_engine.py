@@ -16,7 +16,7 @@ from torch import nn
 
 from aiayn.config import Config
 from aiayn.distributed.env import DistEnv
-from aiayn.engine import deepspeed_config, deepspeed_muon, op_builds, parallelize
+from aiayn.engine import deepspeed_config, op_builds, parallelize
 from aiayn.engine.ema import EMA, Piece, file_keys, saved_weights, whole_pieces
 from aiayn.engine.optim import clip_gradients, load_schedule, load_torch_adam, paper_schedule
 from aiayn.engine.precision import autocast
@@ -45,7 +45,6 @@ class DeepSpeedEngine:
         deepspeed.utils.logger.setLevel(logging.WARNING)
         op_builds.wait_for_op_builds()  # deepspeed.initialize compiles ops on first use
         op_builds.skip_inference_all_reduce()
-        deepspeed_muon.import_muon_uncompiled()  # 0.85 s of CPU a rank
         self.ds_config = deepspeed_config.build(cfg, env.world_size, env.device.type)
         parallelize.apply(model, cfg)
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(

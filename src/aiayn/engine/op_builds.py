@@ -68,8 +68,8 @@ def wait_for_op_builds(
 def skip_inference_all_reduce() -> None:
     """Keep DeepSpeed from compiling its CPU shared-memory all-reduce, which training never calls.
 
-    DeepSpeed's torch backend compiles that op whenever it wraps a CPU process group (about
-    25 s on 2 cores, on the first launch of every environment and every fresh container), but
+    DeepSpeed's torch backend compiles that op whenever it wraps a CPU process group (tens of
+    seconds, on the first launch of every environment and every fresh container), but
     only `inference_all_reduce` (tensor-parallel inference) calls it; ZeRO's collectives go
     through torch.distributed. Marking it incompatible in DeepSpeed's table of ops, which
     DeepSpeed caches in `deepspeed.ops` for edits like this one, makes the backend skip it.

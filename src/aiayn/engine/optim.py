@@ -3,8 +3,6 @@ gradient clipping, and restoring both from a topology-independent (`Portable`) s
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
@@ -14,38 +12,9 @@ from aiayn.engine.schedule import learning_rate
 from aiayn.engine.state import MOMENTS, Portable, trainable
 
 
-def _without_dynamo(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
-    """`cls`, a torch optimizer, whose methods run as torch's do but for TorchDynamo: torch wraps
-    step, zero_grad, add_param_group and state_dict/load_state_dict so that a compiled optimizer
-    is not traced into, and each wrapper imports torch._dynamo, 1.4 s of CPU: more than a short
-    single-process run's training, in every process that builds an optimizer. No optimizer is
-    compiled here (train.compile compiles the layers), so the wrapped functions are called
-    directly; the update and the saved state are torch's own (tests/unit/test_optim.py). Where
-    the wrappers are not what this expects (another torch), `cls` as it is. A process that wraps
-    its model in DDP, or imports DeepSpeed, still imports TorchDynamo: they do on their own."""
-    base = torch.optim.Optimizer
-    names = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
-    raw = {name: getattr(getattr(base, name), "__wrapped__", None) for name in names}
-    # Unwrapped whole: once torch has made an instance of `cls`, its step is also wrapped in
-    # the hooks' wrapper, which the new class gets its own of.
-    raw_step = inspect.unwrap(cls.step)
-    if raw_step is cls.step or None in raw.values():
-        return cls
-
-    def step(self, closure=None):
-        with torch.set_grad_enabled(self.defaults["differentiable"]):  # as torch's wrapper
-            return raw_step(self, closure)
-
-    return type(cls.__name__, (cls,), {**raw, "step": step, "__doc__": cls.__doc__})
-
-
-_OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-_EAGER = {name: _without_dynamo(cls) for name, cls in _OPTIMIZERS.items()}
-
-
 def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
     """Adam with the paper's beta_2 = 0.98 and epsilon = 1e-9 (§5.3) unless configured."""
-    cls = _EAGER[cfg.optim.name]
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[cfg.optim.name]
     params = [p for _, p in trainable(model)]
     # The fused kernel reads and writes each parameter, gradient and moment once per step; on
     # CPU, foreach falls back to one kernel per tensor and operation (benchmarks/README.md).

@@ -174,7 +174,7 @@ def device_peak_flops(
 
     `kept` (run_dir/peak_flops.json): a measured peak is read from there when it was measured
     on the same kind of device, and written there (where `keep`, rank 0): a restarted run
-    reuses it instead of measuring again (0.7 s of every start on a 2-core CPU), and its MFU
+    reuses it instead of measuring again (a part of every start on a CPU), and its MFU
     keeps one denominator across restarts.
     """
     if configured:
