@@ -74,9 +74,10 @@ def test_a_checkpoint_of_the_earlier_format_resumes_where_it_left_off(tmp_path, 
     # whatever the values they multiply).
     assert state["data"]["position"] == expected["data"]["position"]
     # The token cache is now named by its arrays' content, not its corpus's path
-    # (data/cache/format.py).
+    # (data/cache/format.py), and pad_to_multiple is recorded (checkpoint/compat.py).
     fingerprint, old = (dict(s["data"]["fingerprint"]) for s in (state, expected))
-    assert fingerprint.pop("cache") != old.pop("cache") and fingerprint == old
+    assert fingerprint.pop("cache") != old.pop("cache")
+    assert fingerprint.pop("pad_to_multiple") == 1 and fingerprint == old
     for count in ("step", "tokens"):  # the fixture's wall_seconds, a time, is no longer saved
         assert state["progress"][count] == expected["progress"][count]
     assert state["progress"]["step"] == 8

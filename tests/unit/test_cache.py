@@ -637,7 +637,6 @@ def test_the_check_hashes_each_file_in_the_read_that_checks_it(tmp_path, corpus,
     import gzip
 
     from aiayn.data.cache import merge, shares
-    from aiayn.runtime.durable import sha256_of
 
     def arrays_only(path, *args):
         assert "data" not in Path(path).parts, f"{path} read again to hash it"
@@ -740,35 +739,15 @@ def test_plans_kept_beside_the_cache_equal_todays_bit_for_bit(
     assert same(next(iter(again)), nxt)
 
 
-# ---- lengths stored at build, and caches built before --------------------------------------
-
-
-def built_before_lengths(root: Path, to: Path) -> Path:
-    """A copy of the cache at `root` as aiayn wrote it before it stored lengths and merged on
-    every rank: no lengths arrays, and each array's whole sha256 in the manifest."""
-    shutil.copytree(root, to)
-    manifest = json.loads((to / MANIFEST).read_text())
-    for name in manifest.pop("lengths"):
-        (to / name).unlink()
-    for name, entry in manifest["files"].items():
-        entry["sha256"] = sha256_of(to / name)
-    (to / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    return to
-
-
-def _same_bits(a, b) -> bool:
-    if isinstance(b, np.ndarray):
-        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-    return a == b and type(a) is type(b)
+# ---- lengths stored at build; a cache of another format refused ---------------------------
 
 
 @pytest.mark.parametrize("kind", ["seq2seq", "lm", "classifier"])
-def test_lengths_stored_at_build_plan_the_same_bits_as_lengths_from_the_offsets(
+def test_lengths_are_stored_at_build_as_the_offsets_differences(
     tmp_path, corpus, lm_corpus, tok, kind
 ):
-    """A start plans from the int32 lengths the build stored (memory-mapped); a cache built
-    before they were stored has them computed from its offsets. The index, the epochs' plans,
-    the rounds' targets and the batches are the same bits either way."""
+    """A start plans from the int32 lengths the build stored (memory-mapped), which are the
+    offsets' differences."""
     if kind == "classifier":
         write_classify(tmp_path, n_train=120, n_valid=10, n_test=10)
         cfg = s2s(tmp_path, tmp_path / "train.jsonl", kind="classifier", fmt="jsonl")
@@ -779,51 +758,24 @@ def test_lengths_stored_at_build_plan_the_same_bits_as_lengths_from_the_offsets(
     for side in sides:
         stored, offsets = getattr(cache, f"{side}_lengths"), getattr(cache, f"{side}_offsets")
         assert stored.dtype == np.int32 and not stored.flags.writeable  # the map itself
-        assert _same_bits(stored, np.diff(offsets).astype(np.int32))
-    older = open_cache(built_before_lengths(cache.root, tmp_path / "older"), None)
-    assert older.src_lengths is None and older.tgt_lengths is None
-    assert _same_bits(older.lengths("src"), cache.lengths("src"))
-    loaders = []
-    for c in (cache, older):
-        ld = make_loader(cfg, cfg.data.train, tok, train=True, cache=c)
-        ld._plan_files = None  # each plans for itself: no plan is shared between the two
-        loaders.append(ld)
-    new, old = loaders
-    for name in ("_width", "_keep", "_doc_len"):
-        if hasattr(old, name):
-            assert _same_bits(getattr(new, name), getattr(old, name)), name
-    for e in range(3):
-        a, b = new._compute_plan(e), old._compute_plan(e)
-        assert all(_same_bits(getattr(a, k), v) for k, v in vars(b).items()), e
-        assert _same_bits(new._target_sums(e), old._target_sums(e)), e
-    per_epoch = len(old.plan(0))
-    got, ref = take(iter(new), 2 * per_epoch + 3), take(iter(old), 2 * per_epoch + 3)
-    assert all(same(x, y) for x, y in zip(got, ref, strict=True))
-    assert new.stats() == old.stats()
+        assert stored.tobytes() == np.diff(offsets).astype(np.int32).tobytes()
 
 
-def test_a_position_saved_on_a_cache_built_before_resumes_on_the_same_tokens_rebuilt(
+def test_a_cache_built_by_another_aiayn_is_refused_with_the_command_that_rebuilds_it(
     tmp_path, corpus, tok
 ):
-    """A cache merged by every rank records its arrays' ranges' sha256, not each whole
-    array's, so its digest is another than the same tokens built before. A position saved
-    on the older cache resumes on the rebuilt one (its whole arrays hashed once, to compare),
-    and a position of other tokens is still refused."""
+    """A cache of another format version, or built before lengths were stored, is never
+    read: the error names the version and `aiayn data prepare ... --force`."""
     cfg = s2s(tmp_path, corpus / "train")
-    cache = ensure_cache(cfg, "train", tok)
-    older = open_cache(built_before_lengths(cache.root, tmp_path / "older"), None)
-    assert older.digest != cache.digest and older.digest == cache.whole_digest()
-    ld = make_loader(cfg, cfg.data.train, tok, train=True, cache=older)
-    take(iter(ld), 7)
-    state = roundtrip(ld.state_dict())
-    ref = take(iter(ld), 5)
-    again = make_loader(cfg, cfg.data.train, tok, train=True, cache=cache)
-    again.load_state_dict(state)
-    assert all(same(x, y) for x, y in zip(take(iter(again), 5), ref, strict=True))
-    assert again.state_dict()["fingerprint"]["cache"] == cache.digest  # the next save's
-    other = {**state, "fingerprint": {**state["fingerprint"], "cache": "0" * 64}}
-    with pytest.raises(DataError):
-        make_loader(cfg, cfg.data.train, tok, train=True, cache=cache).load_state_dict(other)
+    root = ensure_cache(cfg, "train", tok).root
+    manifest = json.loads((root / MANIFEST).read_text())
+    for older in (
+        {**manifest, "version": 0},
+        {k: v for k, v in manifest.items() if k != "lengths"},
+    ):
+        (root / MANIFEST).write_text(json.dumps(older))
+        with pytest.raises(DataError, match="built by another aiayn.*aiayn data prepare"):
+            open_cache(root, None)
 
 
 def test_a_large_start_that_prepares_its_data_says_how_to_prepare_first(

@@ -300,16 +300,6 @@ def test_a_corpus_edited_in_place_at_the_same_size_is_refused_and_a_touch_resume
     assert "train.de" not in msg
 
 
-def test_a_position_saved_before_the_source_was_recorded_still_resumes(corpus, tok):
-    ld = loader(s2s_cfg(corpus / "train"), tok)
-    take(iter(ld), 3)
-    state = roundtrip(ld.state_dict())
-    del state["fingerprint"]["source"]  # as checkpoints written before it was recorded
-    resumed = loader(s2s_cfg(corpus / "train"), tok)
-    resumed.load_state_dict(state)
-    assert same(next(iter(resumed)), take(iter(ld), 1)[0])
-
-
 def test_a_hub_positions_identity_is_the_dataset_not_files():
     from aiayn.data.splits import source_identity
 

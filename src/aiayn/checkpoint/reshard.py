@@ -71,8 +71,6 @@ class Topology:
         par = manifest["config"].get("distributed", {})
         backend = par.get("backend", "ddp")
         stage = par.get("zero_stage", 0) if backend == "deepspeed" else 0
-        # Checkpoints written before the manifest held the world size saved one RNG state
-        # per rank: their number is the world size.
         # Manifests written before they held the world size have every rank's RNG state.
         world = manifest["world_size"] if "world_size" in manifest else len(trainer_state["rng"])
         return cls(backend, stage, world)

@@ -16,7 +16,7 @@ from typing import Any
 
 from safetensors import safe_open
 
-from aiayn.checkpoint import reshard, rng_file
+from aiayn.checkpoint import compat, reshard, rng_file
 from aiayn.checkpoint.format import (
     EMA_FILE,
     MANIFEST_FILE,
@@ -159,7 +159,8 @@ def load_state(run: Any, ckpt: Path, startup: StartupTimes) -> dict[str, Any]:
         _load_ema(run.engine, ckpt, manifest)
         _warn_of_another_batch(run.cfg.train, run.env.world_size, manifest)
     with startup.phase("data position"):
-        run.loader.load_state_dict(trainer_state["data"])  # the position of all ranks
+        data = compat.data_state(trainer_state["data"], getattr(run.loader, "caches", []))
+        run.loader.load_state_dict(data)  # the position of all ranks
     return trainer_state
 
 

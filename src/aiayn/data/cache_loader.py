@@ -40,7 +40,7 @@ from aiayn.data.cache.rows import (
 )
 from aiayn.data.plan import LmPlan, Plan, epoch_rng, lm_plan, pair_plan
 from aiayn.data.plan_files import PlanFiles, plans_folder
-from aiayn.data.position import check_loader_args, saved_position, saved_state
+from aiayn.data.position import check_loader_args, fingerprint, saved_position, saved_state
 from aiayn.data.prefetch import AHEAD, BATCH_THREAD, prefetch
 from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer
@@ -48,7 +48,6 @@ from aiayn.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-LOADER = "cache"  # the fingerprint's "loader" (data/position.py)
 
 
 class CacheLoader:
@@ -83,19 +82,13 @@ class CacheLoader:
                 "set data.cache_dir to another directory"
             )
         self._setup(data_cfg, tokenizer, kind, max_tokens, seed, train, rank, world_size)
-        self.cache, self.pin_memory = cache, pin_memory
+        self.cache, self.caches, self.pin_memory = cache, [cache], pin_memory
         self._arrays = [cache_arrays(cache)]
         # int32 throughout (examples < 2^31, a row < 2^31 tokens): the index and the plan of
         # millions of examples are per-rank memory. Pairs keep only widths; rows read their
         # lengths from the offsets of their own batch. The lengths are the cache's stored
         # array, memory-mapped (computed from the offsets for a cache built without it).
         src_len = cache.lengths("src")
-        if kind == "lm" and data_cfg.lm_order == "stream" and cache.counts()["dropped_empty"]:
-            raise DataError(
-                f"token cache {cache.root} was built by an older aiayn that dropped empty lines, "
-                "which data.lm_order=stream reads as line breaks; rebuild it with "
-                "`aiayn data prepare --config FILE --force`"
-            )
         if kind == "lm":
             self._doc_len, self._too_long = src_len, 0
         else:
@@ -108,21 +101,7 @@ class CacheLoader:
             # width a row is padded to, so the token budget includes the rounding.
             longest += 1
             self._width = round_width(longest, self.multiple, data_cfg.max_len + 1)
-        self._fingerprint = {
-            "loader": LOADER,
-            "cache": cache.digest,
-            "kind": kind,
-            "train": train,
-            "max_tokens": max_tokens,
-            "seed": seed,
-            "shuffle_buffer": data_cfg.shuffle_buffer,
-            "max_len": data_cfg.max_len,
-            "tokenizer_sha256": tokenizer.sha256,
-        }
-        if kind == "lm" and data_cfg.lm_order != "documents":  # older positions stay valid
-            self._fingerprint["lm_order"] = data_cfg.lm_order
-        if self.multiple != 1:  # it changes the plan; older positions have 1
-            self._fingerprint["pad_to_multiple"] = self.multiple
+        self._fingerprint = fingerprint(self, "cache", {"cache": cache.digest})
         if train:  # an evaluation pass plans once, in cache order: nothing to share
             self._plan_files = PlanFiles(
                 plans_folder(cache.root, self._fingerprint),
@@ -166,10 +145,6 @@ class CacheLoader:
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state` at the next iter(); refuses a state made for other settings
         (the cache's content is in the fingerprint)."""
-        saved = state.get("fingerprint", {})
-        named = saved.get("cache")
-        if named not in (None, self.cache.digest) and self.cache.earlier_name_of(named):
-            state = {**state, "fingerprint": {**saved, "cache": self.cache.digest}}
         self._pos = saved_position(state, STATE_VERSION, self._fingerprint, "the token cache")
         self.epoch = self._pos["epoch"]
         self._resume_pending = True
@@ -285,9 +260,7 @@ class CacheLoader:
     def _target_lengths(self, rows: np.ndarray) -> np.ndarray:
         """int64 target tokens (eos not counted) of the examples `rows`."""
         c = self.cache
-        if c.tgt_lengths is not None:
-            return c.tgt_lengths[rows].astype(np.int64)
-        return (c.tgt_offsets[rows + 1] - c.tgt_offsets[rows]).astype(np.int64)
+        return c.tgt_lengths[rows].astype(np.int64)
 
     def _length(self, epoch: int) -> int:
         """Global batches of `epoch`. Kept apart from the plan: after a round that crossed

@@ -26,7 +26,7 @@ from aiayn.data.cache.rows import cache_arrays
 from aiayn.data.cache_loader import STATE_VERSION, CacheLoader
 from aiayn.data.mixture import Mixture
 from aiayn.data.plan import Plan, epoch_rng, pair_plan
-from aiayn.data.position import recorded_number, saved_position
+from aiayn.data.position import fingerprint, recorded_number, saved_position
 from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer
 
@@ -138,20 +138,7 @@ class MixedCacheLoader(CacheLoader):
             "epoch": cfg.epoch,
         }
         mixture.update(epoch_source=cfg.epoch_source, epoch_size=cfg.epoch_size)
-        fp = {
-            "loader": "cache",
-            "mixture": mixture,
-            "kind": self.kind,
-            "train": self.train,
-            "max_tokens": self.max_tokens,
-            "seed": self.seed,
-            "shuffle_buffer": cfg.shuffle_buffer,
-            "max_len": cfg.max_len,
-            "tokenizer_sha256": self.tok.sha256,
-        }
-        if self.multiple != 1:
-            fp["pad_to_multiple"] = self.multiple
-        return fp
+        return fingerprint(self, "cache", {"mixture": mixture})
 
     def _log_sources(self) -> None:
         m, cfg = self.mixture, self.cfg
@@ -184,25 +171,9 @@ class MixedCacheLoader(CacheLoader):
 
     def load_state_dict(self, state: dict) -> None:
         what = "the sources' token caches"
-        self._pos = saved_position(state, STATE_VERSION, self._older_digests(state), what)
+        self._pos = saved_position(state, STATE_VERSION, self._fingerprint, what)
         self.epoch = self._pos["epoch"]
         self._resume_pending = True
-
-    def _older_digests(self, state: dict) -> dict:
-        """This loader's fingerprint, with a source's cache named as `state` names it where
-        that is the digest of the same tokens built by an earlier aiayn
-        (TokenCache.earlier_name_of: the whole cache read once, only for such a position)."""
-        saved = state.get("fingerprint", {}).get("mixture", {}).get("sources")
-        ours = self._fingerprint["mixture"]["sources"]
-        if not isinstance(saved, list) or len(saved) != len(ours):
-            return self._fingerprint
-        sources = []
-        for mine, theirs, cache in zip(ours, saved, self.caches, strict=True):
-            named = theirs.get("cache") if isinstance(theirs, dict) else None
-            same = named not in (None, mine["cache"]) and cache.earlier_name_of(named)
-            sources.append({**mine, "cache": named} if same else mine)
-        mixture = {**self._fingerprint["mixture"], "sources": sources}
-        return {**self._fingerprint, "mixture": mixture}
 
     def stats(self) -> dict[str, int]:
         counts = [c.counts() for c in self.caches]

@@ -29,7 +29,7 @@ from aiayn.config import Config
 from aiayn.data.batch import Batch
 from aiayn.data.mixed_cache_loader import tag_ids
 from aiayn.data.mixture import as_train, epoch_counts, largest_remainder, shares
-from aiayn.data.position import recorded_number, saved_position
+from aiayn.data.position import fingerprint, recorded_number, saved_position
 from aiayn.data.splits import Source, open_split, source_identity
 from aiayn.data.stream_loader import STATE_VERSION, Chunk, StreamLoader
 from aiayn.errors import DataError
@@ -118,19 +118,7 @@ class MixedStreamLoader(StreamLoader):
         mixture = {"sources": sources, "temperature": recorded_number(data.temperature)}
         mixture.update(epoch=data.epoch, epoch_source=data.epoch_source)
         mixture["epoch_size"] = data.epoch_size
-        fp = {
-            "mixture": mixture,
-            "kind": self.kind,
-            "train": self.train,
-            "max_tokens": self.max_tokens,
-            "seed": self.seed,
-            "shuffle_buffer": data.shuffle_buffer,
-            "max_len": data.max_len,
-            "tokenizer_sha256": self.tok.contract()["sha256"],
-        }
-        if self.multiple != 1:
-            fp["pad_to_multiple"] = self.multiple
-        return fp
+        return fingerprint(self, "stream", {"mixture": mixture})
 
     def _set_counts(self, sizes: list[int] | None) -> None:
         """Each source's examples per epoch, from the weights (data.epoch examples) or from

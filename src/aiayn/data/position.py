@@ -10,10 +10,8 @@ from aiayn.errors import DataError
 
 log = logging.getLogger(__name__)
 
-# The fingerprint's "loader" key: absent from the streaming loader's (checkpoints written
-# before the token cache existed have none).
-_LOADER_NAMES = {None: "streaming loader's (data.cache=false)", "cache": "token cache's"}
-_LOADER_FIX = {None: "data.cache=false", "cache": "data.cache=true"}
+_LOADER_NAMES = {"stream": "streaming loader's (data.cache=false)", "cache": "token cache's"}
+_LOADER_FIX = {"stream": "data.cache=false", "cache": "data.cache=true"}
 
 
 def check_loader_args(max_tokens: int, rank: int, world_size: int) -> None:
@@ -21,6 +19,28 @@ def check_loader_args(max_tokens: int, rank: int, world_size: int) -> None:
         raise DataError(f"max_tokens must be >= 1, got {max_tokens}; set train.max_tokens")
     if not 0 <= rank < world_size:
         raise DataError(f"rank {rank} is outside world size {world_size}")
+
+
+def fingerprint(loader, name: str, data: dict) -> dict:
+    """What a saved position of `loader` (any of the four) means: its kind `name` ("cache" or
+    "stream"), `data` (what names the data: a cache's digest, a stream's corpus, a mixture),
+    and every setting that changes the batches. A position resumes only where all are equal."""
+    cfg = loader.cfg
+    out = {
+        "loader": name,
+        **data,
+        "kind": loader.kind,
+        "train": loader.train,
+        "max_tokens": loader.max_tokens,
+        "seed": loader.seed,
+        "shuffle_buffer": cfg.shuffle_buffer,
+        "max_len": cfg.max_len,
+        "pad_to_multiple": loader.multiple,
+        "tokenizer_sha256": loader.tok.sha256,
+    }
+    if loader.kind == "lm":
+        out["lm_order"] = cfg.lm_order
+    return out
 
 
 def recorded_number(value: float | None) -> float | None:
@@ -57,8 +77,7 @@ def saved_position(state: dict, version: int, fingerprint: dict, what: str) -> d
         if key in ("mixture", "cache") and ("mixture" in saved or "mixture" in fingerprint):
             continue  # what the data is: said by _mixture_diffs
         if key == "source":
-            if key in saved:  # positions saved before it was recorded have nothing to compare
-                diffs += _source_diffs(saved[key], value)
+            diffs += _source_diffs(saved.get(key, {}), value)
         elif saved.get(key) != value:
             diffs.append(f"  - {key}: checkpoint {saved.get(key)!r}, now {value!r}")
     if diffs:

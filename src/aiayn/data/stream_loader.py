@@ -31,7 +31,7 @@ import torch
 from aiayn.config import DataConfig
 from aiayn.data.batch import Batch, padded_rows, round_width, target_positions
 from aiayn.data.plan import budget_bounds
-from aiayn.data.position import check_loader_args, saved_position, saved_state
+from aiayn.data.position import check_loader_args, fingerprint, saved_position, saved_state
 from aiayn.data.prefetch import AHEAD, BATCH_THREAD, prefetch
 from aiayn.data.splits import KINDS, open_split, source_identity
 from aiayn.errors import DataError
@@ -109,20 +109,9 @@ class StreamLoader:
         self.split, self.pin_memory = split, pin_memory
         self.source = open_split(data_cfg, split, kind, local=local)
         self._pos = self._start()
-        self._fingerprint = {
-            "split": split,
-            "format": data_cfg.format,
-            "kind": kind,
-            "train": train,
-            "max_tokens": max_tokens,
-            "seed": seed,
-            "shuffle_buffer": data_cfg.shuffle_buffer,
-            "max_len": data_cfg.max_len,
-            "tokenizer_sha256": tokenizer.contract()["sha256"],
-            "source": source_identity(data_cfg, split, kind, contents=train),
-        }
-        if self.multiple != 1:  # it changes the batches; older positions have 1
-            self._fingerprint["pad_to_multiple"] = self.multiple
+        source = source_identity(data_cfg, split, kind, contents=train)
+        data = {"split": split, "format": data_cfg.format, "source": source}
+        self._fingerprint = fingerprint(self, "stream", data)
 
     def _setup(self, data_cfg, tokenizer, kind, max_tokens, seed, train, rank, world_size) -> None:
         """What every streaming loader holds besides its stream (mixed_stream_loader.py too)."""

@@ -11,15 +11,14 @@ offsets, read with numpy memory maps):
     labels.npy          int64 (classifier)
     ids.npy             int64: the example's index in the stream, for audits
     src_lengths.npy     int32, n: example i's tokens, the offsets' differences stored so that a
-    tgt_lengths.npy     start plans without reading the offsets (older caches lack them)
+    tgt_lengths.npy     start plans without reading the offsets
 
 The manifest holds the fingerprint of what the cache was built from (source files with their
 sizes and sha256, or their byte ranges' sha256 where ranks shared a file by range; format,
 fields, the tokenizer's sha256), the counts of what was read and dropped and why, and each
-array's size and its ranges' sha256 (a cache built before the merge was shared also has each
-array's whole sha256). Opening checks all of it: a cache built from other data or another
-tokenizer is refused with the differing fields named, and a truncated or altered array is
-refused before training reads it.
+array's size and its ranges' sha256. Opening checks all of it: a cache built from other data or
+another tokenizer is refused with the differing fields named, and a truncated or altered array
+is refused before training reads it.
 
 Building one is data/cache/build.py's; reading batches out of one, data/cache/rows.py's.
 """
@@ -86,12 +85,8 @@ class TokenCache:
 
     def lengths(self, side: str) -> np.ndarray | None:
         """int32 tokens of each example on `side` (src or tgt; None where the cache has no
-        such side): the array stored at build, memory-mapped, or for a cache built before it
-        was stored, the offsets' differences (O(n) at every start)."""
-        stored, offsets = getattr(self, f"{side}_lengths"), getattr(self, f"{side}_offsets")
-        if stored is not None or offsets is None:
-            return stored
-        return np.diff(offsets).astype(np.int32)
+        such side), memory-mapped."""
+        return getattr(self, f"{side}_lengths")
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -102,48 +97,11 @@ class TokenCache:
 
     @property
     def digest(self) -> str:
-        """Identifies the cache's content: every array's size and sha256. The same tokens give
-        the same digest wherever the corpus lies (a job that stages its data to a local disk
-        under another path resumes), and a cache rebuilt from changed text another one."""
-        # Sizes and whole-file sha256 only: a cache that also records its ranges' (for W ranks
-        # to verify) has the digest of the same tokens without them. A cache merged by every
-        # rank records no whole-file sha256 (one rank would read it all): its ranges' stand
-        # for it. Such a cache has another digest than the same tokens built before, which
-        # the loaders accept through `earlier_name_of`.
+        """Identifies the cache's content: every array's size and its ranges' sha256. The same
+        tokens give the same digest wherever the corpus lies (a job that stages its data to a
+        local disk under another path resumes), and a cache rebuilt from changed text another."""
         files = self.manifest["files"]
-        return _arrays_digest(
-            files, {k: f.get("sha256") or _ranges_sha256(f) for k, f in files.items()}
-        )
-
-    def earlier_name_of(self, named: str) -> bool:
-        """Whether `named`, the cache a saved position names, is an earlier aiayn's name for
-        this cache's tokens: the digest of its arrays' whole sha256 (before the ranks merged the
-        cache, each hashing its share), or, before caches were named by content, the digest of
-        the whole manifest as that aiayn wrote it (each array's size and whole sha256, no stored
-        lengths; corpus paths and times as they are). What the manifest records is tried first;
-        the arrays are read, once, only where it records no whole sha256."""
-        files = self.manifest["files"]
-        whole = {k: f["sha256"] for k, f in files.items() if f.get("sha256")}
-        if len(whole) == len(files):
-            return named == self._manifest_digest(whole)
-        whole = self._whole_sha256()
-        return named in (_arrays_digest(files, whole), self._manifest_digest(whole))
-
-    def whole_digest(self) -> str:
-        """The digest that this cache's arrays had when caches recorded each array's whole
-        sha256 (it reads the arrays a manifest records no whole sha256 for)."""
-        return _arrays_digest(self.manifest["files"], self._whole_sha256())
-
-    def _whole_sha256(self) -> dict[str, str]:
-        files = self.manifest["files"]
-        return {k: f.get("sha256") or sha256_of(self.root / k) for k, f in files.items()}
-
-    def _manifest_digest(self, whole: dict[str, str]) -> str:
-        files = {
-            k: {"bytes": f["bytes"], "sha256": whole[k]} for k, f in self.manifest["files"].items()
-        }
-        written = {k: v for k, v in self.manifest.items() if k != "lengths"} | {"files": files}
-        return hashlib.sha256(json.dumps(written, sort_keys=True).encode()).hexdigest()
+        return _arrays_digest(files, {k: _ranges_sha256(f) for k, f in files.items()})
 
     def counts(self) -> dict[str, int]:
         return dict(self.manifest["counts"])
@@ -162,10 +120,11 @@ def open_cache(
     `verify` hashes this rank's share of the arrays, 1/`world` of them
     (runtime/verify_share.py): the ranks' verdicts are to be combined by the caller."""
     manifest = _read_manifest(root)
-    if manifest.get("version") != CACHE_VERSION:
+    if manifest.get("version") != CACHE_VERSION or "lengths" not in manifest:
         raise DataError(
-            f"token cache {root} has format version {manifest.get('version')}, this code reads "
-            f"{CACHE_VERSION}; rebuild it with {prepare_command()}"
+            f"token cache {root} was built by another aiayn (format version "
+            f"{manifest.get('version')}{'' if 'lengths' in manifest else ', no stored lengths'}), "
+            f"this code reads version {CACHE_VERSION}; rebuild it with {prepare_command()}"
         )
     diffs = [] if expected is None else _fingerprint_diffs(manifest["fingerprint"], expected)
     if expected is not None and not diffs:
@@ -183,7 +142,7 @@ def open_cache(
             + "\n".join(f"  - {d}" for d in diffs)
             + f"\nRebuild it with {prepare_command()}, or set data.cache_dir to another directory"
         )
-    files = {**manifest["files"], **manifest.get("lengths", {})}
+    files = {**manifest["files"], **manifest["lengths"]}
     if verify and (problem := verify_share(root, files, rank, world)):
         raise _damaged(root, problem)
     arrays = {}
@@ -306,7 +265,7 @@ def fingerprint(cfg: Config, split: str, tok: Tokenizer, hashes: bool = False) -
     }
     if data.format == "hub":
         out["hub"] = {"name": data.hub_name, "config": data.hub_config}
-        if data.hub_revision:  # caches built before revisions were pinned have none
+        if data.hub_revision:  # a Hub dataset pinned to a commit (data/hub_revision.py)
             out["hub"]["revision"] = data.hub_revision
         return out
     try:

@@ -136,8 +136,7 @@ def _finish(
         },
         "counts": _counts(layout.totals(), empty, invalid_utf8),
         "files": files,
-        # Apart from `files`: derived from the offsets, so not part of the cache's digest, and
-        # a cache without them (built before they were stored) reads the same.
+        # Apart from `files`: derived from the offsets, so not part of the cache's digest.
         "lengths": lengths,
     }
     write_atomic(root / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
