@@ -388,6 +388,29 @@ def test_translate_answers_each_line_of_a_pipe_before_the_next_is_sent(exported)
         proc.wait()
 
 
+def test_n_best_lists_go_to_output_as_to_stdout_numbered_across_its_chunks(
+    exported, corpus, tmp_path
+):
+    """--n-best with --input and --output writes the `INDEX ||| TEXT ||| SCORE` lines stdout
+    gets (it was refused without --json), INDEX counting the file's lines through its chunks;
+    with --json, a JSON line per input line, numbered the same way."""
+    lines = (corpus / "train.de").read_text().splitlines()[:120]
+    source = tmp_path / "in.txt"
+    source.write_text("".join(line + "\n" for line in lines))
+    assert source.stat().st_size > 2 * 1024  # several chunks of --chunk-kb 1
+    argv = ["translate", str(exported), "--device", "cpu", "--n-best", "2", "--input", str(source)]
+    argv += ["--chunk-kb", "1", "decode.beam=2", "decode.max_len_b=3"]
+    assert main([*argv, "--output", str(tmp_path / "text")]) == 0
+    assert main([*argv, "--output", str(tmp_path / "json"), "--json"]) == 0
+    text = (tmp_path / "text").read_text(encoding="utf-8").splitlines()
+    rows = [json.loads(line) for line in (tmp_path / "json").read_text().splitlines()]
+    assert [row["index"] for row in rows] == list(range(len(lines)))
+    listed = [
+        f"{r['index']} ||| {h['text']} ||| {h['score']:.6f}" for r in rows for h in r["hypotheses"]
+    ]
+    assert text == listed and len(text) > len(lines)
+
+
 def test_lines_that_wait_together_are_read_as_one_batch(tmp_path):
     """What is readable at once is one batch (up to its size: then reading stops, and the
     line not yet ended waits for the next read); the last line needs no break."""

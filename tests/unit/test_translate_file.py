@@ -1,11 +1,14 @@
 """aiayn/infer/translate_file.py: chunk cuts at line starts, every line translated once and in
 order, a resumed translation skips the chunks written, and parts of another translation are
-refused.
+refused; n-best lists numbered across the file.
 (Two ranks under torchrun: tests/distributed/test_translate_ranks.py.)"""
+
+from functools import partial
 
 import pytest
 
 from aiayn.errors import DataError
+from aiayn.infer.translate import n_best_lines, renumbered
 from aiayn.infer.translate_file import chunk_starts, translate_file
 
 LINES = [f"line {i} " + "x" * (i % 17) for i in range(500)] + ["", "  ", "ünïcødé"]
@@ -70,6 +73,42 @@ def test_a_resumed_translation_skips_what_was_written_and_refuses_other_parts(tm
         translate_file(dies_after_two, source, out, {"m": 1}, chunk_bytes=1000)
     with pytest.raises(DataError, match=r"holds parts of another translation"):
         translate_file(upper([]), source, out, {"m": 2}, chunk_bytes=1000)
+
+
+def n_best(line: str) -> list[tuple[str, float]]:
+    """1 to 3 hypotheses, so that a chunk's line count does not tell its sentences."""
+    return [(f"{line.upper()} ||| {k}", -float(k)) for k in range(1 + len(line) % 3)]
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_n_best_lists_are_numbered_across_the_file_and_a_resume_keeps_sentences_whole(
+    tmp_path, as_json
+):
+    source, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    source.write_text("".join(line + "\n" for line in LINES))
+    parts = out.with_name("out.txt.parts")
+
+    def lists(calls, dies_after=None):
+        def translate(lines, chunk):  # as aiayn translate writes a chunk: numbered from 0
+            if len(calls) == dies_after:
+                raise KeyboardInterrupt  # a kill
+            calls.append(len(lines))
+            return n_best_lines([n_best(line) for line in lines], as_json=as_json)
+
+        return translate
+
+    renumber = partial(renumbered, as_json=as_json)
+    run = partial(translate_file, source=source, output=out, settings={"m": 1}, chunk_bytes=1000)
+    first = []
+    with pytest.raises(KeyboardInterrupt):
+        run(lists(first, dies_after=2), renumber=renumber)
+    written = [p.read_text(encoding="utf-8").split("\n")[:-1] for p in sorted(parts.glob("0*"))]
+    assert [renumber(lines, 0)[1] for lines in written] == first  # whole sentences a part
+    again = []
+    run(lists(again), renumber=renumber)
+    expected = n_best_lines([n_best(line) for line in LINES], as_json=as_json)
+    assert out.read_text(encoding="utf-8").split("\n")[:-1] == expected
+    assert sum(first) + sum(again) == len(LINES) and len(again) > 1
 
 
 def test_a_missing_input_is_named(tmp_path, capsys):

@@ -20,8 +20,8 @@ def add_parsers(sub) -> None:
         "translate lines from stdin or a file",
         "Translate one sentence a line. From a pipe or a terminal each line is written (and\n"
         "flushed) as soon as it is translated, lines that arrive together decoded together.\n"
-        "With --input and --output: in chunks, resumable, shared among the ranks under torchrun\n"
-        "(docs/cli.md).",
+        "With --input and --output: in chunks, resumable, shared among the ranks under torchrun,\n"
+        "n-best lists included (docs/cli.md).",
         [
             "echo 'forty-two thousand one' | aiayn translate runs/demo",
             "aiayn translate --checkpoint runs/demo --input de.txt --output en.txt decode.beam=1",
@@ -114,8 +114,9 @@ def _add_n_best(p) -> None:
         default=None,
         metavar="K",
         help="the K best hypotheses of each sentence with their scores, `INDEX ||| TEXT ||| "
-        "SCORE` a line (decode.n_best=K; K <= decode.beam); evaluate scores the first and "
-        "writes the lists beside the hypotheses (.nbest)",
+        "SCORE` a line (decode.n_best=K; K <= decode.beam); translate writes them where it "
+        "writes translations (stdout or --output), evaluate scores the first and writes the "
+        "lists beside the hypotheses (.nbest)",
     )
 
 
@@ -209,22 +210,19 @@ def _by_sentence(lines: list[str], n: int) -> list[str]:
 
 def _translate_file(args, checkpoints: list[str], n_best: bool) -> int:
     """--input to --output in chunks, on every rank of the launcher's group (one process
-    without one), resumable (aiayn/infer/translate_file.py). An n-best list is a JSON line per
-    input line: a chunk does not know its first line's number, which the text format needs."""
+    without one), resumable (aiayn/infer/translate_file.py). n-best lists are written as on
+    stdout (`INDEX ||| TEXT ||| SCORE` lines, or a JSON line per input line with --json), each
+    chunk's numbered from 0 and renumbered across the file as the parts are joined."""
+    from functools import partial
+
     from aiayn.checkpoint.locate import locate
     from aiayn.distributed.env import setup, teardown
-    from aiayn.errors import ConfigError
     from aiayn.infer.ensemble import load_ensemble
-    from aiayn.infer.translate import n_best_lines, translate, translate_n_best
+    from aiayn.infer.translate import n_best_lines, renumbered, translate, translate_n_best
     from aiayn.infer.translate_file import translate_file
     from aiayn.train.monitor import setup_logging
     from aiayn.train.report import log_checksums
 
-    if n_best and not args.json:
-        raise ConfigError(
-            "--n-best with --input and --output writes a JSON line per input line: add --json "
-            "(or read the input from stdin for the `INDEX ||| TEXT ||| SCORE` lines)"
-        )
     env = setup(args.device)
     setup_logging(None, env.rank)
     try:
@@ -239,12 +237,14 @@ def _translate_file(args, checkpoints: list[str], n_best: bool) -> int:
             else str(found[0].resolve()),
             "overrides": list(args.overrides),
         }
+        if n_best:  # parts of the other form are refused, not mixed in
+            settings["n_best"] = "json" if args.json else "text"
 
         def chunk(lines: list[str], j: int) -> list[str]:
             if not n_best:
                 return translate(model, tok, lines, cfg.decode, env.device, j)
             hyps = translate_n_best(model, tok, lines, cfg.decode, env.device, j)
-            return n_best_lines(hyps, as_json=True)
+            return n_best_lines(hyps, as_json=args.json)  # numbered from 0: see renumber
 
         translate_file(
             chunk,
@@ -256,6 +256,7 @@ def _translate_file(args, checkpoints: list[str], n_best: bool) -> int:
             env.barrier,
             chunk_bytes=args.chunk_kb * 1024,
             gather=env.gather_to_main,  # O(W) on rank 0 only
+            renumber=partial(renumbered, as_json=args.json) if n_best else None,
         )
     finally:
         teardown()

@@ -200,3 +200,18 @@ def n_best_lines(hyps: list[list[tuple[str, float]]], first: int = 0, as_json: b
             for i, h in enumerate(hyps)
         ]
     return [f"{first + i} ||| {t} ||| {s:.6f}" for i, h in enumerate(hyps) for t, s in h]
+
+
+def renumbered(lines: list[str], first: int, as_json: bool = False) -> tuple[list[str], int]:
+    """n_best_lines' lines of sentences numbered from 0 (a chunk of a file, translate_file),
+    numbered from sentence `first` instead; and how many sentences they hold. Text: the last
+    line's number + 1, since every sentence has at least one hypothesis (an empty line's is
+    empty); JSON: a line each."""
+    if as_json:
+        rows = [json.loads(line) for line in lines]
+        for row in rows:
+            row["index"] += first
+        return [json.dumps(row, ensure_ascii=False) for row in rows], len(rows)
+    split = [line.split(" ||| ", 1) for line in lines]  # the number first: a text may hold |||
+    held = int(split[-1][0]) + 1 if split else 0
+    return [f"{int(i) + first} ||| {rest}" for i, rest in split], held

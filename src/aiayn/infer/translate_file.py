@@ -11,7 +11,10 @@ OUTPUT.parts/NNNNNN.txt. When every chunk is there, rank 0 joins them, in order,
 translation skips the chunks already written: what is lost is at most one chunk per rank. The
 parts record what they were made from (OUTPUT.parts/plan.json: the input's size and
 modification time, the checkpoint, the settings); parts from another input or other settings
-are refused rather than mixed in.
+are refused rather than mixed in. An n-best list numbers its sentences (`INDEX ||| TEXT |||
+SCORE`): a chunk numbers its own from 0, since it does not know how many lines the chunks
+before it hold, and rank 0 renumbers each part as it joins them, counting the sentences of
+the parts before. A part holds whole sentences, so a resume never splits a sentence's lines.
 
 Back-translation (a large monolingual file through a reverse model) is what this is for
 (docs/cli.md); a gzip input cannot be cut, so each rank reads it whole and keeps its chunks.
@@ -34,6 +37,10 @@ from aiayn.runtime.durable import fsync_path, write_atomic
 log = logging.getLogger(__name__)
 
 PLAN = "plan.json"
+
+Renumber = Callable[[list[str], int], tuple[list[str], int]]
+"""A part's lines, numbering its sentences from 0, and the sentences of the parts before it ->
+the lines numbered from there, and how many sentences they hold."""
 
 
 def chunk_starts(path: Path, chunk_bytes: int) -> list[int]:
@@ -77,12 +84,15 @@ def translate_file(
     barrier: Callable[[], None] = lambda: None,
     chunk_bytes: int = 1 << 20,
     gather: Callable[[object], list] = lambda mine: [mine],
+    renumber: Renumber | None = None,
 ) -> None:
     """Translate `source` into `output` with `translate` (a chunk's lines and its number ->
-    one output line each: the number and a line's place in the chunk seed its samples), this
+    their output lines: the number and a line's place in the chunk seed its samples), this
     rank taking chunks rank, rank + W, ...; every rank calls it. `settings` (the checkpoint and
     overrides) go into the plan that resumed parts must match. `barrier` and `gather` (every
-    rank's value, in rank order) are the group's; rank 0 logs each rank's lines and speed."""
+    rank's value, in rank order) are the group's; rank 0 logs each rank's lines and speed.
+    `renumber`, where the output lines number their sentences from 0 in each chunk (n-best
+    lists), numbers them across the file as rank 0 joins the parts."""
     parts = output.with_name(output.name + ".parts")
     # A file smaller than 16 chunks is cut into 16, so that a few ranks all get work; the cut
     # depends on the file alone, so that a translation resumes on another world size.
@@ -133,7 +143,7 @@ def translate_file(
         )
     barrier()
     if rank == 0:
-        _join(parts, len(chunks), output)
+        _join(parts, len(chunks), output, renumber)
     barrier()
 
 
@@ -166,12 +176,20 @@ def _start_or_check(parts: Path, plan: dict) -> None:
     write_atomic(parts / PLAN, json.dumps(plan, indent=1))
 
 
-def _join(parts: Path, n: int, output: Path) -> None:
+def _join(parts: Path, n: int, output: Path, renumber: Renumber | None = None) -> None:
     tmp = output.with_name(f".{output.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as out:
+        before = 0  # sentences in the parts joined so far
         for j in range(n):
-            with open(parts / f"{j:06d}.txt", "rb") as fh:
-                shutil.copyfileobj(fh, out)
+            part = parts / f"{j:06d}.txt"
+            if renumber is None:
+                with open(part, "rb") as fh:
+                    shutil.copyfileobj(fh, out)
+                continue
+            lines = part.read_bytes().decode("utf-8").split("\n")[:-1]  # \n only, as written
+            lines, held = renumber(lines, before)
+            out.write("".join(line + "\n" for line in lines).encode("utf-8"))
+            before += held
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, output)
