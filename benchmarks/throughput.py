@@ -48,7 +48,8 @@ from _common import (
 from torch import nn
 
 from aiayn.config import ModelConfig
-from aiayn.data.batch import Batch, padded_rows
+from aiayn.data.batch import Batch
+from aiayn.data.pad import Specials, one_batch, table
 from aiayn.data.plan import budget_bounds
 from aiayn.runtime.malloc import keep_freed_memory
 from aiayn.tokenizer import BOS_ID as BOS
@@ -83,18 +84,16 @@ def synthetic_batches(
 
 
 def _batch(src_len: np.ndarray, tgt_len: np.ndarray, vocab: int, rng) -> Batch:
-    def rows(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # (flat ids, row starts)
+    def rows(lengths: np.ndarray) -> list[np.ndarray]:
         flat = rng.integers(FIRST_PIECE, vocab, int(lengths.sum()))
-        return flat, np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        return np.split(flat, np.cumsum(lengths)[:-1])
 
-    src, src_start = rows(src_len)
-    tgt, tgt_start = rows(tgt_len)
-    return Batch(
-        ids=torch.arange(len(src_len)),
-        n_tokens=int(tgt_len.sum()) + len(tgt_len),
-        src=padded_rows(src, src_start, src_len, PAD, eos=EOS),
-        tgt_in=padded_rows(tgt, tgt_start, tgt_len, PAD, bos=BOS),
-        tgt_out=padded_rows(tgt, tgt_start, tgt_len, PAD, eos=EOS),
+    src, tgt = rows(src_len), rows(tgt_len)
+    widest = int(max(src_len.max(), tgt_len.max())) + 1
+    return one_batch(
+        [table(src, tgt, np.arange(len(src_len)))],
+        np.arange(len(src_len)),
+        Specials(PAD, BOS, EOS, multiple=1, limit=widest),
     )
 
 

@@ -3,6 +3,7 @@ the errors a bad corpus gives."""
 
 from __future__ import annotations
 
+import bz2
 import dataclasses
 import gzip
 import itertools
@@ -228,6 +229,12 @@ def test_resume_is_exact_for_an_eval_pass_and_for_a_jsonl_source(corpus, tok, tm
     assert len(list(eval_pass())) > 19
     _check_resume(eval_pass, 19, [3, 11], m=8)
     states = _check_resume(lambda: loader(jsonl, tok), 40, [3, 11, 25], m=8)
+    position = states[2]["position"]
+    assert position["source"] is None and position["read"] > 0  # a count of records
+    rows = zip(lines(corpus / "train.en"), lines(corpus / "train.de"), strict=True)
+    (tmp_path / "t.tsv").write_text("".join(f"{e}\t{d}\n" for e, d in rows))
+    tsv = dataclasses.replace(jsonl, format="tsv", train=str(tmp_path / "t.tsv"))
+    states = _check_resume(lambda: loader(tsv, tok), 40, [3, 11, 25], m=8)
     assert states[2]["position"]["source"] is not None  # resumed through datasets' state_dict
 
 
@@ -544,32 +551,33 @@ def test_parallel_prefix_glob_reads_every_shard(tmp_path, tok):
     assert [r["src"] for r in open_split(cfg, cfg.train, "seq2seq")] == ["one", "two", "three"]
 
 
-def test_line_files_read_directly_give_their_datasets_records_whole_and_by_shard(tmp_path):
-    """A line-file source reads its files itself (no `datasets` import) for what reads a split
-    through: the records and shards must be the stream's, skipped lines included."""
+def test_line_files_are_read_whole_by_shard_and_from_a_count_by_the_projects_reader(tmp_path):
+    """Parallel and text files are read by the project's reader everywhere (data/source.py):
+    its shards are its file groups in order, and a stream resumed after k records gives the
+    records after the first k, lines that are not UTF-8 skipped either way."""
     _write_pair(tmp_path / "part1", [b"one", b"t\xffwo", b" two "], [b"eins", b"zwei", b"zwei"])
     _write_pair(tmp_path / "part2", [b"three"], [b"drei"])
     (tmp_path / "t1.txt").write_bytes(b" a  line \n\nb\xff\nlast")
     (tmp_path / "t2.txt").write_bytes(b"c\n")
     text = DataConfig(format="text", train=str(tmp_path / "t*.txt"), on_invalid_utf8="skip")
-    for cfg, kind, n in (
-        (s2s_cfg(tmp_path / "part*", on_invalid_utf8="skip"), "seq2seq", 3),
-        (text, "lm", 4),  # the empty line is a record: the loader drops it, and counts it
-    ):
+    for cfg, kind, want in (
+        (s2s_cfg(tmp_path / "part*", on_invalid_utf8="skip"), "seq2seq", ["one", "two", "three"]),
+        (text, "lm", [" a  line ", "", "last", "c"]),  # an empty line is a record: the loader
+    ):  # drops it, and counts it
         source = open_split(cfg, cfg.train, kind)
-        streamed = list(source.records(source.dataset()))
-        assert len(streamed) == n and list(source) == streamed
-        assert list(source.raw()) == list(source.dataset())
-        assert source.num_shards() == source.dataset().num_shards == 2
-        for i in range(2):
-            assert list(source.shard_records(2, i)) == list(source.records(source.shard(2, i)))
+        records = list(source)
+        assert [r.get("src", r.get("text")) for r in records] == want
+        assert source.num_shards() == 2
+        assert [r for i in range(2) for r in source.shard_records(i)] == records
+        for k in range(len(records) + 1):
+            stream = source.stream(None, k)
+            assert list(stream) == records[k:] and stream.state() is None
 
 
-def test_jsonl_read_directly_gives_its_datasets_records_and_eval_batches(corpus, tok, tmp_path):
-    """JSON Lines files read by their own reader (no `datasets` import: the run's dev and test
-    copies are jsonl) give the normalised records and shards of their dataset: blank lines,
-    a field some records lack (None there, absent here), nesting, gzip; an evaluation pass
-    gives the same batches as one through the dataset. A JSON array is left to `datasets`."""
+def test_jsonl_records_are_normalised_and_a_json_array_is_refused(corpus, tok, tmp_path):
+    """JSON Lines files, read by the project's reader: blank lines skipped, a field some
+    records lack read as empty, nesting, gzip and bzip2, a file a shard. A JSON array, a bad
+    line, or a compression it does not read is a DataError that names the file and the fix."""
     rows = [{"translation": {"en": e, "de": d}} for e, d in zip(
         lines(corpus / "train.en"), lines(corpus / "train.de"), strict=True)]  # fmt: skip
     rows[3] = {"translation": {"en": "no target here"}, "note": 1}
@@ -577,33 +585,30 @@ def test_jsonl_read_directly_gives_its_datasets_records_and_eval_batches(corpus,
     text = [json.dumps(r, ensure_ascii=False) for r in rows]
     (tmp_path / "a.jsonl").write_text("\n".join(text[:300]) + "\n\n  \n")
     with gzip.open(tmp_path / "b.jsonl.gz", "wt") as fh:
-        fh.write("\n".join(text[300:]))
+        fh.write("\n".join(text[300:400]))
+    with bz2.open(tmp_path / "c.jsonl.bz2", "wt") as fh:
+        fh.write("\n".join(text[400:]))
     cfg = DataConfig(format="jsonl", train=str(tmp_path / "*.jsonl*"), src_lang="en")
     cfg.tgt_lang, cfg.shuffle_buffer, cfg.max_len = "de", 64, 64
     source = open_split(cfg, cfg.train, "seq2seq")
-    assert source.reads_directly
-    streamed = list(source.records(source.dataset()))
-    assert len(streamed) == len(rows) and list(source) == streamed
-    assert streamed[3] == {"src": "no target here", "tgt": ""} and streamed[5]["tgt"] == ""
-    assert source.num_shards() == source.dataset().num_shards == 2
-    for i in range(2):
-        assert list(source.shard_records(2, i)) == list(source.records(source.shard(2, i)))
-    direct = loader(cfg, tok, max_tokens=150, train=False)
-    through = loader(cfg, tok, max_tokens=150, train=False)
-    through.source._generate = None  # the dataset's reading, as a training loader's
-    assert not through.source.reads_directly
-    got, want = list(direct), list(through)
-    assert len(got) == len(want) > 3 and all(map(same, got, want))
-    assert direct.stats() == through.stats()
+    records = list(source)
+    assert len(records) == len(rows) and records[0]["src"] == rows[0]["translation"]["en"]
+    assert records[3] == {"src": "no target here", "tgt": ""} and records[5]["tgt"] == ""
+    assert source.num_shards() == 3
+    assert [r for i in range(3) for r in source.shard_records(i)] == records
 
     (tmp_path / "arr.json").write_text(json.dumps(rows[:2]))
     array = dataclasses.replace(cfg, train=str(tmp_path / "arr.json"))
-    source = open_split(array, array.train, "seq2seq")
-    assert not source.reads_directly and len(list(source)) == 2
+    with pytest.raises(DataError, match=r"arr.json line 1 holds a JSON list.*jq -c"):
+        open_split(array, array.train, "seq2seq")
     (tmp_path / "bad.jsonl").write_text(text[0] + "\n" + text[1][:-3] + "\n")
     bad = dataclasses.replace(cfg, train=str(tmp_path / "bad.jsonl"))
     with pytest.raises(DataError, match=r"bad.jsonl line 2 is not a JSON record"):
         list(open_split(bad, bad.train, "seq2seq"))
+    (tmp_path / "d.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd")
+    zst = dataclasses.replace(cfg, train=str(tmp_path / "d.jsonl.zst"))
+    with pytest.raises(DataError, match=r"d.jsonl.zst: data.format jsonl reads plain, .gz"):
+        open_split(zst, zst.train, "seq2seq")
 
 
 def test_a_token_cache_and_validation_on_the_run_copy_do_not_import_datasets(corpus, tmp_path):

@@ -84,8 +84,10 @@ class DataConfig(Section):
     max_len: int = bounded(256, low=2)
     """Examples with more tokens than this on either side are dropped and counted."""
     shuffle_buffer: int = bounded(10_000, low=0)
-    """Examples bucketed by length together (streamed: also read and shuffled together); 0
-    keeps the stream order."""
+    """The window of the batch plan (data/plan.py): examples sorted by width together, then cut
+    into token-budget batches. The token cache permutes the epoch whole before cutting it into
+    windows; a stream reads one window at a time (its chunk) and permutes within it. 0: no
+    sorting, the order kept."""
     on_invalid_utf8: Literal["skip", "error"] = "skip"
     """A line that is not valid UTF-8 is skipped and counted, or stops the run."""
     cache: bool = True

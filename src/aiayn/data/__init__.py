@@ -5,8 +5,9 @@ resumable either way.
     splits.py               a split of a corpus opened as a Source (source.py), checked: line
                             files (line_files.py) or records with fields (records.py)
     cache/                  the token cache: built once by the ranks together (cache/build.py),
-                            verified when opened (cache/format.py), read in padded batches
-                            (rows.py)
+                            verified when opened (cache/format.py)
+    pad.py                  the one padder: rows of a cache's arrays, or of a streamed
+                            chunk's in the same shape, into padded Batches
     plan.py                 the epoch's global batches, from the cache's lengths
     plan_files.py           each epoch's plan made by one rank of a node, read by the others
     loader_protocol.py      Loader: what every loader offers its callers; make.py picks one:

@@ -88,29 +88,3 @@ def target_positions(tgt_out: torch.Tensor, pad: int) -> torch.Tensor:
     boolean indexing by tgt_out != pad would take them. It runs where tgt_out is: the loaders
     call it on the host, as they build the batch."""
     return (tgt_out.reshape(-1) != pad).nonzero().squeeze(1)  # (N,)
-
-
-def padded_rows(
-    flat: np.ndarray,
-    start: np.ndarray,
-    length: np.ndarray,
-    pad: int,
-    bos: int | None = None,
-    eos: int | None = None,
-    multiple: int = 1,
-    limit: int = 0,
-) -> torch.Tensor:
-    """(B, L) int64 tensor of rows flat[start[i]:start[i] + length[i]], right-padded, optionally
-    bos-prefixed and eos-suffixed: the streaming loader's batches (the token caches' are made
-    by data/cache/rows.py). L is the widest row rounded up by round_width(multiple, limit)."""
-    off = int(bos is not None)
-    width = int(round_width(int(length.max()) + off + int(eos is not None), multiple, limit))
-    pos = np.arange(width)[None, :] - off  # position of each column inside the ids
-    mask = (pos >= 0) & (pos < length[:, None])
-    out = np.full((len(length), width), pad, dtype=np.int64)
-    out[mask] = flat[(start[:, None] + pos)[mask]]
-    if bos is not None:
-        out[:, 0] = bos
-    if eos is not None:
-        out[np.arange(len(length)), length + off] = eos
-    return torch.from_numpy(out)

@@ -9,7 +9,7 @@ the node's other ranks memory-map it, so that a rank's work per epoch is its own
 O(N / batch size); a rank that finds no file makes the plan itself, the same bits. The
 batches themselves are made a few ahead in another thread (prefetch.py), pinned when they are
 bound for a GPU, so that neither reading nor the copy waits on the loop; a rank's next batches
-of the epoch are read from the memory maps and padded together (cache/rows.py).
+of the epoch are read from the memory maps and padded together (pad.py).
 
 Position: (epoch, global batches of that epoch the group has consumed), a count that may run
 past the epoch's end into the next ones. It is the group's, not the rank's, so a checkpoint from
@@ -25,15 +25,15 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
-import torch
 
 from aiayn.config import DataConfig
-from aiayn.data.batch import Batch, round_width, target_positions
+from aiayn.data.batch import Batch, round_width
 from aiayn.data.cache import TokenCache
-from aiayn.data.cache.rows import (
+from aiayn.data.pad import (
     RowsRead,
     Specials,
     cache_arrays,
+    lm_batch,
     ragged_index,
     read_batches,
     read_count,
@@ -351,11 +351,11 @@ class CacheLoader:
     # ---- one batch ----------------------------------------------------------------------------
 
     def _make_batch(self, plan: Plan | LmPlan, k: int, count: int | None = None) -> Batch:
-        """Global batch k of the plan, from the rows read with it (cache/rows.py): on a miss,
+        """Global batch k of the plan, from the rows read with it (pad.py): on a miss,
         this rank's batches k, k + W, ... of the epoch are read, `count` of them (by default
         read_count's)."""
         if self.kind == "lm":
-            return self._lm_batch(plan, k)
+            return lm_batch(self._arrays[0], plan, k, self._specials())
         read = self._rows_read
         if read is None or not read.holds(plan, k):
             read = self._rows_read = self._read(plan, k, count or self._read_count)
@@ -370,34 +370,13 @@ class CacheLoader:
         cells, ends = ragged_index(first, sizes)
         which, local = self._row_sources(plan.rows[cells].astype(np.intp))
         row_at = np.concatenate(([0], ends))
-        tok, limit = self.tok, self.cfg.max_len + 1
-        special = Specials(tok.pad_id, tok.bos_id, tok.eos_id, self.multiple, limit)
-        arrays = read_batches(self._arrays, local, row_at, special, which, self.tags)
+        arrays = read_batches(self._arrays, local, row_at, self._specials(), which, self.tags)
         return RowsRead(plan, k, step, len(ks), row_at, **arrays)
 
     def _row_sources(self, rows: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         """(source of each row or None for one cache, its row in that source's cache)."""
         return None, rows
 
-    def _lm_batch(self, plan: LmPlan, k: int) -> Batch:
-        """Blocks of the epoch's stream (documents in plan order, each followed by eos)."""
-        blocks = plan.blocks(k)
-        pos = plan.offset + blocks[:, None] * plan.size + np.arange(plan.size)[None, :]
-        inside = pos < plan.total
-        j = np.minimum(np.searchsorted(plan.ends, pos, side="right"), len(plan.docs) - 1)
-        doc = plan.docs[j]
-        length = self._doc_len[doc]
-        within = pos - (plan.ends[j] - length - 1)
-        at_eos = within >= length
-        # An empty document is a lone eos: its index is clamped to stay inside the array.
-        inner = np.maximum(np.minimum(within, length - 1), 0)
-        tokens = self.cache.src_tokens[self.cache.src_offsets[doc] + inner]
-        out = np.where(at_eos, self.tok.eos_id, tokens).astype(np.int64)
-        out[~inside] = self.tok.pad_id
-        block = torch.from_numpy(out)
-        tgt_out = block[:, 1:].contiguous()
-        keep = target_positions(tgt_out, self.tok.pad_id)
-        n = len(keep)
-        ids = torch.from_numpy(blocks.astype(np.int64))
-        tgt_in = block[:, :-1].contiguous()
-        return Batch(ids=ids, n_tokens=n, tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)
+    def _specials(self) -> Specials:
+        tok = self.tok
+        return Specials(tok.pad_id, tok.bos_id, tok.eos_id, self.multiple, self.cfg.max_len + 1)

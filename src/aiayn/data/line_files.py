@@ -8,27 +8,21 @@ Lines that are not UTF-8 raise, or are skipped and counted (data.on_invalid_utf8
 
 from __future__ import annotations
 
+import bz2
 import glob
 import gzip
 import hashlib
 import logging
+import lzma
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from aiayn.config import DataConfig
 from aiayn.data.corpora import missing_corpus_hint
 from aiayn.data.source import Source, expand_files
 from aiayn.errors import DataError
 from aiayn.runtime.durable import count_hashed
-
-if TYPE_CHECKING:
-    from datasets import IterableDataset
-
-# `datasets` is imported where a stream is made, not here: a run that reads its token cache (a
-# restart, most of all) makes no stream.
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +51,10 @@ def _line_source(
     check: bool,
 ) -> Source:
     """A source of line-aligned files read by `generator(argument=items, strict=...)`; each
-    group (a file pair, or a file: items[i]) is one shard of its stream, in order (datasets
-    shards a list argument by its items)."""
+    group (a file pair, or a file: items[i]) is one shard of its stream, in order."""
     strict = cfg.on_invalid_utf8 == "error"
-    # No `features=`: datasets would re-encode every example through them, at many times the
-    # cost of reading it (benchmarks/README.md). The generator yields plain strings anyway.
-    make = partial(_from_generator, generator, {argument: items, "strict": strict})
 
-    def generate(shards: list[int] | None) -> Iterator[dict]:
+    def read(shards: list[int] | None) -> Iterator[dict]:
         chosen = items if shards is None else [items[i] for i in shards]
         return generator(**{argument: chosen, "strict": strict})
 
@@ -73,23 +63,10 @@ def _line_source(
         # The whole source must hold some usable line; one shard may hold none.
         return _check_lines(chosen, split, cfg.on_invalid_utf8, shards is None, hashes)
 
-    source = Source(
-        split,
-        make,
-        normalize=lambda rec: rec,
-        check_lines=check_lines,
-        shard_files=groups,
-        generate=generate,
-    )
+    source = Source(split, lambda rec: rec, read=read, check_lines=check_lines, shard_files=groups)
     if check:
         source.check()
     return source
-
-
-def _from_generator(generator: Callable, kwargs: dict) -> IterableDataset:
-    from datasets import IterableDataset
-
-    return IterableDataset.from_generator(generator, gen_kwargs=kwargs)
 
 
 def _check_lines(
@@ -131,7 +108,6 @@ def _check_lines(
 
 
 def _parallel_examples(pairs: list[list[str]], strict: bool) -> Iterator[dict]:
-    # `pairs` is a list, so datasets treats each (src, tgt) file pair as one shard.
     for src_path, tgt_path in pairs:
         with open_bytes(src_path) as fs, open_bytes(tgt_path) as ft:
             # Line counts were compared when the source was opened.
@@ -206,12 +182,16 @@ def _existing(prefix: str, lang: str) -> str | None:
     return None
 
 
+_DECOMPRESS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}  # a path or a file
+
+
 def open_bytes(path: str, digest=None):
-    """A corpus file's lines as bytes (decompressed, for .gz). With a hashlib `digest`, the
-    file's own bytes are hashed as they are read, and to its end."""
+    """A corpus file's lines as bytes (decompressed, for .gz, .bz2 and .xz). With a hashlib
+    `digest`, the file's own bytes are hashed as they are read, and to its end."""
     if digest is not None:
         return _hashing_open(path, digest)
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+    opener = _DECOMPRESS.get(Path(path).suffix)
+    return open(path, "rb") if opener is None else opener(path, "rb")
 
 
 class _Hashed:
@@ -231,8 +211,9 @@ class _Hashed:
 def _hashing_open(path: str, digest) -> Iterator:
     with open(path, "rb") as raw:
         hashed = _Hashed(raw, digest)
-        if path.endswith(".gz"):
-            with gzip.GzipFile(fileobj=hashed, mode="rb") as fh:
+        opener = _DECOMPRESS.get(Path(path).suffix)
+        if opener is not None:
+            with opener(hashed, "rb") as fh:
                 yield fh
         else:
             yield hashed

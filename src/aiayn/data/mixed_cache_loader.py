@@ -7,7 +7,7 @@ single cache's (plan.pair_plan: permuted whole, bucketed by width, batched by to
 batches shuffled). Everything else, the position, rounds, resume at another world size and the
 plan ahead, is CacheLoader's: the position (epoch, batches done) says where in the mixture a
 run is. A batch's rows are read from their own source's arrays, a rank's next few batches
-together, one gather per source (data/cache/rows.py).
+together, one gather per source (data/pad.py).
 
 A source's tag is put before each source sentence as its rows are read: it counts in the width
 that data.max_len and the token budget see, and the cache stays the same with or without it.
@@ -22,9 +22,9 @@ import numpy as np
 from aiayn.config import DataConfig
 from aiayn.data.batch import round_width
 from aiayn.data.cache import TokenCache
-from aiayn.data.cache.rows import cache_arrays
 from aiayn.data.cache_loader import STATE_VERSION, CacheLoader
 from aiayn.data.mixture import Mixture
+from aiayn.data.pad import cache_arrays
 from aiayn.data.plan import Plan, epoch_rng, pair_plan
 from aiayn.data.position import fingerprint, recorded_number, saved_position
 from aiayn.errors import DataError

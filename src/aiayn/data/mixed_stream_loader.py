@@ -23,10 +23,8 @@ import logging
 from collections.abc import Iterator
 
 import numpy as np
-import torch
 
 from aiayn.config import Config
-from aiayn.data.batch import Batch
 from aiayn.data.mixed_cache_loader import tag_ids
 from aiayn.data.mixture import as_train, epoch_counts, largest_remainder, shares
 from aiayn.data.position import fingerprint, recorded_number, saved_position
@@ -46,7 +44,7 @@ class _Reader:
     def __init__(self, name: str, source: Source, pos: dict):
         self.name, self.source = name, source
         self.passes, self.state, self.read = pos["pass"], pos["state"], pos["read"]
-        self._ds, self._records = None, None
+        self._records = None
 
     def position(self) -> dict:
         return {"pass": self.passes, "state": self.state, "read": self.read}
@@ -56,14 +54,13 @@ class _Reader:
         out: list[dict] = []
         while len(out) < n:
             if self._records is None:
-                self._ds = self.source.dataset(self.state)
-                self._records = self.source.records(self._ds)
+                self._records = self.source.stream(self.state, self.read)
             got = list(itertools.islice(self._records, n - len(out)))
             for i, rec in enumerate(got):
                 rec["_id"] = self.read + i
             out += got
             self.read += len(got)
-            self.state = self._ds.state_dict()
+            self.state = self._records.state()
             if len(out) < n:  # the pass ended: the next starts at the stream's beginning
                 if self.read == 0:
                     raise DataError(f"data.sources {self.name} holds no records")
@@ -242,33 +239,19 @@ class MixedStreamLoader(StreamLoader):
                 built = self._build_chunk(examples, anchor)
                 yield built
                 left = [int(a - b) for a, b in zip(left, take, strict=True)]
-                read, next_id, chunk = read + len(examples), next_id + len(built.ids), chunk + 1
+                read, next_id, chunk = read + len(examples), next_id + built.n_ids, chunk + 1
             epoch, chunk, left, read, next_id = epoch + 1, 0, [int(c) for c in self.counts], 0, 0
 
-    def _encoded(self, examples: list[dict]) -> tuple[list[list[int]], list[list[int]] | None]:
-        """StreamLoader's, with each tagged source's tag before its (non-empty) source text: an
-        empty one stays empty and is dropped as such."""
-        src, tgt = super()._encoded(examples)
-        for row, rec in zip(src, examples, strict=True):
-            tag = self.tags[rec["_source"]]
-            if tag is not None and row:
-                row.insert(0, tag)
-        return src, tgt
-
     def _build_chunk(self, examples: list[dict], anchor: dict) -> Chunk:
-        chunk = super()._build_chunk(examples, anchor)
-        chunk.ids = np.array([rec["_id"] for rec in examples], dtype=np.int64)
-        chunk.sources = np.array([rec["_source"] for rec in examples], dtype=np.int64)
-        if chunk.tgt is not None:  # the chunk's target tokens per source (TensorBoard)
-            tokens = np.bincount(chunk.sources, chunk.tgt.length + 1, len(self.names))
+        """StreamLoader's, with each row's id in its source and its source (`which`)."""
+        self._stats["examples_read"] += len(examples)
+        ids = np.array([rec["_id"] for rec in examples], dtype=np.int64)
+        which = np.array([rec["_source"] for rec in examples], dtype=np.int64)
+        chunk = self._pair_chunk(self._table(examples, ids), anchor, which)
+        if "tgt_lengths" in chunk.table:  # the chunk's target tokens per source (TensorBoard)
+            tokens = np.bincount(which, chunk.table["tgt_lengths"] + 1, len(self.names))
             key = (anchor["epoch"], anchor["chunk"])
             # Built a few ahead of the loop (a thread): keep the last few chunks'.
             self._shares = {k: v for k, v in self._shares.items() if k >= (key[0], key[1] - 4)}
             self._shares[key] = (tokens / max(tokens.sum(), 1)).tolist()
         return chunk
-
-    def _make_batch(self, chunk: Chunk, rows: np.ndarray) -> Batch:
-        batch = super()._make_batch(chunk, rows)
-        if chunk.sources is not None:
-            batch.sources = torch.from_numpy(chunk.sources[rows].copy())
-        return batch

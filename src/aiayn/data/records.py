@@ -1,7 +1,6 @@
-"""Records with fields: tsv, jsonl and parquet files read by `datasets`' builders, and Hub
-datasets streamed over the network. JSON Lines files are also read by a reader of their own
-(`_jsonl_lines`) wherever a split is read through or passed over once, as line files are: the
-run's dev and test copies are jsonl, and every process that validates reads them.
+"""Records with fields: JSON Lines files read by the project's reader (a line is a record, as
+in line files: data/source.py says why), tsv and parquet files by `datasets`' builders, and Hub
+datasets streamed over the network.
 
 A record's fields are found where data.src_field/tgt_field (or text_field/label_field) say,
 dots reaching into nested records, and normalised as data/source.py describes. Opening reads
@@ -11,30 +10,30 @@ the first record, so that an empty corpus or a field that is not there fails bef
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiayn.config import DataConfig
 from aiayn.data.line_files import open_bytes
-from aiayn.data.source import Source, expand_files
+from aiayn.data.source import ReadShards, Source, expand_files
 from aiayn.errors import DataError
 
 if TYPE_CHECKING:
     from datasets import IterableDataset
 
-# `datasets` is imported where a stream is made, not here: a run that reads its token cache (a
-# restart, most of all) makes no stream.
+# `datasets` is imported where a dataset is made, not here: a run that reads its token cache (a
+# restart, most of all) or JSON Lines makes none.
 
 
 class HubSource(Source):
     """A Hub dataset: its records arrive over the network as they are read, so a network
     error can come at any record (hub_errors)."""
 
-    def records(self, ds: IterableDataset) -> Iterator[dict]:
+    def _records(self, ds: IterableDataset) -> Iterator[dict]:
         with hub_errors(self.name):
-            yield from super().records(ds)
+            yield from super()._records(ds)
 
 
 @contextmanager
@@ -77,8 +76,8 @@ def record_source(cfg: DataConfig, split: str, kind: str, local: list[str] | Non
         if local:
             return Source(
                 f"{name}, copied to {Path(local[0]).parent}",
-                lambda: _stream("parquet", local, {}),
                 _normalizer(cfg, kind, name),
+                make=lambda: _stream("parquet", local, {}),
                 shard_files=[[f] for f in local],
             )
 
@@ -91,11 +90,15 @@ def record_source(cfg: DataConfig, split: str, kind: str, local: list[str] | Non
                     cfg.hub_name, cfg.hub_config, split=split, streaming=True, **pinned
                 )
 
-        return HubSource(name, make, _normalizer(cfg, kind, name))
+        return HubSource(name, _normalizer(cfg, kind, name), make=make)
     files = expand_files(split)
     name = ", ".join(files)
-    if all(Path(f).stat().st_size == 0 for f in files):  # datasets fails obscurely on these
+    if all(Path(f).stat().st_size == 0 for f in files):  # datasets' builders fail obscurely
         raise DataError(f"corpus {name} is empty: it holds no records")
+    shard_files = [[f] for f in files]
+    if cfg.format == "jsonl":
+        normalize = _normalizer(cfg, kind, name)
+        return Source(name, normalize, read=_jsonl_reader(files), shard_files=shard_files)
     if cfg.format == "tsv":
         # No header, no quoting (a '"' is text, not a quote), and no NA guessing ("NA" is text).
         columns = {"seq2seq": ["src", "tgt"], "lm": ["text"], "classifier": ["text", "label"]}[kind]
@@ -112,45 +115,34 @@ def record_source(cfg: DataConfig, split: str, kind: str, local: list[str] | Non
         normalize = _FieldReader(kind, [[f] for f in fields[kind]], name)
         builder = "csv"
     else:
-        kw, normalize = {}, _normalizer(cfg, kind, name)
-        builder = {"jsonl": "json", "parquet": "parquet"}[cfg.format]
-    generate = _jsonl_lines(files) if cfg.format == "jsonl" else None
+        kw, normalize, builder = {}, _normalizer(cfg, kind, name), "parquet"
     return Source(
-        name,
-        lambda: _stream(builder, files, kw),
-        normalize,
-        shard_files=[[f] for f in files],
-        generate=generate,
+        name, normalize, make=lambda: _stream(builder, files, kw), shard_files=shard_files
     )
 
 
-_OTHER_COMPRESSION = (".bz2", ".xz", ".zst", ".lz4", ".zip", ".tar")
+_UNREAD_COMPRESSION = (".zst", ".lz4", ".zip", ".tar")
 
 
-def _jsonl_lines(files: list[str]) -> Callable[[list[int] | None], Iterator[dict]] | None:
-    """A reader of JSON Lines files, each file a shard, giving the records `datasets`' json
-    builder gives, but for a field that some other record has: there it is None, here absent,
-    and the normaliser reads both as empty (`_get`). None, leaving them to `datasets`, where
-    they may not be JSON Lines (the first file's first line is no JSON object: a JSON array, a
-    pretty-printed record) or are compressed other than by gzip."""
-    if any(f.endswith(_OTHER_COMPRESSION) for f in files):
-        return None
-    with open_bytes(files[0]) as fh:
-        first = next((line for line in fh if line.strip()), b"{}")
-    try:
-        if not isinstance(json.loads(first), dict):
-            return None
-    except ValueError:
-        return None
+def _jsonl_reader(files: list[str]) -> ReadShards:
+    """The reader of JSON Lines files, each file a shard: one JSON object a line, blank lines
+    skipped; plain, or compressed by gzip, bzip2 or xz. A field a record lacks reads as empty
+    (the normaliser's `_get`)."""
+    for f in files:
+        if f.endswith(_UNREAD_COMPRESSION):
+            raise DataError(
+                f"{f}: data.format jsonl reads plain, .gz, .bz2 or .xz files; decompress it, or "
+                "compress it with gzip"
+            )
 
-    def generate(shards: list[int] | None) -> Iterator[dict]:
+    def read(shards: list[int] | None) -> Iterator[dict]:
         for path in files if shards is None else [files[i] for i in shards]:
             with open_bytes(path) as fh:
                 for lineno, line in enumerate(fh, start=1):
                     if line.strip():
                         yield _json_record(line, path, lineno)
 
-    return generate
+    return read
 
 
 def _json_record(line: bytes, path: str, lineno: int) -> dict:
@@ -159,12 +151,14 @@ def _json_record(line: bytes, path: str, lineno: int) -> dict:
     except ValueError as exc:  # UnicodeDecodeError is one
         raise DataError(
             f"{path} line {lineno} is not a JSON record ({exc}); data.format jsonl reads one "
-            "JSON object a line, in UTF-8"
+            "JSON object a line, in UTF-8 (a JSON array or a pretty-printed file is not JSON "
+            "Lines: convert it, e.g. `jq -c '.[]' FILE > FILE.jsonl`)"
         ) from None
     if not isinstance(record, dict):
         raise DataError(
             f"{path} line {lineno} holds a JSON {type(record).__name__}, not an object; "
-            "data.format jsonl reads one JSON object a line"
+            "data.format jsonl reads one JSON object a line (a JSON array is not JSON Lines: "
+            "convert it, e.g. `jq -c '.[]' FILE > FILE.jsonl`)"
         )
     return record
 

@@ -1,10 +1,12 @@
 """Token-budget batches from a streamed corpus, shuffled and bucketed, resumable exactly.
 
 The stream is read in chunks of data.shuffle_buffer examples. Each chunk is tokenized with one
-`encode` call, filtered, shuffled with a generator seeded by (seed, epoch, chunk), sorted by
-length into batches of at most max_tokens tokens (padding included, like fairseq --max-tokens),
-and the batches are shuffled. We do not use datasets' `.shuffle(buffer_size)`: its buffer is not
-restored by `state_dict` (NOTES.md), so resume would not be exact.
+`encode` call into a table of the token cache's shape (pad.py's `table`), and planned as a token
+cache's epoch is, by plan.py, with a generator seeded by (seed, epoch, chunk): pairs shuffled,
+sorted by width into batches of at most max_tokens tokens (padding included, like fairseq
+--max-tokens), the batches shuffled; a language model's documents joined into blocks. Batches
+are padded by pad.py, as the token cache's are. We do not use datasets' `.shuffle(buffer_size)`:
+its buffer is not restored by `state_dict` (NOTES.md), so resume would not be exact.
 
 Position: the chunk where the current round of batches starts (epoch, chunk index, the source's
 `state_dict()` at that chunk's start, counters) plus how many global batches from that chunk's
@@ -26,11 +28,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from aiayn.config import DataConfig
-from aiayn.data.batch import Batch, padded_rows, round_width, target_positions
-from aiayn.data.plan import budget_bounds
+from aiayn.data.batch import Batch, round_width
+from aiayn.data.pad import Specials, lm_batch, one_batch, table
+from aiayn.data.plan import LmPlan, Plan, lm_plan, pair_plan
 from aiayn.data.position import check_loader_args, fingerprint, saved_position, saved_state
 from aiayn.data.prefetch import AHEAD, BATCH_THREAD, prefetch
 from aiayn.data.splits import KINDS, open_split, source_identity
@@ -42,37 +44,14 @@ _ORDERED_CHUNK = 4096  # chunk size when data.shuffle_buffer is 0 (stream order 
 
 
 @dataclass
-class _Tokens:
-    """Token ids of many examples in one flat array: row i is flat[start[i]:start[i]+length[i]]."""
-
-    flat: np.ndarray
-    start: np.ndarray
-    length: np.ndarray
-
-    @classmethod
-    def of(cls, rows: list[list[int]]) -> _Tokens:
-        length = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-        total = int(length.sum())
-        flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=total)
-        return cls(flat, np.cumsum(length) - length, length)
-
-    def padded(self, rows: np.ndarray, pad: int, bos=None, eos=None, multiple=1, limit=0):
-        length = self.length[rows]
-        return padded_rows(self.flat, self.start[rows], length, pad, bos, eos, multiple, limit)
-
-
-@dataclass
 class Chunk:
-    """A tokenized chunk and its batches, each batch a list of rows into the chunk."""
+    """A tokenised chunk (a table of the token cache's shape: pad.py) and its plan."""
 
     anchor: dict
-    batches: list[np.ndarray]
-    ids: np.ndarray  # stream index of each row
-    src: _Tokens | None = None
-    tgt: _Tokens | None = None
-    labels: np.ndarray | None = None
-    blocks: np.ndarray | None = None  # lm: (n_blocks, max_len + 1)
-    sources: np.ndarray | None = None  # a mixture: the data.sources index of each row
+    table: dict[str, np.ndarray]
+    plan: Plan | LmPlan
+    n_ids: int  # the ids it takes: examples read, or a language model's blocks
+    which: np.ndarray | None = None  # a mixture: the data.sources index of each row
 
 
 class StreamLoader:
@@ -178,13 +157,13 @@ class StreamLoader:
         W = self.world_size
         chunks = prefetch(self._chunks(pos))
         try:
-            stream = ((chunk, i) for chunk in chunks for i in range(len(chunk.batches)))
+            stream = ((chunk, i) for chunk in chunks for i in range(len(chunk.plan)))
             stream = itertools.islice(stream, pos["done"], None)  # consumed before the save
             for k, (chunk, i) in enumerate(stream):
                 if k % W == 0:  # a round of W batches starts: the group's position moves past it
                     round_pos = {**chunk.anchor, "done": i + W}
                 if k % W == self.rank:
-                    batch = self._make_batch(chunk, chunk.batches[i])
+                    batch = self._make_batch(chunk, i)
                     batch = batch.pin_memory() if self.pin_memory else batch
                     yield batch, round_pos, chunk.anchor["epoch"]
         finally:
@@ -194,39 +173,35 @@ class StreamLoader:
         """A batch of the widest rows the data allows (max_len + 1 tokens), as many as the
         token budget holds: a stream has no plan to search, and no batch of it needs more
         memory than this. To try before training; the position does not move."""
-        width, fill = self.cfg.max_len + 1, self.tok.eos_id
-        rows = np.arange(max(1, self.max_tokens // width))
-        anchor = self._start()
+        width, fill, anchor = self.cfg.max_len + 1, self.tok.eos_id, self._start()
         if self.kind == "lm":
-            rows = np.arange(max(1, self.max_tokens // self.cfg.max_len))
-            blocks = np.full((len(rows), width), fill, dtype=np.int64)
-            return [self._make_batch(Chunk(anchor, [rows], rows, blocks=blocks), rows)]
-        full = _Tokens.of([[fill] * self.cfg.max_len for _ in rows])
-        labels = np.zeros(len(rows), dtype=np.int64)
-        chunk = Chunk(anchor, [rows], rows, src=full, tgt=full, labels=labels)
-        return [self._make_batch(chunk, rows)]
+            rows = max(1, self.max_tokens // self.cfg.max_len)
+            full = table([[fill] * self.cfg.max_len] * rows, None, np.arange(rows))
+            plan = LmPlan(
+                np.arange(rows), np.arange(1, rows + 1) * width, rows * width, width, rows
+            )
+            return [self._make_batch(Chunk(anchor, full, plan, rows), 0)]
+        rows = max(1, self.max_tokens // width)
+        full = [[fill] * self.cfg.max_len] * rows
+        labels = np.zeros(rows, dtype=np.int64) if self.kind == "classifier" else None
+        full = table(full, full if self.kind == "seq2seq" else None, np.arange(rows), labels)
+        plan = Plan(np.arange(rows), np.array([0, rows]))
+        return [self._make_batch(Chunk(anchor, full, plan, rows), 0)]
 
     def _chunks(self, pos: dict) -> Iterator[Chunk]:
         """Every chunk from the one at `pos` on: epoch after epoch if training."""
         epoch, chunk, state = pos["epoch"], pos["chunk"], pos["source"]
         read, next_id = pos["read"], pos["next_id"]
         while True:
-            if self.train or not self.source.reads_directly:
-                ds = self.source.dataset(state)
-                records, state_of = self.source.records(ds), ds.state_dict
-            else:
-                # An evaluation pass reads with the source's own reader (no `datasets` import,
-                # 0.7 s of a process) from its first record, counted by "read": its position
-                # is never part of a checkpoint, so it has no dataset state (None).
-                records, state_of = itertools.islice(iter(self.source), read, None), None
+            records = self.source.stream(state, read)
             epoch_batches = 0
             while examples := list(itertools.islice(records, self.chunk_size)):
                 anchor = dict(epoch=epoch, chunk=chunk, source=state, read=read, next_id=next_id)
-                state = state_of() if state_of else None  # the next chunk starts here
+                state = records.state()  # the next chunk starts here
                 built = self._build_chunk(examples, anchor)
                 yield built
-                epoch_batches += len(built.batches)
-                read, next_id, chunk = read + len(examples), next_id + len(built.ids), chunk + 1
+                epoch_batches += len(built.plan)
+                read, next_id, chunk = read + len(examples), next_id + built.n_ids, chunk + 1
             if pos["chunk"] == 0 and epoch_batches == 0:
                 raise self._nothing_left()
             if not self.train:
@@ -252,39 +227,36 @@ class StreamLoader:
     def _build_chunk(self, examples: list[dict], anchor: dict) -> Chunk:
         self._stats["examples_read"] += len(examples)
         if self.kind == "lm":
-            return self._build_lm_chunk(examples, anchor)
-        rng = self._rng(anchor)
-        src_rows, tgt_rows = self._encoded(examples)
-        src = _Tokens.of(src_rows)
-        if tgt_rows is not None:
-            tgt = _Tokens.of(tgt_rows)
-            shortest = np.minimum(src.length, tgt.length)
-            longest = np.maximum(src.length, tgt.length)
-        else:
-            tgt, shortest, longest = None, src.length, src.length
-        empty = shortest == 0
+            return self._lm_chunk(examples, anchor)
+        ids = anchor["read"] + np.arange(len(examples), dtype=np.int64)
+        return self._pair_chunk(self._table(examples, ids), anchor)
+
+    def _table(self, examples: list[dict], ids: np.ndarray) -> dict[str, np.ndarray]:
+        """The examples tokenised, with their ids (and labels): the chunk's rows."""
+        src, tgt = self._encoded(examples)
+        labels = None
+        if self.kind == "classifier":
+            labels = np.array([e["label"] for e in examples], dtype=np.int64)
+        return table(src, tgt, ids, labels)
+
+    def _pair_chunk(self, rows: dict, anchor: dict, which: np.ndarray | None = None) -> Chunk:
+        """The chunk's plan (plan.py's pair_plan, as a token cache's epoch's): rows with an
+        empty side, and rows longer than data.max_len, dropped and counted. `which`: a
+        mixture's source of each row, whose tag (self.tags) counts in the row's width."""
+        src_len = rows["src_lengths"]
+        tgt_len = rows.get("tgt_lengths", src_len)
+        tagged = 0 if which is None else np.array([t is not None for t in self.tags])[which]
+        empty = np.minimum(src_len, tgt_len) == 0
+        longest = np.maximum(src_len + tagged, tgt_len)
         too_long = ~empty & (longest > self.cfg.max_len)
         self._stats["dropped_empty"] += int(empty.sum())
         self._stats["dropped_too_long"] += int(too_long.sum())
         keep = np.flatnonzero(~empty & ~too_long)
-        order = keep if rng is None else rng.permutation(keep)
         # Every row gains one special token (eos, or bos for tgt_in); the budget counts the
         # width a row is padded to.
         width = round_width(longest + 1, self.multiple, self.cfg.max_len + 1)
-        if self.cfg.shuffle_buffer:  # bucket: similar lengths share a batch, little padding
-            # By width only, stable: rows of one width keep their shuffled order. Breaking ties by
-            # target and source length trimmed padding but made batches of near-identical
-            # sentences, and the demo learned far more slowly (benchmarks/README.md).
-            order = order[np.argsort(width[order], kind="stable")]
-        bounds = budget_bounds(width[order], self.max_tokens)
-        batches = [order[a:b] for a, b in itertools.pairwise(bounds.tolist())]
-        if rng is not None:
-            batches = [batches[j] for j in rng.permutation(len(batches))]
-        labels = None
-        if self.kind == "classifier":
-            labels = np.array([e["label"] for e in examples], dtype=np.int64)
-        ids = anchor["read"] + np.arange(len(examples), dtype=np.int64)
-        return Chunk(anchor, batches, ids, src=src, tgt=tgt, labels=labels)
+        plan = pair_plan(width, keep, self.max_tokens, self.cfg.shuffle_buffer, self._rng(anchor))
+        return Chunk(anchor, rows, plan, len(src_len), which)
 
     def _encoded(self, examples: list[dict]) -> tuple[list[list[int]], list[list[int]] | None]:
         """The token ids of each example's source (or text) and target (None: no target)."""
@@ -293,44 +265,22 @@ class StreamLoader:
             return src, self.tok.encode([e["tgt"] for e in examples], side="target")
         return self.tok.encode([e["text"] for e in examples]), None
 
-    def _build_lm_chunk(self, examples: list[dict], anchor: dict) -> Chunk:
-        """Documents joined by eos and cut into blocks of max_len + 1 tokens."""
-        rng, eos, pad = self._rng(anchor), self.tok.eos_id, self.tok.pad_id
-        docs = self.tok.encode([e["text"] for e in examples])
-        kept = [d for d in docs if d]
-        self._stats["dropped_empty"] += len(docs) - len(kept)
-        if rng is not None:
-            kept = [kept[j] for j in rng.permutation(len(kept))]
-        stream = np.fromiter(itertools.chain.from_iterable(d + [eos] for d in kept), dtype=np.int64)
-        size = self.cfg.max_len + 1
-        if len(stream) % size == 1:  # a last block of one token has no target: drop it
-            stream = stream[:-1]
-        n_blocks = -(-len(stream) // size)
-        blocks = np.full(n_blocks * size, pad, dtype=np.int64)
-        blocks[: len(stream)] = stream  # the chunk's last block is padded, not dropped
+    def _lm_chunk(self, examples: list[dict], anchor: dict) -> Chunk:
+        """Documents joined by eos and cut into blocks of max_len + 1 tokens (plan.py's
+        lm_plan, as a token cache's epoch; the chunk's last block padded, not dropped)."""
+        docs = table(self.tok.encode([e["text"] for e in examples]), None, np.zeros(0))
+        self._stats["dropped_empty"] += int((docs["src_lengths"] == 0).sum())
         rows = max(1, self.max_tokens // self.cfg.max_len)
-        order = np.arange(n_blocks)
-        batches = [order[j : j + rows] for j in range(0, n_blocks, rows)]
-        ids = anchor["next_id"] + order
-        return Chunk(anchor, batches, ids, blocks=blocks.reshape(n_blocks, size))
+        plan = lm_plan(docs["src_lengths"], self.cfg.max_len + 1, rows, self._rng(anchor))
+        return Chunk(anchor, docs, plan, plan.n_blocks)
 
-    def _make_batch(self, chunk: Chunk, rows: np.ndarray) -> Batch:
-        ids = torch.from_numpy(chunk.ids[rows].copy())
-        pad, bos, eos = self.tok.pad_id, self.tok.bos_id, self.tok.eos_id
+    def _make_batch(self, chunk: Chunk, i: int) -> Batch:
+        tok = self.tok
+        special = Specials(tok.pad_id, tok.bos_id, tok.eos_id, self.multiple, self.cfg.max_len + 1)
         if self.kind == "lm":
-            block = torch.from_numpy(chunk.blocks[rows])
-            tgt_out = block[:, 1:].contiguous()
-            keep = target_positions(tgt_out, pad)
-            n = len(keep)
-            tgt_in = block[:, :-1].contiguous()
-            return Batch(ids=ids, n_tokens=n, tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)
-        fit = dict(multiple=self.multiple, limit=self.cfg.max_len + 1)
-        src = chunk.src.padded(rows, pad, eos=eos, **fit)
-        if self.kind == "classifier":
-            labels = torch.from_numpy(chunk.labels[rows].copy())
-            return Batch(ids=ids, n_tokens=len(rows), src=src, labels=labels)
-        tgt_in = chunk.tgt.padded(rows, pad, bos=bos, **fit)
-        tgt_out = chunk.tgt.padded(rows, pad, eos=eos, **fit)
-        n = int(chunk.tgt.length[rows].sum()) + len(rows)
-        keep = target_positions(tgt_out, pad)
-        return Batch(ids=ids, n_tokens=n, src=src, tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)
+            return lm_batch(chunk.table, chunk.plan, i, special, chunk.anchor["next_id"])
+        rows = chunk.plan.batch(i)
+        if chunk.which is None:
+            return one_batch([chunk.table], rows, special)
+        tags = self.tags
+        return one_batch([chunk.table] * len(tags), rows, special, chunk.which[rows], tags)

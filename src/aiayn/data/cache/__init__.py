@@ -7,7 +7,6 @@ line_ranges.py  byte ranges of line files: a share of fewer files than ranks
 parts.py        a share's chunks tokenised into part files, in the build's work directory
 merge.py        the parts merged in corpus order into the cache, every rank its own; the manifest
 placed.py       where each part goes in the arrays, and a rank's parts written there
-rows.py         a rank's next batches read out of caches and padded together
 """
 
 from aiayn.data.cache.build import ensure_cache

@@ -20,7 +20,7 @@ array's size and its ranges' sha256. Opening checks all of it: a cache built fro
 another tokenizer is refused with the differing fields named, and a truncated or altered array
 is refused before training reads it.
 
-Building one is data/cache/build.py's; reading batches out of one, data/cache/rows.py's.
+Building one is data/cache/build.py's; padding batches out of one, data/pad.py's.
 """
 
 from __future__ import annotations

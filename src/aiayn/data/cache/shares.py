@@ -151,7 +151,7 @@ def _read_shard(share: Share, s: int) -> tuple[Iterator[dict], Callable[[], dict
     hashes: dict[str, str] = {}
     skipped = share.source.check_shard(s, hashes)
     hashes = hashes or _shard_hashes(share.source, share.shards, s)
-    records = share.source.shard_records(share.shards, s)
+    records = share.source.shard_records(s)
     return records, lambda: {"invalid_utf8": skipped, "sha256": hashes}
 
 

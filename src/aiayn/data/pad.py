@@ -1,4 +1,10 @@
-"""A rank's next few batches, read from token caches and padded together.
+"""The one padder: rows of token tables -> padded `Batch`es, for every loader.
+
+A table is a token cache's arrays (`cache_arrays`: memory maps) or a streamed chunk's, tokenised
+into arrays of the same shape in memory (`table`): flat token ids per side with offsets, the
+lengths, ids and labels. Pairs (seq2seq, classifier) are padded by `read_batches` (and
+`one_batch`), a language model's blocks by `lm_batch`. A mixture's tags are put here, before a
+tagged source's source tokens, and nowhere else.
 
 A token-cache loader hands out one batch at a time but reads and pads its next batches of the
 epoch in one go (about READ_TOKENS padded tokens of them). A batch of a few thousand tokens
@@ -23,8 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from aiayn.data.batch import Batch, round_width
+from aiayn.data.batch import Batch, round_width, target_positions
 from aiayn.data.cache.format import TokenCache
+from aiayn.data.plan import LmPlan
 
 READ_TOKENS = 2**17
 """Padded tokens of the batches read together: 32 batches of 4,096 tokens, 5 of 25,000, one
@@ -41,6 +48,25 @@ def cache_arrays(cache: TokenCache) -> dict[str, np.ndarray]:
     """Plain ndarray views of a cache's memory maps (no copy): np.memmap's indexing goes
     through a Python subclass, about a microsecond more a call."""
     return {name: np.asarray(a) for name, a in vars(cache).items() if isinstance(a, np.ndarray)}
+
+
+def table(
+    src: list[list[int]], tgt: list[list[int]] | None, ids: np.ndarray, labels=None
+) -> dict[str, np.ndarray]:
+    """Rows tokenised in memory as a token cache's arrays (a streamed chunk's): each side's
+    tokens back to back, their offsets and lengths; the rows' ids, and labels if given."""
+    out = {"ids": ids}
+    for side, rows in (("src", src), ("tgt", tgt)):
+        if rows is None:
+            continue
+        length = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        total = int(length.sum())
+        out[f"{side}_tokens"] = np.fromiter(itertools.chain.from_iterable(rows), np.int64, total)
+        out[f"{side}_offsets"] = np.concatenate(([0], np.cumsum(length)))
+        out[f"{side}_lengths"] = length.astype(np.int32)
+    if labels is not None:
+        out["labels"] = labels
+    return out
 
 
 def ragged_index(start: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -174,6 +200,45 @@ def read_batches(
         keep_at=np.concatenate(([0], ends))[row_at],
     )
     return out
+
+
+def one_batch(
+    arrays: list[dict[str, np.ndarray]],
+    local: np.ndarray,
+    special: Specials,
+    which: np.ndarray | None = None,
+    tags: list[int | None] | None = None,
+) -> Batch:
+    """The batch of rows `local` (of source which[i] where given), as read_batches pads it."""
+    row_at = np.array([0, len(local)])
+    read = read_batches(arrays, local, row_at, special, which, tags)
+    return RowsRead(None, 0, 1, 1, row_at, **read).batch(0)
+
+
+def lm_batch(
+    arrays: dict[str, np.ndarray], plan: LmPlan, k: int, special: Specials, first_id: int = 0
+) -> Batch:
+    """Batch k of a language model's plan: blocks of the stream that joins the plan's documents
+    (rows of `arrays`), each followed by eos; a block's id is first_id + its index."""
+    blocks = plan.blocks(k)
+    pos = plan.offset + blocks[:, None] * plan.size + np.arange(plan.size)[None, :]
+    inside = pos < plan.total
+    j = np.minimum(np.searchsorted(plan.ends, pos, side="right"), len(plan.docs) - 1)
+    doc = plan.docs[j]
+    length = arrays["src_lengths"][doc]
+    within = pos - (plan.ends[j] - length - 1)
+    at_eos = within >= length
+    # An empty document is a lone eos: its index is clamped to stay inside the array.
+    inner = np.maximum(np.minimum(within, length - 1), 0)
+    tokens = arrays["src_tokens"][arrays["src_offsets"][doc] + inner]
+    out = np.where(at_eos, special.eos, tokens).astype(np.int64)
+    out[~inside] = special.pad
+    block = torch.from_numpy(out)
+    tgt_out = block[:, 1:].contiguous()
+    keep = target_positions(tgt_out, special.pad)
+    ids = torch.from_numpy(first_id + blocks.astype(np.int64))
+    tgt_in = block[:, :-1].contiguous()
+    return Batch(ids=ids, n_tokens=len(keep), tgt_in=tgt_in, tgt_out=tgt_out, keep=keep)
 
 
 def _pad_side(
