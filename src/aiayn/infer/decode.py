@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -212,74 +213,115 @@ def beam_search_n_best(
     """
     if not 1 <= n_best <= beam:
         raise ValueError(f"n_best {n_best} must be 1..beam ({beam}): widen the beam")
-    K = beam
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(src.size(0))]
     with _eval_mode(model):
-        memory, src_mask = model.encode(src)  # (B, S, D), (B, 1, 1, S)
-        limits = _max_lengths(model, src, pad_id, max_len_b)  # (B,)
-        minimums = _min_lengths(src, pad_id, min_len)  # (B,)
-        live = list(range(src.size(0)))  # the sentence of each row of the (B', ...) tensors
-        state = new_state(model)
-        last = src.new_full((src.size(0), 1), bos_id)  # (B' * W, 1), W = 1 at first, then K
-        history = src.new_zeros((src.size(0), 0))  # (B' * W, t): tokens of each hypothesis
-        scores = torch.zeros(src.size(0), 1, device=src.device)  # (B', W) log P so far
-        # (B',) score of each sentence's n_best-th finished hypothesis (its best with n_best
-        # 1; -inf while fewer have finished), float64 like the Python
-        # floats that rank them
-        best = torch.full((src.size(0),), float("-inf"), dtype=torch.float64, device=src.device)
-        for step in range(int(limits.max()) + 1):
-            n, W = scores.shape
-            logits = model.decode(last, memory, src_mask, state)[:, -1]  # (n * W, V)
-            at_limit = step >= limits  # (n,)
-            logp = _step_logp(
-                log_probs(model, logits),
-                step,
-                W,
-                minimums,
-                at_limit,
-                min_len,
-                pad_id,
-                bos_id,
-                eos_id,
-            )
-            V = logp.size(-1)
-            cand = (scores.view(-1, 1) + logp).view(n, W * V)  # (n, W * V)
+        beams = _start_beams(model, src, max_len_b, min_len, pad_id, bos_id)
+        for step in range(int(beams.limits.max()) + 1):
+            logits = model.decode(beams.last, beams.memory, beams.src_mask, beams.state)[:, -1]
+            at_limit = step >= beams.limits  # (n,)
+            logp = log_probs(model, logits)  # (n * W, V)
+            logp = _step_logp(logp, step, beams, at_limit, min_len, pad_id, bos_id, eos_id)
             # 2K candidates: even if K of them end in eos, K live ones remain.
-            vals, idx = cand.topk(2 * K, dim=1)  # (n, 2K)
-            origin, tok = idx // V, idx % V  # (n, 2K): hypothesis extended, token appended
-            _finish(finished, best, live, vals, origin, tok, history, step, alpha, eos_id, n_best)
-            # The K best candidates that do not end in eos live on (stable order by score).
-            rank = torch.arange(2 * K, device=src.device).expand(n, -1)
-            order = torch.where(tok == eos_id, rank + 2 * K, rank).argsort(dim=1)[:, :K]
-            scores = vals.gather(1, order)  # (n, K)
-            best_live = scores[:, 0] / length_penalty(limits + 1, alpha)  # (n,) upper bound
-            # (n,) stopped: at the limit, or a finished hypothesis no live one can beat
-            done = at_limit | (torch.isfinite(best) & (best >= best_live))
-            rows = origin.gather(1, order) + W * torch.arange(n, device=src.device)[:, None]
-            last = tok.gather(1, order)  # (n, K)
-            if bool(done.any()):  # the sentences that stop leave the batch
-                keep = (~done).nonzero()[:, 0]  # (n',)
-                if keep.numel() == 0:
-                    break
-                live = [live[i] for i in keep.tolist()]
-                rows, last, scores = rows[keep], last[keep], scores[keep]
-                limits, minimums, best = limits[keep], minimums[keep], best[keep]
-                memory, src_mask = memory[keep], src_mask[keep]
-                state.select_sources(keep)
-            rows = rows.view(-1)  # (n' * K,) parent row of each new hypothesis
-            last = last.view(-1, 1)  # (n' * K, 1)
-            history = torch.cat([history[rows], last], dim=1)  # (n' * K, t + 1)
-            state.reorder(rows)
+            vals, origin, tok = _top_candidates(beams.scores, logp, 2 * beam)
+            _finish(finished, beams, vals, origin, tok, step, alpha, eos_id, n_best)
+            if not _advance(beams, vals, origin, tok, at_limit, alpha, eos_id):
+                break
     return [[Hypothesis(*h) for h in hyps[:n_best]] for hyps in finished]
 
 
-def _step_logp(logp, step, W, minimums, at_limit, min_len, pad_id, bos_id, eos_id):
+@dataclass
+class _Beams:
+    """What beam search carries from one step to the next for the B' sentences still searched,
+    W hypotheses each (W = 1 at the first step, then the beam): row b * W + k of the
+    (B' * W, ...) tensors is hypothesis k of sentence b."""
+
+    live: list[int]  # the sentence (in src) of each of the (B', ...) rows
+    memory: torch.Tensor  # (B', S, D) encoder output
+    src_mask: torch.Tensor  # (B', 1, 1, S)
+    limits: torch.Tensor  # (B',) most output tokens
+    minimums: torch.Tensor  # (B',) fewest output tokens before eos
+    state: DecoderState
+    last: torch.Tensor  # (B' * W, 1) each hypothesis's newest token
+    history: torch.Tensor  # (B' * W, t) tokens of each hypothesis
+    scores: torch.Tensor  # (B', W) log P so far
+    # (B',) score of each sentence's n_best-th finished hypothesis (its best with n_best 1;
+    # -inf while fewer have finished), float64 like the Python floats that rank them
+    best: torch.Tensor
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Only the sentences of rows `keep` (B'',) go on: the others have stopped. Their
+        hypotheses (last, history, scores) are the caller's to select."""
+        self.live = [self.live[i] for i in keep.tolist()]
+        self.limits, self.minimums = self.limits[keep], self.minimums[keep]
+        self.best = self.best[keep]
+        self.memory, self.src_mask = self.memory[keep], self.src_mask[keep]
+        self.state.select_sources(keep)
+
+
+def _start_beams(
+    model, src: torch.Tensor, max_len_b: int, min_len: int, pad_id: int, bos_id: int
+) -> _Beams:
+    """The search before its first step: one hypothesis (bos) per sentence of src (B, S)."""
+    memory, src_mask = model.encode(src)  # (B, S, D), (B, 1, 1, S)
+    return _Beams(
+        live=list(range(src.size(0))),
+        memory=memory,
+        src_mask=src_mask,
+        limits=_max_lengths(model, src, pad_id, max_len_b),
+        minimums=_min_lengths(src, pad_id, min_len),
+        state=new_state(model),
+        last=src.new_full((src.size(0), 1), bos_id),
+        history=src.new_zeros((src.size(0), 0)),
+        scores=torch.zeros(src.size(0), 1, device=src.device),
+        best=torch.full((src.size(0),), float("-inf"), dtype=torch.float64, device=src.device),
+    )
+
+
+def _top_candidates(scores: torch.Tensor, logp: torch.Tensor, k: int):
+    """The k best continuations of each sentence's W hypotheses (scores (n, W) log P so far,
+    logp (n * W, V) the step's): (n, k) their log P, the hypothesis each extends (0..W-1) and
+    the token it appends."""
+    n, W = scores.shape
+    V = logp.size(-1)
+    cand = (scores.view(-1, 1) + logp).view(n, W * V)  # (n, W * V)
+    vals, idx = cand.topk(k, dim=1)  # (n, k)
+    return vals, idx // V, idx % V
+
+
+def _advance(beams: _Beams, vals, origin, tok, at_limit, alpha: float, eos_id: int) -> bool:
+    """The next step's hypotheses: the K best of the 2K candidates (vals, origin, tok: (n, 2K))
+    that do not end in eos, in a stable order by score. A sentence stops at its limit, or
+    when no live hypothesis can still beat its n_best-th finished one, and leaves the batch.
+    False where every sentence has stopped."""
+    n, K, W = vals.size(0), vals.size(1) // 2, beams.scores.size(1)
+    rank = torch.arange(2 * K, device=vals.device).expand(n, -1)
+    order = torch.where(tok == eos_id, rank + 2 * K, rank).argsort(dim=1)[:, :K]
+    scores = vals.gather(1, order)  # (n, K)
+    best_live = scores[:, 0] / length_penalty(beams.limits + 1, alpha)  # (n,) upper bound
+    done = at_limit | (torch.isfinite(beams.best) & (beams.best >= best_live))  # (n,)
+    rows = origin.gather(1, order) + W * torch.arange(n, device=vals.device)[:, None]
+    last = tok.gather(1, order)  # (n, K)
+    if bool(done.any()):  # the sentences that stop leave the batch
+        keep = (~done).nonzero()[:, 0]  # (n',)
+        if keep.numel() == 0:
+            return False
+        beams.select(keep)
+        rows, last, scores = rows[keep], last[keep], scores[keep]
+    rows = rows.view(-1)  # (n' * K,) parent row of each new hypothesis
+    beams.scores, beams.last = scores, last.view(-1, 1)  # (n', K), (n' * K, 1)
+    beams.history = torch.cat([beams.history[rows], beams.last], dim=1)  # (n' * K, t + 1)
+    beams.state.reorder(rows)
+    return True
+
+
+def _step_logp(logp, step, beams: _Beams, at_limit, min_len, pad_id, bos_id, eos_id):
     """A beam step's log-probabilities (n * W, V) of its W rows per sentence: pad and bos
     banned, eos held back before min_len tokens, and only eos where a sentence is at its
     length limit."""
+    W = beams.scores.size(1)
     logp = _banned(logp, pad_id, bos_id, eos_id)
     if step < min_len:
-        logp = _no_early_eos(logp, step, minimums.repeat_interleave(W), eos_id)
+        logp = _no_early_eos(logp, step, beams.minimums.repeat_interleave(W), eos_id)
     if bool(at_limit.any()):
         rows_at_limit = at_limit.repeat_interleave(W)  # (n * W,)
         logp[rows_at_limit] = _only_eos(logp[rows_at_limit], eos_id)
@@ -303,24 +345,24 @@ def _only_eos(logp: torch.Tensor, eos_id: int) -> torch.Tensor:
     return forced
 
 
-def _finish(finished, best, live, vals, origin, tok, history, step, alpha, eos_id, n_best) -> None:
+def _finish(finished, beams: _Beams, vals, origin, tok, step, alpha, eos_id, n_best) -> None:
     """Record the hypotheses ending in eos among the top K candidates, keeping each sentence's
-    K best in finished[live[b]] and the score of its n_best-th in best[b] once it has that
-    many."""
+    K best in finished[beams.live[b]] and the score of its n_best-th in beams.best[b] once it
+    has that many."""
     K = vals.size(1) // 2
     ends = (tok[:, :K] == eos_id) & torch.isfinite(vals[:, :K])  # (n, K)
     if not bool(ends.any()):
         return
-    W = history.size(0) // vals.size(0)  # hypotheses per sentence
+    W = beams.scores.size(1)  # hypotheses per sentence
     lp = length_penalty(step + 1, alpha)  # step + 1 tokens, eos included
     for b, j in ends.nonzero().tolist():
-        ids = history[b * W + int(origin[b, j])].tolist()
-        hyps = finished[live[b]]
+        ids = beams.history[b * W + int(origin[b, j])].tolist()
+        hyps = finished[beams.live[b]]
         hyps.append((float(vals[b, j]) / lp, ids))
         hyps.sort(key=lambda hyp: hyp[0], reverse=True)
         del hyps[K:]
         if len(hyps) >= n_best:
-            best[b] = hyps[n_best - 1][0]
+            beams.best[b] = hyps[n_best - 1][0]
 
 
 def generate(
