@@ -4,7 +4,7 @@
     python benchmarks/data_pipeline.py --quick     # fewer steps and repeats: a smoke test
 
 Rates in target tokens/s (non-pad tokens of tgt_out) on a real corpus, for each loader: the
-token cache's CacheLoader (data.cache=true, the default) and the streaming StreamLoader
+token cache's loader (data.cache=true, the default) and the streaming one
 (data.cache=false):
   pipeline   the loader alone, one pass over the training split, nothing else running (the
              cache is built before, untimed: `aiayn data prepare`);
@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> None:
 
     cache = ensure_cache(cfg, "train", tok)
     loaders = {
-        "CacheLoader": lambda: make_loader(cfg, cfg.data.train, tok, train=True, cache=cache),
-        "StreamLoader": lambda: make_loader(cfg, cfg.data.train, tok, train=True),
+        "token cache": lambda: make_loader(cfg, cfg.data.train, tok, train=True, cache=cache),
+        "stream": lambda: make_loader(cfg, cfg.data.train, tok, train=True),
     }
 
     # 1. Each pipeline alone: one pass over the split (the loader's first epoch).
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         return seconds, tokens, batches
 
     passes = {name: [one_pass(ld) for _ in range(args.repeats)] for name, ld in loaders.items()}
-    pass_tokens, pass_batches = passes["CacheLoader"][0][1:]
+    pass_tokens, pass_batches = passes["token cache"][0][1:]
 
     # 2 and 3. Training from memory and from the live loader, on the same batches, interleaved.
     n = args.warmup + args.steps

@@ -3,16 +3,16 @@
     python benchmarks/mixture_loader.py             # Multi30k if ../shared/data/multi30k exists
     python benchmarks/mixture_loader.py --quick     # 2 repeats: a smoke test
 
-The same pairs both ways: the training split whole (data.train: CacheLoader), and cut into three
+The same pairs both ways: the training split whole (data.train: one cache), and cut into three
 sources of 50%, 30% and 20% of its lines with weights 5:3:2 and a tag on the second
-(data.sources: MixedCacheLoader), so that an epoch holds the same examples. Each repeat takes three
-epochs' batches from each loader in turn (the loader alone, its read-ahead and next-epoch plan
-threads running as in training) and reports target tokens/s; the ratio is mixed / single, and
-the goal (issue 41) is a mixing cost under 10%, a ratio >= 0.9. The batches/s ratio is the
-same per batch: a tag is a source token that the token budget counts, so a tagged mixture
-makes more, smaller batches of the same examples, fewer target tokens per batch whatever the
-loader's speed. Also timed: one epoch's plan (for the mixture, which examples of each source
-and then the same planner).
+(data.sources: a mixture's caches), so that an epoch holds the same examples. Each repeat takes
+three epochs' batches from each loader in turn (the loader alone, its read-ahead and next-epoch
+plan threads running as in training) and reports target tokens/s; the ratio is mixed / single,
+and the goal (issue 41) is a mixing cost under 10%, a ratio >= 0.9. The batches/s ratio is the
+same per batch: a tag is a source token that the token budget counts, so a tagged mixture makes
+more, smaller batches of the same examples, fewer target tokens per batch whatever the loader's
+speed. Also timed: one epoch's plan (for the mixture, which examples of each source and then the
+same planner).
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
     python benchmarks/step_collective.py                  # W = 2 4 8, 2,000 calls each
     python benchmarks/step_collective.py --world 2 4 --calls 500
 
-Before each optimizer step every rank all-reduces three host numbers over a gloo group (the
+Before each optimizer step every rank all-reduced three host numbers over a gloo group (the
 step's target tokens, which the loss is divided by before backward; whether a rank was asked
-to stop; whether a rank's step reached train.max_epochs: train._step_totals). This times that
+to stop; whether a rank's step reached train.max_epochs), before the loader gave each round's
+totals on every path (data/loader.py) and the stop request became a vote. This times that
 call, `DistEnv.sum` of three floats, as the loop makes it: each rank alone in a loop of
 calls, torchrun on this machine. A small all-reduce on gloo is latency, not bandwidth: its
 time grows with the hops between the ranks, so the table gives the time per call and per

@@ -5,8 +5,20 @@ from pathlib import Path
 
 import torch
 
-from aiayn.data import Batch
+from aiayn.config import DataConfig
+from aiayn.data import Batch, Loader
+from aiayn.data.position import Settings
+from aiayn.data.stream_rows import StreamRows
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+
+def stream_loader(
+    cfg: DataConfig, split: str, tok, *, kind: str, max_tokens: int, seed: int, train: bool,
+    rank: int = 0, world_size: int = 1, pin_memory: bool = False,
+) -> Loader:  # fmt: skip
+    """The loader of one streamed split, from its data config alone."""
+    settings = Settings(cfg, tok, kind, max_tokens, seed, train, rank)
+    return Loader(StreamRows(settings, split), max_tokens, rank, world_size, pin_memory)
 
 
 def take(it, n: int) -> list[Batch]:

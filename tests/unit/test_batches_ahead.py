@@ -50,14 +50,14 @@ def test_batches_are_made_ahead_in_a_thread_and_a_save_counts_only_those_taken(
     ld = make(cfg, tok, cached)
     cls = type(ld)
     made, threads = [], set()
-    build = cls._make_batch
+    build = cls._batch  # a pair batch: this rank's, read and padded
 
     def recording(self, *args):
         made.append(1)
         threads.add(threading.current_thread().name)
         return build(self, *args)
 
-    monkeypatch.setattr(cls, "_make_batch", recording)
+    monkeypatch.setattr(cls, "_batch", recording)
     it = iter(ld)
     got = take(it, 10)
     deadline = time.monotonic() + 5

@@ -16,7 +16,7 @@ import torch
 from batch_checks import check_pair_rows, lines, roundtrip, same, take
 
 from aiayn.config import Config, DataConfig, ModelConfig, TokenizerConfig, TrainConfig
-from aiayn.data import CacheLoader, ensure_cache, make_loader, plan
+from aiayn.data import Loader, ensure_cache, make_loader, plan
 from aiayn.data.cache import MANIFEST, cache_dir, open_cache
 from aiayn.data.demo import write_classify
 from aiayn.data.plan import budget_bounds, pair_plan, sorted_bounds
@@ -47,7 +47,7 @@ def lm(run_dir: Path, corpus: Path, **data) -> Config:
     )
 
 
-def cached(cfg: Config, tok, train=True, rank=0, world_size=1) -> CacheLoader:
+def cached(cfg: Config, tok, train=True, rank=0, world_size=1) -> Loader:
     cache = ensure_cache(cfg, "train", tok)
     return make_loader(
         cfg, cfg.data.train, tok, train=train, rank=rank, world_size=world_size, cache=cache
@@ -139,7 +139,7 @@ def test_the_next_epochs_plan_is_made_ahead_and_equals_a_fresh_one(tmp_path, cor
     assert any(t.name.startswith("aiayn-plan") for t in threading.enumerate())
     while ld.epoch < 1:
         next(it)
-    ahead, fresh = ld.plan(1), cached(cfg, tok).plan(1)
+    ahead, fresh = ld.rows.plan(1)[0], cached(cfg, tok).rows.plan(1)[0]
     assert len(ahead) == len(fresh) > 1
     assert all(ahead.batch(k).tolist() == fresh.batch(k).tolist() for k in range(len(fresh)))
 
@@ -672,13 +672,13 @@ def test_every_rank_knows_each_rounds_targets_from_the_plan(tmp_path, corpus, lm
         cfg = lm(tmp_path, lm_corpus, lm_order=kind.removeprefix("lm-"))
     world = 3
     loaders = [cached(cfg, tok, rank=r, world_size=world) for r in range(world)]
-    streams = [iter(ld) for ld in loaders]
+    streams = [ld.taken() for ld in loaders]
     epochs = set()
     for _ in range(40):  # past an epoch boundary: the rounds continue into the next epoch
-        batches = [next(it) for it in streams]
-        rounds = {ld.round for ld in loaders}
-        assert rounds == {(sum(b.n_tokens for b in batches), max(ld.epoch for ld in loaders))}
-        epochs |= {ld.epoch for ld in loaders}
+        taken = [next(it) for it in streams]
+        rounds = {(t.round_targets, t.round_epoch) for t in taken}
+        assert rounds == {(sum(t.batch.n_tokens for t in taken), max(t.epoch for t in taken))}
+        epochs |= {t.epoch for t in taken}
     assert len(epochs) > 1, "no epoch boundary fell in the rounds: the test saw one epoch"
 
 
@@ -692,35 +692,35 @@ def test_plans_kept_beside_the_cache_equal_todays_bit_for_bit(
     a restart reads the plan of its epoch instead of making it."""
     cfg = s2s(tmp_path, corpus / "train") if kind == "seq2seq" else lm(tmp_path, lm_corpus)
     today = cached(cfg, tok)
-    today._plan_files = None  # every epoch planned here, as before plans were kept
+    today.rows._plan_files = None  # every epoch planned here, as before plans were kept
     ranks = [cached(cfg, tok, rank=r, world_size=world) for r in range(world)]
     made: dict[int, list[int]] = {r: [] for r in range(world)}
     for r, ld in enumerate(ranks):
-        ld._compute_plan = lambda e, r=r, f=ld._compute_plan: made[r].append(e) or f(e)
-    assert len(today.plan(0)) > world  # each epoch has a round before it ends
+        ld.rows.compute_plan = lambda e, r=r, f=ld.rows.compute_plan: made[r].append(e) or f(e)
+    assert len(today.rows.plan(0)[0]) > world  # each epoch has a round before it ends
     # Driven in lockstep without the batch threads, each planner's next epoch finished before
     # the next round (as an epoch's time allows in training): which rank plans is then exact.
     streams = [ld._rank_batches({"epoch": 0, "done": 0}) for ld in ranks]
     got, pos = [], None
     while not got or got[-1][1] < 4:
         for ld, stream in zip(ranks, streams, strict=True):
-            batch, pos, epoch, round_ = next(stream)
-            got.append((batch, epoch, round_))
-            for _ in range(2 if ld._planner is not None else 0):
-                ld._planner.submit(int).result()  # its plan ahead, then the write it queued
+            taken, pos = next(stream)
+            got.append((taken.batch, taken.epoch, taken.round_targets))
+            for _ in range(2 if ld.rows._planner is not None else 0):
+                ld.rows._planner.submit(int).result()  # its plan ahead, then the write it queued
     ref = take(iter(today), len(got))
     assert all(same(b, r) for (b, _, _), r in zip(got, ref, strict=True))
     made_by_all = sorted(e for r in made for e in made[r])
     assert made_by_all == list(range(len(made_by_all))) and len(made_by_all) >= 5  # each once
     assert all(e % world == r for r in made for e in made[r])  # by the epoch's planner
     if world > 1:  # the other ranks memory-mapped it
-        assert sum(ld._plan_files.read_count for ld in ranks) >= 4 * (world - 1)
-    files = ranks[0]._plan_files
+        assert sum(ld.rows._plan_files.read_count for ld in ranks) >= 4 * (world - 1)
+    files = ranks[0].rows._plan_files
     kept = sorted(int(p.name.split("_")[1].split(".")[0]) for p in files.folder.glob("epoch_*"))
     assert kept and kept[0] >= 2  # the planners delete the plans of epochs long past
     for e in kept:
         plan, sums = files.read(e)
-        fresh = today._compute_plan(e)
+        fresh = today.rows.compute_plan(e)
         assert type(plan) is type(fresh) and vars(plan).keys() == vars(fresh).keys()
         for name, b in vars(fresh).items():
             a = getattr(plan, name)
@@ -728,12 +728,13 @@ def test_plans_kept_beside_the_cache_equal_todays_bit_for_bit(
                 assert (a.dtype, a.tobytes()) == (b.dtype, b.tobytes()), (e, name)
             else:
                 assert a == b and type(a) is type(b), (e, name)
-        assert (sums.dtype, sums.tobytes()) == (np.dtype(np.int64), today._target_sums(e).tobytes())
+        want = today.rows.plan(e)[1]
+        assert (sums.dtype, sums.tobytes()) == (np.dtype(np.int64), want.tobytes())
     # A restart in the last epoch reads its plan and gives the batches that follow.
     ranks[0]._pos = pos
     state = roundtrip(ranks[0].state_dict())
     again = cached(cfg, tok, rank=world - 1, world_size=world)
-    again._compute_plan = lambda e: pytest.fail(f"the restart made epoch {e}'s plan")
+    again.rows.compute_plan = lambda e: pytest.fail(f"the restart made epoch {e}'s plan")
     again.load_state_dict(state)
     nxt = take(iter(today), world)[-1]  # global batch done + world - 1
     assert same(next(iter(again)), nxt)
@@ -813,7 +814,7 @@ def test_a_plan_folder_that_cannot_be_written_leaves_each_rank_planning_for_itse
     one = cached(cfg, tok)
     ref = take(iter(one), 40)
     for _ in range(2):  # its plan ahead, then the write it queued: done before the folder goes
-        one._planner.submit(int).result()
+        one.rows._planner.submit(int).result()
     root = cache_dir(cfg, "train")
     blocked = root.parent / f"{root.name}.plans"
     shutil.rmtree(blocked)  # the plans the reference run kept
@@ -822,7 +823,7 @@ def test_a_plan_folder_that_cannot_be_written_leaves_each_rank_planning_for_itse
         ranks = [cached(cfg, tok, rank=r, world_size=2) for r in range(2)]
         got = [b for pair in zip(*(take(iter(ld), 20) for ld in ranks), strict=True) for b in pair]
         for ld in ranks:  # the writes are queued behind the plans ahead, on the plan thread
-            ld._planner.submit(int).result()
-            ld._planner.submit(int).result()
+            ld.rows._planner.submit(int).result()
+            ld.rows._planner.submit(int).result()
     assert all(same(x, y) for x, y in zip(got, ref, strict=True))
     assert caplog.text.count("cannot keep the epoch's plan") == 1  # from local rank 0 only

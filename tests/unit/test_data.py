@@ -1,4 +1,4 @@
-"""Streaming sources and the StreamLoader: content, budget, shuffling, ranks, exact resume, and
+"""Streaming sources and the loader over them: content, budget, shuffling, ranks, exact resume, and
 the errors a bad corpus gives."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from batch_checks import check_pair_rows, lines, roundtrip, same, take
+from batch_checks import check_pair_rows, lines, roundtrip, same, stream_loader, take
 
 from aiayn.config import DataConfig
-from aiayn.data import Batch, StepBatches, StreamLoader, open_split, sample_sentences
+from aiayn.data import Batch, Loader, StepBatches, open_split, sample_sentences
 from aiayn.data.demo import write_classify
 from aiayn.errors import DataError
 from aiayn.tokenizer import EOS_ID, PAD_ID
@@ -39,15 +39,15 @@ def lm_cfg(corpus: Path, **kw) -> DataConfig:
     return DataConfig(format="text", train=str(corpus / "train.txt"), **kw)
 
 
-def loader(cfg, tok, kind="seq2seq", max_tokens=200, seed=1, train=True, **kw) -> StreamLoader:
-    return StreamLoader(
+def loader(cfg, tok, kind="seq2seq", max_tokens=200, seed=1, train=True, **kw) -> Loader:
+    return stream_loader(
         cfg, cfg.train, tok, kind=kind, max_tokens=max_tokens, seed=seed, train=train, **kw
     )
 
 
-def with_epochs(ld: StreamLoader, n: int) -> list[tuple[int, Batch]]:
-    it = iter(ld)
-    return [(ld.epoch, b) for b in (next(it) for _ in range(n))]
+def with_epochs(ld: Loader, n: int) -> list[tuple[int, Batch]]:
+    it = ld.taken()
+    return [(t.epoch, t.batch) for t in (next(it) for _ in range(n))]
 
 
 # ---- batch content ---------------------------------------------------------------------------
@@ -654,11 +654,12 @@ def test_a_step_refused_at_the_epoch_limit_gives_its_batches_back(corpus, tok):
     ref = take(iter(loader(cfg, tok, seed=5)), 200)
     ld = loader(cfg, tok, seed=5)
     with StepBatches(ld, per_step=3, max_epochs=1) as steps:
-        trained = []
-        while not steps.past_limit():
+        trained, past = [], False
+        while not past:
             fetched = steps.next()
-            trained += [b for b, _ in fetched]
-        refused_epochs = [e for _, e in fetched]
+            trained += [t.batch for t in fetched]
+            past = steps.group_totals()[1]
+        refused_epochs = [t.epoch for t in fetched]
         steps.give_back()
     trained = trained[:-3]
     assert refused_epochs[-1] == 1 and len(trained) % 3 == 0

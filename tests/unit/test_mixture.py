@@ -14,12 +14,11 @@ import torch
 from batch_checks import roundtrip, same, take
 
 from aiayn.config import Config, DataConfig, ModelConfig, SourceConfig, TokenizerConfig, TrainConfig
-from aiayn.data import CacheLoader, Loader, StreamLoader, ensure_cache, make_loader
+from aiayn.data import Loader, ensure_cache, make_loader
 from aiayn.data.batch import target_positions
 from aiayn.data.cache import cache_dir
+from aiayn.data.cache_rows import CacheRows
 from aiayn.data.demo import write_numbers
-from aiayn.data.mixed_cache_loader import MixedCacheLoader
-from aiayn.data.mixed_stream_loader import MixedStreamLoader
 from aiayn.data.mixture import (
     Mixture,
     as_train,
@@ -34,6 +33,7 @@ from aiayn.data.mixture import (
     take as take_items,
 )
 from aiayn.data.plan import epoch_rng, pair_plan
+from aiayn.data.stream_mixture import StreamMixture
 from aiayn.errors import DataError
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
 
@@ -79,7 +79,7 @@ def mixed_cfg(run_dir: Path, corpora, weights=(2, 1, 1), tag=TAG, **data) -> Con
     )
 
 
-def mixed(cfg: Config, tok, rank=0, world_size=1) -> MixedCacheLoader:
+def mixed(cfg: Config, tok, rank=0, world_size=1) -> Loader:
     caches = [
         ensure_cache(as_train(cfg, s), "train", tok, folder=cache_folder(s))
         for s in cfg.data.sources
@@ -166,7 +166,7 @@ def test_a_pass_is_a_permutation_and_epochs_continue_where_the_last_stopped():
 
 
 def first_epoch(ld) -> list:
-    return take(iter(ld), len(ld.plan(0)))
+    return take(iter(ld), len(ld.rows.plan(0)[0]))
 
 
 def test_an_epoch_holds_each_sources_count_and_no_example_twice_within_a_pass(
@@ -174,8 +174,8 @@ def test_an_epoch_holds_each_sources_count_and_no_example_twice_within_a_pass(
 ):
     cfg = mixed_cfg(tmp_path / "run", corpora)
     ld = mixed(cfg, mtok)
-    assert ld.mixture.counts.tolist() == [230, 115, 115]
-    assert ld.mixture.sizes.tolist() == list(SIZES)
+    assert ld.rows.mixture.counts.tolist() == [230, 115, 115]
+    assert ld.rows.mixture.sizes.tolist() == list(SIZES)
     taken = [p for b in first_epoch(ld) for p in pairs(b)]
     per_source = Counter(s for s, _ in taken)
     assert [per_source[s] for s in range(3)] == [230, 115, 115]
@@ -198,7 +198,7 @@ def test_each_epoch_definition_is_what_the_loaders_epoch_holds(
     tmp_path, corpora, mtok, epoch, extra, counts
 ):
     ld = mixed(mixed_cfg(tmp_path / "run", corpora, epoch=epoch, **extra), mtok)
-    assert ld.mixture.counts.tolist() == counts
+    assert ld.rows.mixture.counts.tolist() == counts
     per_source = Counter(s for b in first_epoch(ld) for s in b.sources.tolist())
     assert [per_source[s] for s in range(3)] == counts
 
@@ -208,10 +208,10 @@ def test_an_epoch_of_tokens_holds_about_that_many_target_tokens(tmp_path, corpor
     tokens = sum(b.n_tokens for b in first_epoch(ld))  # target tokens, eos included
     assert abs(tokens - 3000) < 0.1 * 3000
     assert (
-        ld.mixture.counts.tolist()
-        == largest_remainder(ld.mixture.p, ld.mixture.epoch_size).tolist()
+        ld.rows.mixture.counts.tolist()
+        == largest_remainder(ld.rows.mixture.p, ld.rows.mixture.epoch_size).tolist()
     )
-    assert ld.mixture.p.tolist() == [0.5, 0.25, 0.25]
+    assert ld.rows.mixture.p.tolist() == [0.5, 0.25, 0.25]
 
 
 def test_rank_r_takes_global_batches_r_r_plus_w_at_every_world_size(tmp_path, corpora, mtok):
@@ -228,7 +228,7 @@ def test_a_position_resumes_at_another_world_size_across_pass_and_epoch_boundari
 ):
     cfg = mixed_cfg(tmp_path / "run", corpora)
     ld = mixed(cfg, mtok)
-    per_epoch = len(ld.plan(0))
+    per_epoch = len(ld.rows.plan(0)[0])
     single = take(iter(mixed(cfg, mtok)), 2 * per_epoch + 12)
     for world, after in ((1, 2), (2, 1), (2, 3)):
         for cut in (5, per_epoch - 1, per_epoch + 2):  # mid-epoch, at its end, in the next
@@ -246,9 +246,9 @@ def test_the_tag_is_the_first_source_token_and_counts_in_max_len_and_the_budget(
         assert (b.src[tagged, 0] == tag).all() and (b.src[~tagged, 0] != tag).all()
         assert b.src.numel() <= cfg.train.max_tokens or len(b.ids) == 1
     # Every b row is one token longer than it would be untagged, in the widths the plan sees.
-    c = ld.caches[1]
+    c, rows = ld.rows.caches[1], ld.rows
     src_len = np.diff(c.src_offsets)
-    assert ld._width[ld._base[1] : ld._base[2]].min() >= src_len.min() + 2  # tag and eos
+    assert rows._width[rows.base[1] : rows.base[2]].min() >= src_len.min() + 2  # tag and eos
     # At a max_len the longest b source sentences fit exactly, the tag drops them.
     longest = int(src_len.max())
     tgt_len = np.diff(c.tgt_offsets)
@@ -256,7 +256,7 @@ def test_the_tag_is_the_first_source_token_and_counts_in_max_len_and_the_budget(
     untagged = mixed(mixed_cfg(tmp_path / "u", corpora, tag=None, max_len=longest), mtok)
     dropped = int(((src_len == longest) & (tgt_len <= longest)).sum())
     assert dropped >= 1
-    assert at.mixture.sizes[1] == untagged.mixture.sizes[1] - dropped
+    assert at.rows.mixture.sizes[1] == untagged.rows.mixture.sizes[1] - dropped
 
 
 def test_every_row_is_its_sources_pair_tokenised_with_the_tag_eos_and_bos(tmp_path, corpora, mtok):
@@ -290,7 +290,7 @@ def test_a_batch_is_as_wide_as_its_widest_row_and_a_target_of_max_len_tokens_fit
     # the pair is kept, and its batch's targets are max_len + 1 wide.
     longest = max(
         int(tgt[src <= tgt].max(initial=0))
-        for c, lead in zip(probe.caches, [t is not None for t in probe.tags], strict=True)
+        for c, lead in zip(probe.rows.caches, [t is not None for t in probe.rows.tags], strict=True)
         for src, tgt in [(np.diff(c.src_offsets) + lead, np.diff(c.tgt_offsets))]
     )
     ld = mixed(mixed_cfg(tmp_path / "run", corpora, max_len=longest), mtok)
@@ -321,25 +321,27 @@ def loader_of(kind: str, tmp_path: Path, corpora, mtok, rank: int, world: int):
 def test_batches_read_together_are_the_batches_read_one_at_a_time(
     tmp_path, corpora, mtok, kind, count, world
 ):
-    """A rank reads and pads its next `count` batches at once (data/cache/rows.py): the
+    """A rank reads and pads its next `count` batches at once (data/pad.py): the
     batches do not depend on how many are read together, each holds its plan rows in the
     plan's order (a mixture's rows are read source by source and put back), and each tensor
     is a contiguous view whose Batch.keep is what target_positions finds."""
     ld = loader_of(kind, tmp_path, corpora, mtok, world - 1, world)
-    plan, mine = ld.plan(0), range(world - 1, len(ld.plan(0)), world)
-    alone = [ld._make_batch(plan, k, count=1) for k in mine]
-    ld._rows_read = None
-    together = [ld._make_batch(plan, k, count=count) for k in mine]
+    plan, sums = ld.rows.plan(0)
+    segment, mine = ld.rows._segment(0, plan, sums), range(world - 1, len(plan), world)
+    alone = [segment.read(np.array([k])).batch(k) for k in mine]
+    ld._read_count = count
+    together = [ld._batch(segment, k) for k in mine]
     assert all(same(x, y) for x, y in zip(alone, together, strict=True))
     for k, b in zip(mine, together, strict=True):
         rows = plan.batch(k)
         if kind == "sources":
-            which = ld._source_of(rows)
-            local = rows - ld._base[which]
-            want = [(int(s), int(ld.caches[s].ids[i])) for s, i in zip(which, local, strict=True)]
+            which = ld.rows._source_of[rows]
+            local = rows - ld.rows.base[which]
+            caches = ld.rows.caches
+            want = [(int(s), int(caches[s].ids[i])) for s, i in zip(which, local, strict=True)]
             assert pairs(b) == want
         else:
-            assert b.ids.tolist() == ld.cache.ids[rows].tolist() and b.sources is None
+            assert b.ids.tolist() == ld.rows.caches[0].ids[rows].tolist() and b.sources is None
         assert all(t.is_contiguous() for t in (b.src, b.tgt_in, b.tgt_out, b.keep))
         assert torch.equal(b.keep, target_positions(b.tgt_out, PAD_ID))
         assert b.n_tokens == len(b.keep)
@@ -359,9 +361,10 @@ def test_a_tokenizer_trained_for_a_mixture_holds_every_tag_and_each_sources_text
     assert c_text & set(sentences)
 
 
-def test_the_four_loaders_are_loaders_and_only_a_mixture_has_scalars(tmp_path, corpora, mtok):
-    """One Loader protocol on two axes (stream or cache, one source or a mixture): what the
-    trainer logs under "data" is a mixture's alone, and a single source's is empty."""
+def test_one_loader_over_four_row_sources_and_only_a_mixture_has_scalars(tmp_path, corpora, mtok):
+    """One Loader over the row sources of two axes (stream or cache, one source or a
+    mixture): one rank's round is its own batch, and what the trainer logs under "data" is a
+    mixture's alone, a single source's empty."""
     one = Config(
         run_dir=str(tmp_path / "one"),
         model=ModelConfig(max_len=128),
@@ -370,21 +373,20 @@ def test_the_four_loaders_are_loaders_and_only_a_mixture_has_scalars(tmp_path, c
     )
     cache = ensure_cache(one, "train", mtok)
     loaders = {
-        CacheLoader: make_loader(one, one.data.train, mtok, train=True, cache=cache),
-        StreamLoader: make_loader(one, one.data.train, mtok, train=True),
-        MixedCacheLoader: mixed(mixed_cfg(tmp_path / "mix", corpora), mtok),
-        MixedStreamLoader: streamed(stream_cfg(tmp_path / "stream", corpora), mtok),
+        "cache": make_loader(one, one.data.train, mtok, train=True, cache=cache),
+        "stream": make_loader(one, one.data.train, mtok, train=True),
+        "mixed cache": mixed(mixed_cfg(tmp_path / "mix", corpora), mtok),
+        "mixed stream": streamed(stream_cfg(tmp_path / "stream", corpora), mtok),
     }
-    for cls, ld in loaders.items():
-        assert type(ld) is cls and isinstance(ld, Loader), cls
-        assert ld.round is None and ld.epoch == 0
-        next(iter(ld))
+    for name, ld in loaders.items():
+        assert type(ld) is Loader and ld.epoch == 0, name
+        taken = next(ld.taken())
+        assert (taken.round_targets, taken.round_epoch) == (taken.batch.n_tokens, 0), name
         scalars = ld.mixture_scalars()
-        if cls in (CacheLoader, StreamLoader):
-            assert scalars == {}, cls
+        if name in ("cache", "stream"):
+            assert scalars == {}, name
         else:
-            assert sorted(scalars)[:3] == ["a/examples", "a/passes", "a/token_share"], cls
-        assert (ld.round is None) == (cls in (StreamLoader, MixedStreamLoader)), cls
+            assert sorted(scalars)[:3] == ["a/examples", "a/passes", "a/token_share"], name
 
 
 def test_data_train_alone_keeps_its_loader_plan_and_cache_folder(tmp_path, corpora, mtok):
@@ -399,7 +401,7 @@ def test_data_train_alone_keeps_its_loader_plan_and_cache_folder(tmp_path, corpo
     cache = ensure_cache(cfg, "train", mtok)
     assert cache.root == tmp_path / "run" / "data_cache" / "train" == cache_dir(cfg, "train")
     ld = make_loader(cfg, cfg.data.train, mtok, train=True, cache=cache)
-    assert type(ld) is CacheLoader
+    assert type(ld.rows) is CacheRows and ld.rows.mixture is None
     fp = ld.state_dict()["fingerprint"]
     assert sorted(fp) == sorted(
         [
@@ -416,9 +418,9 @@ def test_data_train_alone_keeps_its_loader_plan_and_cache_folder(tmp_path, corpo
         ]
     )
     keep = np.arange(300, dtype=np.int32)
-    plan = pair_plan(ld._width, keep, 200, 64, epoch_rng(3, 0))
-    assert np.array_equal(ld.plan(0).rows, plan.rows)
-    assert np.array_equal(ld.plan(0).order, plan.order)
+    plan = pair_plan(ld.rows._width, keep, 200, 64, epoch_rng(3, 0))
+    assert np.array_equal(ld.rows.plan(0)[0].rows, plan.rows)
+    assert np.array_equal(ld.rows.plan(0)[0].order, plan.order)
     assert next(iter(ld)).sources is None
 
 
@@ -507,7 +509,7 @@ def stream_cfg(run_dir: Path, corpora, **data) -> Config:
 
 def test_a_streamed_epoch_reads_each_sources_count_passes_in_order(tmp_path, corpora, mtok):
     ld = streamed(stream_cfg(tmp_path / "run", corpora), mtok)
-    assert type(ld).__name__ == "MixedStreamLoader" and ld.counts.tolist() == [115, 58, 57]
+    assert ld.rows.mixture.counts.tolist() == [115, 58, 57]
     it, epochs = iter(ld), {0: [], 1: []}
     while ld.epoch < 2:
         batch = next(it)
@@ -564,10 +566,11 @@ def test_a_streamed_epoch_by_the_sources_sizes_counts_them_once_per_run(
 ):
     cfg = stream_cfg(tmp_path / "run", corpora, epoch="sum", epoch_size=None)
     ld = streamed(cfg, mtok)
-    assert ld.counts is None  # known once the streams are counted, as iteration starts
+    assert ld.rows.mixture.counts is None  # known once the streams are counted, as it starts
     it = iter(ld)
     take(it, 3)
-    assert ld.sizes == list(SIZES) and ld.counts.tolist() == [230, 115, 115]
+    mixture = ld.rows.mixture
+    assert mixture.sizes == list(SIZES) and mixture.counts.tolist() == [230, 115, 115]
     state = roundtrip(ld.state_dict())
     assert state["position"]["sizes"] == list(SIZES)
     ref = take(it, 4)
@@ -575,7 +578,7 @@ def test_a_streamed_epoch_by_the_sources_sizes_counts_them_once_per_run(
     def counted_again(self):
         raise AssertionError("a resumed run counted the streams again")
 
-    monkeypatch.setattr(MixedStreamLoader, "_count_sizes", counted_again)
+    monkeypatch.setattr(StreamMixture, "_count_sizes", counted_again)
     again = streamed(cfg, mtok)
     again.load_state_dict(state)
     assert all(same(x, y) for x, y in zip(take(iter(again), 4), ref, strict=True))
@@ -584,4 +587,4 @@ def test_a_streamed_epoch_by_the_sources_sizes_counts_them_once_per_run(
     monkeypatch.undo()
     sized = streamed(by_size, mtok)
     take(iter(sized), 1)
-    assert sized.counts.tolist() == list(SIZES)
+    assert sized.rows.mixture.counts.tolist() == list(SIZES)

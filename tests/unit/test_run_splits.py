@@ -8,12 +8,11 @@ import logging
 from pathlib import Path
 
 import pytest
-from batch_checks import same
+from batch_checks import same, stream_loader
 
 from aiayn.config import Config, DataConfig, ModelConfig
 from aiayn.data import open_split
 from aiayn.data.run_splits import copied_split, with_run_copy
-from aiayn.data.stream_loader import StreamLoader
 from aiayn.errors import DataError
 
 
@@ -45,8 +44,8 @@ def test_the_copy_reads_as_the_source_did(kind, corpus, lm_corpus, tok, tmp_path
     if kind == "seq2seq":  # and the validation batches are the same
 
         def batches(c):
-            ld = StreamLoader(c.data, c.data.valid, tok, kind=kind, max_tokens=200, seed=1,
-                             train=False)  # fmt: skip
+            ld = stream_loader(c.data, c.data.valid, tok, kind=kind, max_tokens=200, seed=1,
+                               train=False)  # fmt: skip
             return list(itertools.islice(ld, 100))
 
         assert all(same(a, b) for a, b in zip(batches(cfg), batches(local), strict=True))

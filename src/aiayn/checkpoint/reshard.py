@@ -8,7 +8,7 @@ bitwise. Otherwise the checkpoint is read into a `Portable` state, keyed by para
 independent of how it was cut, and the engine loads that (`engine.load_portable`): weights and
 Adam's moments are resharded, the step count, the schedule's position and the skipped-step
 count carry over. The data position needs no conversion: it is the group's position in one
-global stream of batches (data/stream_loader.py).
+global stream of batches (data/loader.py).
 
 Nothing here converts at save time: a checkpoint stays in its writer's format, and the work is
 done once, when the topology changes.

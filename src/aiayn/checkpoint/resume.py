@@ -159,7 +159,8 @@ def load_state(run: Any, ckpt: Path, startup: StartupTimes) -> dict[str, Any]:
         _load_ema(run.engine, ckpt, manifest)
         _warn_of_another_batch(run.cfg.train, run.env.world_size, manifest)
     with startup.phase("data position"):
-        data = compat.data_state(trainer_state["data"], getattr(run.loader, "caches", []))
+        caches = getattr(run.loader.rows, "caches", [])  # a stream has none
+        data = compat.data_state(trainer_state["data"], caches)
         run.loader.load_state_dict(data)  # the position of all ranks
     return trainer_state
 

@@ -1,24 +1,27 @@
-"""Sources -> tokenised cache (arrays + length index) -> global batch plan -> this rank's Batch,
-or, without a cache, streamed sources tokenised as they are read. Positions are exact and
-resumable either way.
+"""Text -> tokens -> plan -> padded Batch, through one loader. The reference path, file by file:
 
-    splits.py               a split of a corpus opened as a Source (source.py), checked: line
-                            files (line_files.py) or records with fields (records.py)
-    cache/                  the token cache: built once by the ranks together (cache/build.py),
-                            verified when opened (cache/format.py)
-    pad.py                  the one padder: rows of a cache's arrays, or of a streamed
-                            chunk's in the same shape, into padded Batches
-    plan.py                 the epoch's global batches, from the cache's lengths
+    splits.py, source.py    a split of a corpus opened as a Source, checked, read by one reader
+                            per format (line_files.py, records.py)
+    pad.py                  tokens as a table: a token cache's arrays, or a streamed chunk's in
+                            the same shape; rows of tables padded into a Batch (batch.py)
+    plan.py                 which rows form each global batch: a cache's epoch or a chunk
+    segment.py              a planned stretch (a table and its plan), the loader's unit
+    loader.py               Loader: this rank's batches, rounds of W, the saved position
+    cache_rows.py           the row source of token caches: an epoch a segment
+    stream_rows.py          the row source of a stream: a chunk a segment
+                            (stream_mixture.py: which records a mixture's chunk takes)
+    make.py                 which row source a config describes, and its Loader
+
+What the reference path buys at scale, in modules named for it:
+
+    cache/                  the token cache: built once by the ranks together, each its share
+                            of the reading, writing and hashing (cache/build.py), verified
+                            when opened (cache/format.py)
     plan_files.py           each epoch's plan made by one rank of a node, read by the others
-    loader_protocol.py      Loader: what every loader offers its callers; make.py picks one:
-    cache_loader.py         this rank's Batch (batch.py) from one source's cache
-    mixed_cache_loader.py   ... from the caches of a mixture's sources (data.sources)
-    stream_loader.py        ... from one source, streamed and tokenised as it is read
-    mixed_stream_loader.py  ... from a mixture's sources, streamed
+    prefetch.py             the next batches made on a thread while the step runs
+    position.py             the saved position's fingerprint, and its checks on a resume
     mixture.py              a mixture's sources, weights, tags and epochs (data.sources)
-    position.py             the saved position in the data, and its checks on a resume
     steps.py                each optimizer step's micro-batches, up to train.max_epochs
-    prefetch.py             the next batches read on a thread while the step runs
     run_splits.py           the run's own copies of its dev and test splits
     hub_revision.py         a Hub dataset pinned to the commit the first start read
     hub_copy.py             a Hub training split copied once to local parquet files
@@ -31,24 +34,17 @@ resumable either way.
 
 from aiayn.data.batch import Batch
 from aiayn.data.cache import TokenCache, ensure_cache
-from aiayn.data.cache_loader import CacheLoader
-from aiayn.data.loader_protocol import Loader
+from aiayn.data.loader import Loader, Taken
 from aiayn.data.make import make_loader
-from aiayn.data.mixed_cache_loader import MixedCacheLoader
-from aiayn.data.mixed_stream_loader import MixedStreamLoader
 from aiayn.data.splits import Source, open_split, sample_sentences
 from aiayn.data.steps import StepBatches
-from aiayn.data.stream_loader import StreamLoader
 
 __all__ = [
     "Batch",
-    "CacheLoader",
     "Loader",
-    "MixedCacheLoader",
-    "MixedStreamLoader",
     "Source",
     "StepBatches",
-    "StreamLoader",
+    "Taken",
     "TokenCache",
     "ensure_cache",
     "make_loader",

@@ -1,23 +1,21 @@
-"""Which loader a run config describes: one split's token cache, a mixture's caches, or a
-stream (one split's, or a mixture's sources). Above the loaders, so that none imports another
-to choose."""
+"""Which row source a run config describes: one split's token cache, a mixture's caches, or a
+stream (one split's, or a mixture's sources); and the one Loader over it (loader.py)."""
 
 from __future__ import annotations
 
 from aiayn.config import Config
 from aiayn.data.cache import TokenCache
-from aiayn.data.cache_loader import CacheLoader
+from aiayn.data.cache_rows import CacheRows
 from aiayn.data.hub_copy import local_parts
-from aiayn.data.loader_protocol import Loader
-from aiayn.data.mixed_cache_loader import MixedCacheLoader
-from aiayn.data.mixed_stream_loader import MixedStreamLoader
-from aiayn.data.stream_loader import StreamLoader
+from aiayn.data.loader import Loader
+from aiayn.data.position import Settings
+from aiayn.data.stream_rows import StreamRows
 from aiayn.tokenizer import Tokenizer
 
 
 def make_loader(
     cfg: Config,
-    split: str,
+    split: str | None,
     tokenizer: Tokenizer,
     *,
     train: bool,
@@ -29,27 +27,22 @@ def make_loader(
     local_world_size: int | None = None,
 ) -> Loader:
     """The loader of one split as a run config describes it: from its token cache if one is
-    given (data/cache/format.py), from the caches of data.sources if a list is (a mixture,
-    data/mixed_cache_loader.py), else streamed and tokenised as it goes (a mixture's sources:
-    data/mixed_stream_loader.py). pin_memory where the batches go to a GPU; local_rank and
-    local_world_size place the rank on its node, where one token cache's loader shares the
-    epochs' plans (data/plan_files.py)."""
-    common = dict(
-        pin_memory=pin_memory,
-        kind=cfg.model.kind,
-        max_tokens=cfg.train.max_tokens,
-        seed=cfg.train.seed,
-        train=train,
-        rank=rank,
-        world_size=world_size,
+    given (data/cache/format.py), from the caches of data.sources if a list is (a mixture),
+    else streamed and tokenised as it goes (a mixture's sources where data.sources is set).
+    pin_memory where the batches go to a GPU; local_rank and local_world_size place the rank
+    on its node, where a token cache's loader shares the epochs' plans (data/plan_files.py)."""
+    settings = Settings(
+        cfg.data, tokenizer, cfg.model.kind, cfg.train.max_tokens, cfg.train.seed, train, rank
     )
-    if isinstance(cache, list):
-        return MixedCacheLoader(cache, cfg.data, tokenizer, **common)
-    if cfg.data.sources and train:
-        return MixedStreamLoader(cfg, tokenizer, **common)
     if cache is not None:
-        node = dict(local_rank=local_rank, local_world_size=local_world_size)
-        return CacheLoader(cache, cfg.data, tokenizer, **common, **node)
-    # A Hub training split is streamed from its local copy where prepare_data made one.
-    local = local_parts(cfg) if train and split == cfg.data.train else None
-    return StreamLoader(cfg.data, split, tokenizer, **common, local=local)
+        caches = cache if isinstance(cache, list) else [cache]
+        node = (
+            rank if local_rank is None else local_rank,
+            world_size if local_world_size is None else local_world_size,
+        )
+        rows = CacheRows(caches, settings, *node)
+    else:
+        # A Hub training split is streamed from its local copy where prepare_data made one.
+        local = local_parts(cfg) if train and split == cfg.data.train else None
+        rows = StreamRows(settings, split, local, cfg)
+    return Loader(rows, cfg.train.max_tokens, rank, world_size, pin_memory)

@@ -27,6 +27,8 @@ import numpy as np
 
 from aiayn.config import Config, DataConfig, SourceConfig, TokenizerConfig
 from aiayn.data.splits import sample_sentences
+from aiayn.errors import DataError
+from aiayn.tokenizer import Tokenizer
 
 # Keeps the pass permutations' seeds apart from the plan's (plan.epoch_rng(seed, epoch)).
 _STREAM = 0x6D6978  # "mix"
@@ -59,6 +61,26 @@ def tokenizer_sample(cfg: Config, n: int) -> tuple[TokenizerConfig, list[str]]:
     tags = [s.tag for s in sources if s.tag and s.tag not in cfg.tokenizer.user_symbols]
     symbols = list(cfg.tokenizer.user_symbols) + list(dict.fromkeys(tags))
     return dataclasses.replace(cfg.tokenizer, user_symbols=symbols), sentences
+
+
+def tag_ids(cfg: DataConfig, tok: Tokenizer) -> list[int | None]:
+    """Each source's tag as one token id (None: untagged); a tag that is not one piece of the
+    tokenizer is an error naming it and the fix."""
+    out = []
+    for source in cfg.sources:
+        if source.tag is None:
+            out.append(None)
+            continue
+        i = tok.piece_to_id(source.tag)
+        if i in (tok.unk_id, tok.pad_id, tok.bos_id, tok.eos_id):
+            raise DataError(
+                f"data.sources {source.name}: tag {source.tag!r} is not a piece of the tokenizer "
+                f"{tok.path}, so it would be split or unknown. Add it to tokenizer.user_symbols "
+                "and train a new tokenizer (a tokenizer the run trains adds every tag), or "
+                "remove the tag"
+            )
+        out.append(i)
+    return out
 
 
 def shares(sizes: np.ndarray, weights: list[float] | None, temperature: float | None) -> np.ndarray:

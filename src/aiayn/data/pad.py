@@ -10,7 +10,7 @@ A token-cache loader hands out one batch at a time but reads and pads its next b
 epoch in one go (about READ_TOKENS padded tokens of them). A batch of a few thousand tokens
 costs mostly numpy's fixed price per call, a microsecond or two, and made one at a time it took
 some twenty calls (gathers of offsets and tokens per side, a mask, a fill and an assignment per
-tensor), a mixture of sources (data/mixed_cache_loader.py) a gather per source on top. Together,
+tensor), a mixture of sources (data/cache_rows.py) a gather per source on top. Together,
 those calls are made once per read: every batch's tensors are laid out one after another in
 one array per tensor, each token put straight into its padded cell, and a batch is then views
 of those arrays. A mixture's rows are read source by source, each source's rows in one gather,

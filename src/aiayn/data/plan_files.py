@@ -48,7 +48,7 @@ _EPOCH = re.compile(r"^\.?epoch_(\d+)\.")
 
 
 def plans_folder(cache_root: Path, fingerprint: dict) -> Path:
-    """Where the plans of a loader with this fingerprint (CacheLoader's) are kept: beside the
+    """Where the plans of a loader with this fingerprint (cache_rows.py's) are kept: beside the
     cache's folder, not in it, so that the cache stays the arrays its manifest lists."""
     key = json.dumps({"plan_version": PLAN_VERSION, **fingerprint}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]

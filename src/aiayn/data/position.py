@@ -1,17 +1,41 @@
-"""What both loaders save: a version, a fingerprint of what the position means (data, batching,
-tokenizer), and the position itself; and the checks before a saved one is used."""
+"""What a loader saves: a version, a fingerprint of what the position means (data, batching,
+tokenizer), and the position itself; and the checks before a saved one is used. Also the
+settings every row source is made with (`Settings`)."""
 
 from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import dataclass
 
+from aiayn.config import DataConfig
 from aiayn.errors import DataError
+from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 _LOADER_NAMES = {"stream": "streaming loader's (data.cache=false)", "cache": "token cache's"}
 _LOADER_FIX = {"stream": "data.cache=false", "cache": "data.cache=true"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the batches of a split depend on, besides its rows: the data config, the
+    tokenizer, the model kind, the token budget, the seed, whether it trains (epoch after
+    epoch, shuffled) or makes one pass, and data.pad_to_multiple as resolved for the device.
+    `rank` says which rank logs."""
+
+    cfg: DataConfig
+    tok: Tokenizer
+    kind: str
+    max_tokens: int
+    seed: int
+    train: bool
+    rank: int = 0
+
+    @property
+    def multiple(self) -> int:
+        return self.cfg.pad_to_multiple or 1
 
 
 def check_loader_args(max_tokens: int, rank: int, world_size: int) -> None:
@@ -21,25 +45,24 @@ def check_loader_args(max_tokens: int, rank: int, world_size: int) -> None:
         raise DataError(f"rank {rank} is outside world size {world_size}")
 
 
-def fingerprint(loader, name: str, data: dict) -> dict:
-    """What a saved position of `loader` (any of the four) means: its kind `name` ("cache" or
-    "stream"), `data` (what names the data: a cache's digest, a stream's corpus, a mixture),
-    and every setting that changes the batches. A position resumes only where all are equal."""
-    cfg = loader.cfg
+def fingerprint(s: Settings, name: str, data: dict) -> dict:
+    """What a saved position means: the row source `name` ("cache" or "stream"), `data` (what
+    names the data: a cache's digest, a stream's corpus, a mixture), and every setting that
+    changes the batches. A position resumes only where all are equal."""
     out = {
         "loader": name,
         **data,
-        "kind": loader.kind,
-        "train": loader.train,
-        "max_tokens": loader.max_tokens,
-        "seed": loader.seed,
-        "shuffle_buffer": cfg.shuffle_buffer,
-        "max_len": cfg.max_len,
-        "pad_to_multiple": loader.multiple,
-        "tokenizer_sha256": loader.tok.sha256,
+        "kind": s.kind,
+        "train": s.train,
+        "max_tokens": s.max_tokens,
+        "seed": s.seed,
+        "shuffle_buffer": s.cfg.shuffle_buffer,
+        "max_len": s.cfg.max_len,
+        "pad_to_multiple": s.multiple,
+        "tokenizer_sha256": s.tok.sha256,
     }
-    if loader.kind == "lm":
-        out["lm_order"] = cfg.lm_order
+    if s.kind == "lm":
+        out["lm_order"] = s.cfg.lm_order
     return out
 
 

@@ -13,8 +13,7 @@ from aiayn.config import Config
 from aiayn.data import TokenCache, ensure_cache, sample_sentences
 from aiayn.data.cache import MANIFEST, cache_dir
 from aiayn.data.hub_copy import local_parts, materialise
-from aiayn.data.mixed_cache_loader import tag_ids
-from aiayn.data.mixture import as_train, cache_folder, tokenizer_sample
+from aiayn.data.mixture import as_train, cache_folder, tag_ids, tokenizer_sample
 from aiayn.distributed.env import DistEnv
 from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer, train_tokenizer

@@ -79,7 +79,7 @@ def read_fields(cfg: DataConfig, kind: str) -> dict[str, str | None]:
 def source_identity(cfg: DataConfig, split: str, kind: str, contents: bool = False) -> dict:
     """What names the records of `split` without reading them: the hub dataset, or each local
     file's resolved path and size, and the fields read. A saved streaming position counts
-    records, so it is only meaningful for the same identity (data/stream_loader.py).
+    records, so it is only meaningful for the same identity (data/stream_rows.py).
 
     `contents` adds each file's modification time and the sha256 of its first and last MiB
     (file_ends): an edit in place that keeps the size is then seen, at a cost that does not

@@ -83,12 +83,15 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
     while progress.step < cfg.train.max_steps:
         waited = time.perf_counter()
         fetched = steps.next()
-        micro = [batch for batch, _ in fetched]
+        micro = [taken.batch for taken in fetched]
         window.data_seconds += time.perf_counter() - waited
-        if loader.epoch != epoch:
+        if fetched[-1].epoch != epoch:
             log_data(loader, f"epoch {epoch} done")
-            epoch = loader.epoch
-        n_tokens, stop_now, past_limit = _step_totals(run, steps, micro)
+            epoch = fetched[-1].epoch
+        # Every rank knows the step's targets on all ranks and their epochs from the rounds
+        # (data/loader.py): no collective; the stop request is agreed without waiting.
+        n_tokens, past_limit = steps.group_totals()
+        stop_now = run.vote.agreed()
         if past_limit:  # stop together when any rank's step reached the limit (data/steps.py)
             steps.give_back()
             break
@@ -126,26 +129,12 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
     return last_eval
 
 
-def _step_totals(run: Run, steps: StepBatches, micro: list) -> tuple[int, bool, bool]:
-    """The step's target tokens on all ranks, whether any rank was asked to stop, and whether
-    any rank's step reached train.max_epochs. From the token cache's plan, which every rank
-    knows whole, the first and the last need no collective, and the stop is agreed without
-    waiting (StopVote). Streaming, each rank knows its own batches only: one collective of
-    host numbers, which waits for no device (DistEnv.sum)."""
-    known = steps.group_totals()
-    if known is not None:
-        tokens, past = known
-        return tokens, run.vote.agreed(), past
-    here = [sum(b.n_tokens for b in micro), float(run.stop.requested), float(steps.past_limit())]
-    tokens, stops, past = run.env.sum(here)
-    return int(tokens), stops > 0, past > 0
-
-
 def _train_step(run: Run, micro: list, window: Window, n_tokens: int) -> torch.Tensor:
     """One optimizer step over this rank's micro-batches, of `n_tokens` targets on all ranks;
     returns the gradient norm. Nothing here waits for the device (but fp16's loss scaler, in
-    engine.step): what the step needs from the other ranks is reduced before it
-    (_step_totals), and what it logs stays on the device until a log line (Window)."""
+    engine.step) or for the other ranks: the step's targets on all ranks come from the
+    loader's rounds (data/loader.py), and what it logs stays on the device until a log line
+    (Window)."""
     cfg, engine = run.cfg, run.engine
     engine.train()
     for i, batch in enumerate(micro):

@@ -77,8 +77,9 @@ def record_ids(run: Run, fetched: list) -> None:
     path = Path(run.cfg.run_dir) / "consumed" / f"rank_{run.env.rank}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as fh:
-        for batch, epoch in fetched:
-            row = {"step": run.progress.step + 1, "epoch": epoch, "ids": batch.ids.tolist()}
+        for taken in fetched:
+            batch = taken.batch
+            row = {"step": run.progress.step + 1, "epoch": taken.epoch, "ids": batch.ids.tolist()}
             if batch.sources is not None:  # a mixture: ids count within each source
                 row["sources"] = batch.sources.tolist()
             fh.write(json.dumps(row) + "\n")

@@ -1,4 +1,5 @@
-"""Training batches from a mixture of streamed sources (data.sources with data.cache false).
+"""Which records each chunk of a streamed mixture takes (data.sources with data.cache false):
+the mixture half of stream_rows.py.
 
 Each source is read as an endless sequence of passes over its stream, from where it stopped:
 a pass is the stream in its own order (there is no index to permute), so nothing repeats
@@ -10,10 +11,10 @@ The epoch is read in chunks of data.shuffle_buffer examples, as the single-strea
 one stream. Chunk c takes from each source a count drawn from what the epoch still owes it
 (a multivariate hypergeometric draw seeded by (seed, epoch, c), so that the counts add up to
 the epoch's exactly), in an order permuted with the same generator; the chunk is then
-tokenised (tags put first), bucketed and batched like StreamLoader's. The position holds the
-chunk's start: the epoch's counts still owed, and every source's stream state and pass. Every
-rank reads every source and builds the same chunks, so the batches are the same at any world
-size, taken round by round, and a position resumes on another.
+tokenised, planned and padded as one split's chunk is (a tagged source's tag is put by pad.py).
+A chunk's anchor holds its start: the epoch's counts still owed, and every source's reader
+position and pass. Every rank reads every source and builds the same chunks, so the batches are
+the same at any world size, and a position resumes on another.
 """
 
 from __future__ import annotations
@@ -25,13 +26,10 @@ from collections.abc import Iterator
 import numpy as np
 
 from aiayn.config import Config
-from aiayn.data.mixed_cache_loader import tag_ids
-from aiayn.data.mixture import as_train, epoch_counts, largest_remainder, shares
-from aiayn.data.position import fingerprint, recorded_number, saved_position
+from aiayn.data.mixture import as_train, epoch_counts, largest_remainder, shares, tag_ids
+from aiayn.data.position import Settings, recorded_number
 from aiayn.data.splits import Source, open_split, source_identity
-from aiayn.data.stream_loader import STATE_VERSION, Chunk, StreamLoader
 from aiayn.errors import DataError
-from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -68,44 +66,30 @@ class _Reader:
         return out
 
 
-class MixedStreamLoader(StreamLoader):
-    """A Loader (data/loader_protocol.py) over data.sources, streamed, in training only:
-    StreamLoader's, with `mixture_scalars()` saying what the group has taken of each source
-    (TensorBoard)."""
+class StreamMixture:
+    """The streamed sources of data.sources, and the records of each chunk."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        tokenizer: Tokenizer,
-        *,
-        kind: str,
-        max_tokens: int,
-        seed: int,
-        train: bool = True,
-        rank: int = 0,
-        world_size: int = 1,
-        pin_memory: bool = False,
-    ):
-        if not train or kind == "lm":
+    def __init__(self, cfg: Config, settings: Settings, chunk_size: int):
+        if settings.kind == "lm":
             raise ValueError("a mixture of sources is for training seq2seq or classifier models")
         data = cfg.data
-        self._setup(data, tokenizer, kind, max_tokens, seed, train, rank, world_size)
-        self.split, self.pin_memory = "data.sources", pin_memory
+        self.run_cfg, self.cfg, self.settings, self.chunk_size = cfg, data, settings, chunk_size
+        self.seed, self.rank = settings.seed, settings.rank
         self.names = [s.name for s in data.sources]
-        self.tags = tag_ids(data, tokenizer)
+        self.tags = tag_ids(data, settings.tok)
+        kind = settings.kind
         self.sources = [open_split(as_train(cfg, s).data, s.path, kind) for s in data.sources]
         self.counts: np.ndarray | None = None  # per epoch; known once the sizes are, if needed
         self.sizes: list[int] | None = None
         if data.epoch == "examples" and data.temperature is None:  # no size needed
             self._set_counts(None)
         self._shares: dict[tuple[int, int], list[float]] = {}  # (epoch, chunk): token shares
-        self._pos = self._start()
-        self._fingerprint = self._mixture_fingerprint(cfg)
 
-    def _mixture_fingerprint(self, cfg: Config) -> dict:
-        data = cfg.data
+    def fingerprint(self) -> dict:
+        """What names the mixture in a saved position."""
+        cfg, data, kind = self.run_cfg, self.cfg, self.settings.kind
         identities = [
-            source_identity(as_train(cfg, s).data, s.path, self.kind, contents=True)
+            source_identity(as_train(cfg, s).data, s.path, kind, contents=True)
             for s in data.sources
         ]
         sources = [
@@ -115,7 +99,19 @@ class MixedStreamLoader(StreamLoader):
         mixture = {"sources": sources, "temperature": recorded_number(data.temperature)}
         mixture.update(epoch=data.epoch, epoch_source=data.epoch_source)
         mixture["epoch_size"] = data.epoch_size
-        return fingerprint(self, "stream", {"mixture": mixture})
+        return mixture
+
+    def start(self, epoch: int = 0) -> dict:
+        first = {"pass": 0, "state": None, "read": 0}
+        return {
+            "epoch": epoch,
+            "chunk": 0,
+            "left": None,  # the epoch's counts, still owed: None at its start
+            "sizes": None,
+            "sources": [dict(first) for _ in self.names],
+            "read": 0,
+            "next_id": 0,
+        }
 
     def _set_counts(self, sizes: list[int] | None) -> None:
         """Each source's examples per epoch, from the weights (data.epoch examples) or from
@@ -173,32 +169,11 @@ class MixedStreamLoader(StreamLoader):
                 source.tag or "none",
             )
 
-    def _start(self, epoch: int = 0) -> dict:
-        first = {"pass": 0, "state": None, "read": 0}
-        return {
-            "epoch": epoch,
-            "chunk": 0,
-            "left": None,  # the epoch's counts, still owed: None at its start
-            "sizes": None,
-            "sources": [dict(first) for _ in self.names],
-            "read": 0,
-            "next_id": 0,
-            "done": 0,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self._pos = saved_position(state, STATE_VERSION, self._fingerprint, self.split)
-        self.epoch = self._pos["epoch"]
-        self._resume_pending = True
-
-    def stats(self) -> dict[str, int]:
-        return {**self._stats, "invalid_utf8_skipped": sum(s.invalid_utf8 for s in self.sources)}
-
-    def mixture_scalars(self) -> dict[str, float]:
+    def scalars(self, pos: dict) -> dict[str, float]:
         """Examples read from each source by the start of the chunk the group is in, the
         passes it has completed, and its share of that chunk's target tokens: the same on every
         rank (each reads every source)."""
-        pos, out = self._pos, {}
+        out = {}
         if self.counts is None:  # nothing read yet
             return out
         left = pos["left"] if pos["left"] is not None else self.counts
@@ -212,7 +187,19 @@ class MixedStreamLoader(StreamLoader):
 
     # ---- chunks -------------------------------------------------------------------------------
 
-    def _chunks(self, pos: dict) -> Iterator[Chunk]:
+    def record_shares(self, anchor: dict, which: np.ndarray, tgt_lengths) -> None:
+        """The chunk's target tokens per source (TensorBoard)."""
+        if tgt_lengths is None:
+            return
+        tokens = np.bincount(which, tgt_lengths + 1, len(self.names))
+        key = (anchor["epoch"], anchor["chunk"])
+        # Built a few ahead of the loop (a thread): keep the last few chunks'.
+        self._shares = {k: v for k, v in self._shares.items() if k >= (key[0], key[1] - 4)}
+        self._shares[key] = (tokens / max(tokens.sum(), 1)).tolist()
+
+    def chunks(self, pos: dict) -> Iterator[tuple[list[dict], dict]]:
+        """(records, anchor) of every chunk from `pos` on, each record with its id in its
+        source ("_id") and its source ("_source")."""
         if self.counts is None:  # the sizes: from the position, or counted once
             self._set_counts(pos["sizes"] or self._count_sizes())
         epoch, chunk = pos["epoch"], pos["chunk"]
@@ -236,22 +223,7 @@ class MixedStreamLoader(StreamLoader):
                 order = np.repeat(np.arange(len(parts)), take)[rng.permutation(int(take.sum()))]
                 cursors = [iter(part) for part in parts]
                 examples = [next(cursors[s]) for s in order]
-                built = self._build_chunk(examples, anchor)
-                yield built
+                yield examples, anchor
                 left = [int(a - b) for a, b in zip(left, take, strict=True)]
-                read, next_id, chunk = read + len(examples), next_id + built.n_ids, chunk + 1
+                read, next_id, chunk = read + len(examples), next_id + len(examples), chunk + 1
             epoch, chunk, left, read, next_id = epoch + 1, 0, [int(c) for c in self.counts], 0, 0
-
-    def _build_chunk(self, examples: list[dict], anchor: dict) -> Chunk:
-        """StreamLoader's, with each row's id in its source and its source (`which`)."""
-        self._stats["examples_read"] += len(examples)
-        ids = np.array([rec["_id"] for rec in examples], dtype=np.int64)
-        which = np.array([rec["_source"] for rec in examples], dtype=np.int64)
-        chunk = self._pair_chunk(self._table(examples, ids), anchor, which)
-        if "tgt_lengths" in chunk.table:  # the chunk's target tokens per source (TensorBoard)
-            tokens = np.bincount(which, chunk.table["tgt_lengths"] + 1, len(self.names))
-            key = (anchor["epoch"], anchor["chunk"])
-            # Built a few ahead of the loop (a thread): keep the last few chunks'.
-            self._shares = {k: v for k, v in self._shares.items() if k >= (key[0], key[1] - 4)}
-            self._shares[key] = (tokens / max(tokens.sum(), 1)).tolist()
-        return chunk

@@ -1,0 +1,196 @@
+"""The one loader: this rank's batches of a split, from any row source, resumable exactly.
+
+A row source (cache_rows.py: a token cache's epochs; stream_rows.py: a stream's chunks; either
+one source or a mixture's) hands out segments (segment.py), each planned whole. Every rank
+walks the same global batches, segment after segment, in rounds of W (the world size): rank r
+takes the round's batch r and makes only that one, a few of its next ones read ahead together.
+A round's target tokens come from the segments' cumulative sums, so the training loop learns
+the step's total over all ranks without a collective, and that work does not grow with W.
+
+Position: where the segment of the current round starts (its `anchor`: the epoch, and for a
+stream the chunk and the reader's state) and the global batches the group has consumed from
+there ("done", which may run past the segment's end). It is the group's, not the rank's, so a
+checkpoint from N ranks resumes on M with the same global order; resuming plans (a stream:
+reads and tokenises) from the anchor again and skips.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from aiayn.data.batch import Batch
+from aiayn.data.pad import RowsRead, read_count
+from aiayn.data.plan import LmPlan
+from aiayn.data.position import check_loader_args, saved_position, saved_state
+from aiayn.data.prefetch import AHEAD, BATCH_THREAD, prefetch
+from aiayn.data.segment import Segment
+
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A batch as the training loop takes it: its epoch, and its round's target tokens (the W
+    batches the ranks take together) and the epoch of the round's last batch."""
+
+    batch: Batch
+    epoch: int
+    round_targets: int
+    round_epoch: int
+
+
+class Rows(Protocol):
+    """A row source: segments and what a position saved over them means."""
+
+    train: bool
+    fingerprint: dict
+    what: str  # what the data is, for messages
+
+    def start(self) -> dict: ...
+    def segments(self, anchor: dict) -> Iterator[Segment]: ...
+    def stats(self) -> dict[str, int]: ...
+    def largest_batches(self, anchor: dict) -> list[Batch]: ...
+    def mixture_scalars(self, position: dict) -> dict[str, float]: ...
+
+
+class Loader:
+    """Batches of one split for one rank. `iter(loader)` gives batches, `taken()` the same
+    with their epochs and rounds; each `for` continues where the last one stopped when
+    training (epoch after epoch, forever), and starts a new pass otherwise, unless a state was
+    just loaded. pin_memory=True hands out batches in page-locked memory (needs CUDA)."""
+
+    def __init__(
+        self, rows: Rows, max_tokens: int, rank: int = 0, world_size: int = 1, pin_memory=False
+    ):
+        check_loader_args(max_tokens, rank, world_size)
+        self.rows, self.rank, self.world_size, self.pin_memory = rows, rank, world_size, pin_memory
+        self.train = rows.train
+        self._pos = {**rows.start(), "done": 0}
+        self._epoch = 0
+        self._resume_pending = False
+        self._batches = 0
+        self._read_count = read_count(max_tokens)
+        self._rows_read: RowsRead | None = None
+
+    # ---- position ---------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the batch last handed out (of the position, after a load)."""
+        return self._epoch
+
+    def state_dict(self) -> dict:
+        """The group's position (the same on every rank) with a fingerprint of what it means:
+        plain values, as a checkpoint stores them."""
+        return saved_state(STATE_VERSION, self.rows.fingerprint, self._pos)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state` at the next iteration; a DataError if it was saved for other
+        data, batching or tokenizer."""
+        fp = self.rows.fingerprint
+        self._pos = saved_position(state, STATE_VERSION, fp, self.rows.what)
+        self._epoch = self._pos["epoch"]
+        self._resume_pending = True
+
+    def stats(self) -> dict[str, int]:
+        """What was read and dropped: examples_read, dropped_too_long, dropped_empty, batches,
+        invalid_utf8_skipped."""
+        return {**self.rows.stats(), "batches": self._batches}
+
+    def mixture_scalars(self) -> dict[str, float]:
+        """What the group has taken of each source of a mixture, for TensorBoard ("data");
+        empty for one source."""
+        return self.rows.mixture_scalars(self._pos)
+
+    def largest_batches(self) -> list[Batch]:
+        """The batches that need the most memory, to try before training; the position does
+        not move."""
+        return self.rows.largest_batches({k: v for k, v in self._pos.items() if k != "done"})
+
+    # ---- iteration ----------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        return (t.batch for t in self.taken())
+
+    def taken(self) -> Iterator[Taken]:
+        if not self.train and not self._resume_pending:
+            self._pos = {**self.rows.start(), "done": 0}
+        self._resume_pending = False
+        # Made ahead in a thread; the position moves only when the loop takes a batch, so a
+        # checkpoint never counts the batches still waiting in the queue.
+        ahead = prefetch(self._rank_batches(self._pos), AHEAD, BATCH_THREAD)
+        try:
+            for taken, pos in ahead:
+                self._pos, self._epoch = pos, taken.epoch
+                self._batches += 1
+                yield taken
+        finally:
+            ahead.close()
+        if not self.train:
+            self._pos = {**self.rows.start(), "done": 0}
+
+    def _rank_batches(self, pos: dict) -> Iterator[tuple[Taken, dict]]:
+        """This rank's batches from `pos` on, each with the group's position after its round.
+        `held` keeps the segments from the round's first on (a round may cross into the next
+        ones); `i` is the round's first batch in held[0]."""
+        W, segments = self.world_size, self.rows.segments(pos)
+        held: deque[Segment] = deque()
+        i = pos["done"]
+        try:
+            while True:
+                while not held or i >= len(held[0]):  # settle: the round's first batch
+                    if held:
+                        i -= len(held.popleft())
+                    if not held and not _pull(segments, held):
+                        return  # an evaluation pass is over
+                targets, last_epoch, mine = self._round(held, i, segments)
+                if mine is None:  # an evaluation pass that ends inside a round, before this rank
+                    return
+                seg, k = mine
+                batch = seg.lm_batch(k) if isinstance(seg.plan, LmPlan) else self._batch(seg, k)
+                batch = batch.pin_memory() if self.pin_memory else batch
+                after = {**held[0].anchor, "done": i + W}  # the group's position
+                yield Taken(batch, seg.epoch, targets, last_epoch), after
+                i += W
+        finally:
+            segments.close()
+
+    def _round(self, held: deque, i: int, segments) -> tuple[int, int, tuple | None]:
+        """The round of W global batches from batch i of held[0]: its target tokens, the epoch
+        of its last batch, and this rank's (segment, batch index), None where an evaluation
+        pass ends first (its last round may be short)."""
+        left, targets, mine, at, n = self.world_size, 0, None, i, 0
+        last = held[0].epoch
+        while left:
+            if n == len(held) and not _pull(segments, held):
+                break
+            seg = held[n]
+            take = min(left, len(seg) - at)
+            targets += int(seg.sums[at + take] - seg.sums[at])
+            offset = self.rank - (self.world_size - left)  # this rank's, in this stretch
+            if mine is None and 0 <= offset < take:
+                mine = (seg, at + offset)
+            left, at, n, last = left - take, 0, n + 1, seg.epoch
+        return targets, last, mine
+
+    def _batch(self, seg: Segment, k: int) -> Batch:
+        """Global batch k of a pair plan, from this rank's batches k, k + W, ... of the segment
+        read together (a few, by read_count)."""
+        read = self._rows_read
+        if read is None or not read.holds(seg.plan, k):
+            step = self.world_size
+            ks = np.arange(k, min(len(seg), k + self._read_count * step), step)
+            read = self._rows_read = seg.read(ks)
+        return read.batch(k)
+
+
+def _pull(segments: Iterator[Segment], held: deque) -> bool:
+    segment = next(segments, None)
+    if segment is not None:
+        held.append(segment)
+    return segment is not None
