@@ -400,9 +400,7 @@ def test_a_build_split_by_file_resumes_an_unfinished_shard_and_equals_one_reader
     cfg = s2s(tmp_path / "three", split / "part*")
     root = cache_dir(cfg, "train")
     work = root.with_name("train.partial")
-    shares = []
-    for r in range(3):
-        open_share(cfg, "train", r, 3, shares)
+    shares = [open_share(cfg, "train", r, 3) for r in range(3)]
     _start_build(cfg, "train", tok, root, work, False, shares[0])
     built = [build_parts(cfg, tok, share, work) for share in shares]
     assert [b["read"] for b in built] == [
@@ -491,9 +489,7 @@ def _build_by_turns(
 
     root = cache_dir(cfg, "train")
     work = root.with_name("train.partial")
-    shares: list = []
-    for r in range(world):
-        open_share(cfg, "train", r, world, shares)
+    shares = [open_share(cfg, "train", r, world) for r in range(world)]
     assert len(shares[0].pieces) >= world
     for again in range(1 + (interrupt is not None)):
         _start_build(cfg, "train", tok, root, work, False, shares[0])

@@ -30,7 +30,8 @@ from pathlib import Path
 from aiayn.config import Config
 from aiayn.data.cache.format import cache_dir
 from aiayn.data.records import hub_errors, record_source
-from aiayn.errors import AiaynError, DataError
+from aiayn.data.together import Sync, on_every_rank
+from aiayn.errors import DataError
 from aiayn.runtime.durable import sha256_of, write_atomic
 
 log = logging.getLogger(__name__)
@@ -39,9 +40,6 @@ MANIFEST = "manifest.json"
 _PART_ROWS = 16_384
 """Records per local part: the token cache's chunk, so that a copy of N records has N / 16,384
 files to share among the ranks, where the Hub has a few."""
-
-Sync = Callable[[object], list]
-"""Every rank calls it with a value and gets every rank's value, in rank order."""
 
 
 def copy_dir(cfg: Config) -> Path:
@@ -161,15 +159,4 @@ def _finish(cfg: Config, work: Path, folder: Path, notes: list[dict]) -> None:
 
 
 def _together(sync: Sync, step: Callable[[], object]) -> list:
-    """Run `step` on every rank; if it failed on any, raise on every rank (a rank that
-    raised alone would leave the others waiting at the next collective)."""
-    try:
-        result, error = step(), None
-    except AiaynError as exc:
-        result, error = None, str(exc)
-    outcomes = sync((result, error))
-    failed = [(r, e) for r, (_, e) in enumerate(outcomes) if e is not None]
-    if failed:
-        r, msg = failed[0]
-        raise DataError(msg if len(outcomes) == 1 else f"copying the Hub split, rank {r}: {msg}")
-    return [value for value, _ in outcomes]
+    return on_every_rank(sync, step, "copying the Hub split")

@@ -25,14 +25,12 @@ from aiayn.data.cache.format import MANIFEST, TokenCache, cache_dir, fingerprint
 from aiayn.data.cache.merge import log_built, merge
 from aiayn.data.cache.parts import read_text
 from aiayn.data.cache.shares import Share, build_parts, gather_scans, open_share, scan_ranges
-from aiayn.errors import AiaynError, DataError
+from aiayn.data.together import Sync, on_every_rank
+from aiayn.errors import DataError
 from aiayn.runtime.durable import write_atomic
 from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-Sync = Callable[[object], list]
-"""Every rank calls it with a value and gets every rank's value, in rank order (DistEnv.gather)."""
 
 
 def ensure_cache(
@@ -81,8 +79,14 @@ def ensure_cache(
         return opened[0]
     expected = fingerprint(cfg, split, tok)
     started = time.perf_counter()
-    shares: list[Share] = []
-    layouts = _all_ok(sync, lambda: open_share(cfg, split, rank, world_size, shares, local))
+    share: Share | None = None
+
+    def open_mine() -> str:
+        nonlocal share
+        share = open_share(cfg, split, rank, world_size, local)
+        return share.described()
+
+    layouts = _all_ok(sync, open_mine)
     if len(set(layouts)) > 1:  # the ranks would go different ways and wait for each other
         raise DataError(
             f"the ranks see different corpus files for {split} (rank 0 would read {layouts[0]}, "
@@ -90,7 +94,6 @@ def ensure_cache(
             f"{next(x for x in layouts if x != layouts[0])}): every rank must see the same "
             "corpus: put it on storage all nodes share"
         )
-    share = shares[0]
     _all_ok(
         sync,
         lambda: _start_build(cfg, split, tok, root, work, rebuild, share) if rank == 0 else None,
@@ -109,18 +112,7 @@ def ensure_cache(
 
 
 def _all_ok(sync: Sync, step: Callable[[], object]) -> list:
-    """Run `step` on every rank; if it failed on any, raise there and on every other rank (a
-    rank that raised alone would leave the others waiting at the next collective)."""
-    try:
-        result, error = step(), None
-    except AiaynError as exc:
-        result, error = None, str(exc)
-    outcomes = sync((result, error))
-    errors = [(r, e) for r, (_, e) in enumerate(outcomes) if e is not None]
-    if errors:
-        rank, msg = errors[0]
-        raise DataError(msg if len(outcomes) == 1 else f"preparing the data, rank {rank}: {msg}")
-    return [r for r, _ in outcomes]
+    return on_every_rank(sync, step, "preparing the data")
 
 
 def _start_build(

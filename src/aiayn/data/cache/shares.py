@@ -61,13 +61,21 @@ class Share:
             return json.dumps({"ranges": [[p.group, p.index, p.of] for p in self.pieces]})
         return json.dumps({"shards": self.shards} if self.shards else {"chunks": _CHUNK})
 
+    def described(self) -> str:
+        """What the ranks compare before they build: the layout's digest (not the layout, W
+        ranges each, gathered on W ranks) and what it is."""
+        digest = hashlib.sha256(self.layout.encode()).hexdigest()[:12]
+        if self.pieces:
+            return f"{len(self.lines.groups)} file(s) in {len(self.pieces)} byte ranges, {digest}"
+        return f"{self.shards} shards, {digest}" if self.shards else f"the whole stream, {digest}"
+
     def mine(self, n: int) -> range:
         return range(self.rank, n, self.world_size)
 
 
 def open_share(
-    cfg: Config, split: str, rank: int, world_size: int, out: list, local: list[str] | None = None
-) -> str:
+    cfg: Config, split: str, rank: int, world_size: int, local: list[str] | None = None
+) -> Share:
     """Open the source without checking it whole and decide how the ranks share it (`local`:
     a Hub split's local copy, data/hub_copy.py)."""
     spec = getattr(cfg.data, split)
@@ -90,12 +98,7 @@ def open_share(
                 world_size,
                 world_size,
             )
-    out.append(share)
-    # What the ranks compare: a digest, not the layout (W ranges each, gathered on W ranks).
-    digest = hashlib.sha256(share.layout.encode()).hexdigest()[:12]
-    if share.pieces:
-        return f"{len(share.lines.groups)} file(s) in {len(share.pieces)} byte ranges, {digest}"
-    return f"{share.shards} shards, {digest}" if share.shards else f"the whole stream, {digest}"
+    return share
 
 
 def scan_ranges(share: Share, work: Path) -> dict[int, dict]:
