@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from aiayn.config import Config
-from aiayn.data.mixture import as_train, epoch_counts, largest_remainder, shares, tag_ids
+from aiayn.data.mixture import Mixture, as_train, tag_ids
 from aiayn.data.position import Settings, recorded_number
 from aiayn.data.splits import Source, open_split, source_identity
 from aiayn.errors import DataError
@@ -114,27 +114,14 @@ class StreamMixture:
         }
 
     def _set_counts(self, sizes: list[int] | None) -> None:
-        """Each source's examples per epoch, from the weights (data.epoch examples) or from
-        the sources' sizes (every other definition, and a temperature)."""
-        data = self.cfg
-        weights = None if data.temperature is not None else [s.weight for s in data.sources]
-        if sizes is None:
-            p = shares(np.ones(len(self.names)), weights, None)
-            self.counts = largest_remainder(p, data.epoch_size)
-        else:
-            sizes_ = np.asarray(sizes, dtype=np.int64)
-            p = shares(sizes_, weights, data.temperature)
-            self.counts = epoch_counts(
-                sizes_,
-                p,
-                data.epoch,
-                names=self.names,
-                source=data.epoch_source,
-                size=data.epoch_size,
-            )
-        self.sizes = sizes
+        """Each source's examples per epoch, as mixture.py's Mixture counts them: from the
+        weights alone for data.epoch examples (`sizes` None: the streams are not read), from
+        the sources' sizes for every other definition and a temperature."""
+        known = [1] * len(self.names) if sizes is None else sizes  # None: the weights decide
+        mixture = Mixture.of(self.cfg, self.seed, known, None)
+        self.counts, self.sizes = mixture.counts, sizes
         if self.rank == 0:
-            self._log_sources(p)
+            self._log_sources(mixture.p)
 
     def _count_sizes(self) -> list[int]:
         """Every source's records, read through once: what data.epoch (other than examples)
