@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from aiayn.checkpoint.inference import load_for_inference  # noqa: E402
-from aiayn.data.run_splits import copied_split  # noqa: E402
+from aiayn.data.split_copies import copied_split  # noqa: E402
 from aiayn.distributed.env import setup, teardown  # noqa: E402
 from aiayn.engine.ddp_engine import LocalEngine  # noqa: E402
 from aiayn.eval.validation import Validation

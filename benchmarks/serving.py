@@ -119,7 +119,7 @@ def random_base(tokenizer: Path, out: Path) -> Path:
     """transformer_base with random weights as an aiayn export, eos made improbable."""
     import torch
 
-    from aiayn.checkpoint.tools import export_module
+    from aiayn.checkpoint.average import export_module
     from aiayn.config import load_config
     from aiayn.model import build_model
     from aiayn.tokenizer import Tokenizer

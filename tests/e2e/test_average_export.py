@@ -90,7 +90,7 @@ def test_average_of_the_last_two_is_their_mean_and_translates(run, tmp_path):
 
 
 def test_average_of_three_named_checkpoints_sums_in_fp32(run, tmp_path):
-    from aiayn.checkpoint.tools import average
+    from aiayn.checkpoint.average import average
 
     names = [run / f"checkpoints/step_{s:08d}" for s in (6, 12, 15)]
     average(names, tmp_path / "avg3")

@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from aiayn.checkpoint.average import export, export_module
 from aiayn.checkpoint.inference import load_for_inference
-from aiayn.checkpoint.load import load_weights
-from aiayn.checkpoint.tools import export, export_module
+from aiayn.checkpoint.init_from import load_weights
 from aiayn.config import keys_set, load_config
 from aiayn.errors import CheckpointError, ConfigError, TokenizerError
 from aiayn.model import build_model, vocab_parameters

@@ -16,8 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from aiayn.checkpoint import checkpoints_in, read_trainer_state
+from aiayn.checkpoint.average import average, export
 from aiayn.checkpoint.locate import locate
-from aiayn.checkpoint.tools import average, export
 
 import tiny  # tests/e2e/tiny.py, beside this file
 from helpers import checkpoint_dir, torchrun, weights_at  # tests/helpers.py

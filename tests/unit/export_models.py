@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from aiayn.checkpoint.tools import export_module
+from aiayn.checkpoint.average import export_module
 from aiayn.config import load_config
 from aiayn.model import build_model
 from aiayn.tokenizer import Tokenizer

@@ -619,7 +619,7 @@ import itertools, sys
 from aiayn.config import load_config
 from aiayn.data import make_loader, open_split, sample_sentences
 from aiayn.data.cache import ensure_cache
-from aiayn.data.run_splits import with_run_copy
+from aiayn.data.split_copies import with_run_copy
 from aiayn.tokenizer import Tokenizer, train_tokenizer
 cfg = load_config(None, ["data.train={corpus}/train", "data.valid={corpus}/valid",
     "data.cache_dir={tmp_path}/cache", "tokenizer.path={tmp_path}/spm.model",

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from aiayn.checkpoint import CheckpointManager, read_manifest
-from aiayn.checkpoint.load import load_weights
+from aiayn.checkpoint.init_from import load_weights
 from aiayn.checkpoint.locate import locate
 from aiayn.config import load_config
 from aiayn.engine.ddp_engine import LocalEngine
@@ -144,7 +144,7 @@ def test_a_checkpoint_holds_the_ema_which_loads_as_a_model_by_the_name_ema(tmp_p
 
 
 def test_init_optimizer_keep_refuses_the_ema(tmp_path):
-    from aiayn.checkpoint.load import load_moments
+    from aiayn.checkpoint.init_from import load_moments
 
     engine = engine_for("train.ema=0.9")
     train_steps(engine, 1)

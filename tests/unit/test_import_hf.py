@@ -20,8 +20,8 @@ from bench_venv import require_bench_venv, run_in_bench_venv  # tests/bench_venv
 from export_models import write_model
 from safetensors.torch import load_file
 
+from aiayn.checkpoint.average import export_paths
 from aiayn.checkpoint.inference import load_for_inference
-from aiayn.checkpoint.tools import export_paths
 from aiayn.errors import ExportError
 from aiayn.export import export_model
 from aiayn.export.hf_import import import_hf

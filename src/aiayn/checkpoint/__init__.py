@@ -1,7 +1,8 @@
 """Checkpoints: the files (format.py), the manager that saves, keeps and restores a run's
 (manager.py; it writes them with writer.py and resumes with resume.py; every rank's RNG
 streams in rng_file.py), resuming on another
-topology (reshard.py), and averaging and export for inference (tools.py). Above engine/: an
+topology (reshard.py), averaging and export for inference (average.py), loading a model to
+infer (inference.py) or to start from (init_from.py), found by locate.py. Above engine/: an
 engine hands its state over in engine/state.py's types and never imports this package."""
 
 from aiayn.checkpoint.format import (

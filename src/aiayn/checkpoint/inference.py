@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from aiayn.checkpoint.format import check_architecture
-from aiayn.checkpoint.load import load_weights
+from aiayn.checkpoint.init_from import load_weights
 from aiayn.checkpoint.locate import Located, locate
 from aiayn.config import Config, apply_override, config_from_dict
 from aiayn.model import build_model

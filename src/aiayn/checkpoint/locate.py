@@ -56,7 +56,7 @@ def locate(path: str | Path) -> Located:
     RUN/latest), a step or averaged directory, or FILE.safetensors from `aiayn export`; any
     of those but the last followed by /ema for its train.ema weights (RUN/ema). Checkpoint
     directories verified against their manifest's checksums."""
-    from aiayn.checkpoint.tools import export_paths, read_export
+    from aiayn.checkpoint.average import export_paths, read_export
 
     path = Path(path)
     parent = ema_of(path)

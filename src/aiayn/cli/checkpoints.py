@@ -105,7 +105,7 @@ def add_parsers(sub) -> None:
 
 
 def cmd_average(args) -> int:
-    from aiayn.checkpoint.tools import average
+    from aiayn.checkpoint.average import average
     from aiayn.train.monitor import setup_logging
 
     setup_logging(None)
@@ -125,7 +125,7 @@ def cmd_finish(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from aiayn.checkpoint.tools import export_paths
+    from aiayn.checkpoint.average import export_paths
     from aiayn.export import export_model
     from aiayn.train.monitor import setup_logging
 
@@ -158,7 +158,7 @@ def cmd_export(args) -> int:
 def cmd_import_hf(args) -> int:
     import time
 
-    from aiayn.checkpoint.tools import read_export
+    from aiayn.checkpoint.average import read_export
     from aiayn.export.hf_import import import_hf
     from aiayn.train.monitor import setup_logging
 

@@ -11,7 +11,7 @@ from aiayn.checkpoint import CHECKPOINTS_DIR
 from aiayn.checkpoint.format import EMA, ema_of
 from aiayn.config import Config
 from aiayn.data import make_loader, open_split
-from aiayn.data.run_splits import copied_split
+from aiayn.data.split_copies import copied_split
 from aiayn.errors import ConfigError, ExportError
 from aiayn.eval.scores import score_lines, split_lines, translation_scores, validation_metrics
 from aiayn.export.ct2_runtime import Ct2Model, translate_ct2

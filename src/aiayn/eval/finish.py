@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.checkpoint import CHECKPOINTS_DIR, checkpoints_in, read_manifest
+from aiayn.checkpoint.average import average
 from aiayn.checkpoint.format import EMA, EMA_FILE
 from aiayn.checkpoint.retention import Retention
-from aiayn.checkpoint.tools import average
 from aiayn.config import config_from_dict
 from aiayn.errors import CheckpointError
 from aiayn.runtime.durable import write_atomic

@@ -1,6 +1,6 @@
 """Models that leave the trainer: `aiayn export CHECKPOINT --format FORMAT --output PATH`.
 
-    safetensors   FILE.safetensors, the config and tokenizer beside it (checkpoint/tools.py);
+    safetensors   FILE.safetensors, the config and tokenizer beside it (checkpoint/average.py);
                   loaded back by `aiayn translate --checkpoint FILE.safetensors`
     ctranslate2   a CTranslate2 model directory (ct2.py): OpenNMT's C++ engine, int8/int16/fp16
     hf            a Hugging Face transformers directory (hf.py): MarianMT for translation, OPT for
@@ -35,7 +35,7 @@ def export_model(
     if quantization is not None and fmt != "ctranslate2":
         raise ExportError("--quantization is for --format ctranslate2")
     if fmt == "safetensors":
-        from aiayn.checkpoint.tools import export
+        from aiayn.checkpoint.average import export
 
         return export(checkpoint, output, dtype)
     if Path(output).exists():

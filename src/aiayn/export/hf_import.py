@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from aiayn.checkpoint.tools import export_module
+from aiayn.checkpoint.average import export_module
 from aiayn.config import load_config
 from aiayn.errors import ExportError, TokenizerError
 from aiayn.export.bart_layout import (

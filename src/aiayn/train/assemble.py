@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from aiayn.checkpoint import CheckpointManager, Progress
-from aiayn.checkpoint.load import load_moments
+from aiayn.checkpoint.init_from import load_moments
 from aiayn.config import Config
 from aiayn.data import make_loader
 from aiayn.data.batch import resolve_pad_to_multiple

@@ -10,7 +10,7 @@ import logging
 
 from aiayn.config import Config
 from aiayn.data.mixture import as_train
-from aiayn.data.run_splits import with_run_copy
+from aiayn.data.split_copies import with_run_copy
 from aiayn.distributed.env import DistEnv
 from aiayn.errors import DataError
 from aiayn.eval.validation import Validation

@@ -1,6 +1,6 @@
 """Starting a run from a trained model (`init.source`), at run start: resolving the source
 and recording it in the run directory, the architecture and tokenizer it brings, and loading its
-weights into the new model (checkpoint/locate.py finds a source's files, checkpoint/load.py
+weights into the new model (checkpoint/locate.py finds a source's files, checkpoint/init_from.py
 reads its weights and moments).
 
 What a source can be, read as `aiayn translate` reads a checkpoint (`locate`): a run directory
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.checkpoint.format import ARCHITECTURE_FIELDS, ema_of, read_manifest
-from aiayn.checkpoint.load import load_weights
+from aiayn.checkpoint.init_from import load_weights
 from aiayn.checkpoint.locate import Located, exists, fingerprint, locate
 from aiayn.config import Config
 from aiayn.distributed.env import DistEnv

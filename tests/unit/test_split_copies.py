@@ -1,4 +1,4 @@
-"""The run's copy of its validation split (aiayn/data/run_splits.py): the same records as the
+"""The run's copy of its validation split (aiayn/data/split_copies.py): the same records as the
 source in every format, made once, kept when the source changes or goes."""
 
 import dataclasses
@@ -12,7 +12,7 @@ from batch_checks import same, stream_loader
 
 from aiayn.config import Config, DataConfig, ModelConfig
 from aiayn.data import open_split
-from aiayn.data.run_splits import copied_split, with_run_copy
+from aiayn.data.split_copies import copied_split, with_run_copy
 from aiayn.errors import DataError
 
 
