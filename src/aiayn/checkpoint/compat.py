@@ -1,10 +1,13 @@
 """The checkpoints of an earlier aiayn that a test pins (tests/fixtures/resume_v1): each older
 form is turned into today's here, once, as it is read, so that no other module reads around it.
 
-Pinned today: the data position of a token-cache run saved before caches were named by their
-content (the fingerprint named the cache by the digest of its whole manifest) and before
-`pad_to_multiple` was recorded. Any other older position is compared as it is, and refused
-where it differs, with the message saying what differs.
+Pinned today, from the checkpoints of that fixture:
+- every rank's RNG state in trainer.pt's "rng" list (today: rng.safetensors, each rank reading
+  its own), and a manifest without the world size (the list's length is it);
+- the data position of a token-cache run saved before caches were named by their content (the
+  fingerprint named the cache by the digest of its whole manifest) and before `pad_to_multiple`
+  was recorded. Any other older position is compared as it is, and refused where it differs,
+  with the message saying what differs.
 """
 
 from __future__ import annotations
@@ -14,6 +17,21 @@ import json
 
 from aiayn.data.cache import TokenCache
 from aiayn.runtime.durable import sha256_of
+
+
+def world_size(manifest: dict, trainer_state: dict) -> int:
+    """The world size a checkpoint was written at: its manifest's, or the number of RNG states
+    in trainer.pt, where the manifest did not record it."""
+    return manifest["world_size"] if "world_size" in manifest else len(trainer_state["rng"])
+
+
+def rng_in_trainer_state(trainer_state: dict, rank: int) -> tuple[int, dict | None] | None:
+    """(ranks saved, this rank's RNG state or None) from trainer.pt's list, where a checkpoint
+    holds them there; None for one of today's (rng.safetensors)."""
+    if "rng" not in trainer_state:
+        return None
+    states = trainer_state["rng"]
+    return len(states), states[rank] if rank < len(states) else None
 
 
 def data_state(state: dict, caches: list[TokenCache]) -> dict:

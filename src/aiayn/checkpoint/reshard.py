@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from aiayn.checkpoint import compat
 from aiayn.checkpoint.format import MODEL_FILE, TRAINER_TENSORS_FILE, Stored
 from aiayn.engine.state import DEEPSPEED_DIR, MOMENTS, WEIGHT, Portable
 from aiayn.errors import CheckpointError
@@ -71,9 +72,7 @@ class Topology:
         par = manifest["config"].get("distributed", {})
         backend = par.get("backend", "ddp")
         stage = par.get("zero_stage", 0) if backend == "deepspeed" else 0
-        # Manifests written before they held the world size have every rank's RNG state.
-        world = manifest["world_size"] if "world_size" in manifest else len(trainer_state["rng"])
-        return cls(backend, stage, world)
+        return cls(backend, stage, compat.world_size(manifest, trainer_state))
 
 
 class Pieces:

@@ -244,15 +244,11 @@ def _warn_of_another_batch(train: Any, world_size: int, manifest: dict) -> None:
 
 def restore_rng(run: Any, ckpt: Path, trainer_state: dict, step: int) -> None:
     """This rank's dropout stream from the checkpoint's RNG states: its own, read from
-    rng.safetensors (checkpoint/rng_file.py), or from trainer_state["rng"] (every rank's, in
-    rank order) in checkpoints written before; on another world size, fresh distinct streams
-    derived from the step resumed at."""
+    rng.safetensors (checkpoint/rng_file.py; an older form: checkpoint/compat.py); on another
+    world size, fresh distinct streams derived from the step resumed at."""
     env = run.env
-    if "rng" in trainer_state:
-        saved = len(trainer_state["rng"])
-        mine = trainer_state["rng"][env.rank] if saved == env.world_size else None
-    else:
-        saved, mine = rng_file.read_own(ckpt, env.rank)
+    older = compat.rng_in_trainer_state(trainer_state, env.rank)
+    saved, mine = older if older is not None else rng_file.read_own(ckpt, env.rank)
     if saved == env.world_size and mine is not None:
         load_rng_state(mine)
     else:  # another world size: fresh, distinct streams, derived from the step

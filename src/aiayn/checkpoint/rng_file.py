@@ -4,7 +4,7 @@ which each rank reads its own.
 Rank 0 gathers the W states (one send from each rank, to rank 0 only) and writes them with the
 rest of the files no rank writes by range. At a resume on the same world size each rank reads
 the tensors of its own rank: not W states unpickled on each of W ranks, which trainer.pt's list
-of them cost before (checkpoints written so, which hold trainer_state["rng"], load as before).
+of them cost before (the checkpoints written so are read by checkpoint/compat.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ What the reference path buys at scale, in modules named for it:
     position.py             the saved position's fingerprint, and its checks on a resume
     mixture.py              a mixture's sources, weights, tags and epochs (data.sources)
     steps.py                each optimizer step's micro-batches, up to train.max_epochs
-    split_copies.py           the run's own copies of its dev and test splits
+    split_copies.py         the run's own copies of its dev and test splits
     hub_revision.py         a Hub dataset pinned to the commit the first start read
     hub_copy.py             a Hub training split copied once to local parquet files
     prepare.py              the tokenizer and the token caches made ready before training

@@ -1,5 +1,5 @@
 """Opening a split of a corpus: every format becomes a Source (data/source.py), a stream of
-normalised records made by `datasets` on demand.
+normalised records read by its format's one reader.
 
     parallel, text               line files (data/line_files.py): checked whole when opened
     tsv, jsonl, parquet, hub     records with fields (data/records.py): the first one read
