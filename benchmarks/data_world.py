@@ -91,8 +91,8 @@ def other_planners(cfg, tok, cache, W: int, epochs: int) -> None:
         if e % L:
             kw = dict(rank=e % L, world_size=W, local_rank=e % L, local_world_size=L)
             planner = make_loader(cfg, cfg.data.train, tok, train=True, cache=cache, **kw)
-            planner._plan_files._prune = lambda epoch: None
-            planner.plan(e)
+            planner.rows._plan_files._prune = lambda epoch: None
+            planner.rows.plan(e)
 
 
 def streamed_epoch(loader) -> tuple[float, int]:

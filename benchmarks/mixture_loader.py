@@ -124,9 +124,9 @@ def main(argv: list[str] | None = None) -> None:
         ld, it = streams[name]
 
         def timed() -> float:
-            # Counted on plans of their own: ld.plan(e) would replace the loader's current
+            # Counted on plans of their own: ld.rows.plan(e) would replace the loader's current
             # and next-epoch plans, which it would then make again inside the timed window.
-            n = sum(len(ld._compute_plan(ld.epoch + e)) for e in range(EPOCHS))
+            n = sum(len(ld.rows.compute_plan(ld.epoch + e)) for e in range(EPOCHS))
             start, tokens = time.perf_counter(), 0
             for batch in itertools.islice(it, n):
                 tokens += batch.n_tokens
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
 
         def timed() -> float:
             start = time.perf_counter()
-            ld._compute_plan(next(epochs))
+            ld.rows.compute_plan(next(epochs))
             return time.perf_counter() - start
 
         return timed
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(
             [
                 name,
-                f"{len(streams[name][0].plan(0)):,}",
+                f"{len(streams[name][0].rows.plan(0)[0]):,}",
                 f"{fmt(med)} ({fmt(lo)}-{fmt(hi)})",
                 f"{med / base:.3f}",
                 f"{summary(batch_rates[name][-repeats:])[0] / batch_base:.3f}",
