@@ -6,16 +6,16 @@ lengths, ids and labels. Pairs (seq2seq, classifier) are padded by `read_batches
 `one_batch`), a language model's blocks by `lm_batch`. A mixture's tags are put here, before a
 tagged source's source tokens, and nowhere else.
 
-A token-cache loader hands out one batch at a time but reads and pads its next batches of the
-epoch in one go (about READ_TOKENS padded tokens of them). A batch of a few thousand tokens
-costs mostly numpy's fixed price per call, a microsecond or two, and made one at a time it took
-some twenty calls (gathers of offsets and tokens per side, a mask, a fill and an assignment per
-tensor), a mixture of sources (data/cache_rows.py) a gather per source on top. Together,
-those calls are made once per read: every batch's tensors are laid out one after another in
-one array per tensor, each token put straight into its padded cell, and a batch is then views
-of those arrays. A mixture's rows are read source by source, each source's rows in one gather,
-and their tokens land in their batches' cells by the same scatter, so the number of sources
-costs a few calls per read, not per batch.
+The loader hands out one batch at a time but reads and pads its next batches of the segment (an
+epoch, or a streamed chunk) in one go (about READ_TOKENS padded tokens of them). A batch of a
+few thousand tokens costs mostly numpy's fixed price per call, a microsecond or two, and made
+one at a time it took some twenty calls (gathers of offsets and tokens per side, a mask, a fill
+and an assignment per tensor), a mixture of sources (data/cache_rows.py) a gather per source on
+top. Together, those calls are made once per read: every batch's tensors are laid out one after
+another in one array per tensor, each token put straight into its padded cell, and a batch is
+then views of those arrays. A mixture's rows are read source by source, each source's rows in
+one gather, and their tokens land in their batches' cells by the same scatter, so the number of
+sources costs a few calls per read, not per batch.
 
 The read holds its batches' padded tensors (three int64 arrays of about READ_TOKENS), so the
 memory held ahead stays small at any batch size.

@@ -21,9 +21,8 @@ _LOADER_FIX = {"stream": "data.cache=false", "cache": "data.cache=true"}
 @dataclass(frozen=True)
 class Settings:
     """What the batches of a split depend on, besides its rows: the data config, the
-    tokenizer, the model kind, the token budget, the seed, whether it trains (epoch after
-    epoch, shuffled) or makes one pass, and data.pad_to_multiple as resolved for the device.
-    `rank` says which rank logs."""
+    tokenizer, the model kind, the token budget, the seed, and whether it trains (epoch after
+    epoch, shuffled) or makes one pass. `rank` says which rank logs."""
 
     cfg: DataConfig
     tok: Tokenizer
@@ -35,6 +34,7 @@ class Settings:
 
     @property
     def multiple(self) -> int:
+        """What batch widths are rounded up to (data.pad_to_multiple; 1 where unset)."""
         return self.cfg.pad_to_multiple or 1
 
 
