@@ -76,7 +76,7 @@ class CacheRows:
     def _index(self) -> None:
         """Rows' widths and target lengths, each source's kept examples, and the mixture."""
         s, cfg = self.settings, self.settings.cfg
-        widths, tgt_lens, kept, mean_tokens, self.too_long = [], [], [], [], 0
+        widths, tgt_lens, kept, self.too_long = [], [], [], 0
         self.base, self._source_of, self.mixture = None, None, None
         if s.kind == "lm":  # documents are cut into blocks: none is too long
             return
@@ -91,9 +91,6 @@ class CacheRows:
             # width a row is padded to, so the token budget includes the rounding.
             widths.append(round_width(longest + 1, s.multiple, cfg.max_len + 1))
             tgt_lens.append(tgt_len)
-            # Target tokens per example as Batch.n_tokens counts them: eos included; 1 a label.
-            has = tgt_len is not None and len(kept[-1])
-            mean_tokens.append(float(tgt_len[kept[-1]].mean()) + 1 if has else 1.0)
         self._kept = kept
         if len(self.caches) == 1:  # the cache's own arrays: per-rank memory, memory-mapped
             self._width, self._tgt_len = widths[0], tgt_lens[0]
@@ -106,8 +103,12 @@ class CacheRows:
         sizes = np.diff(self.base)
         small = np.int8 if len(sizes) < 128 else np.int16
         self._source_of = np.repeat(np.arange(len(sizes), dtype=small), sizes)
-        if s.kind == "classifier":
-            mean_tokens = [1.0] * len(self.caches)
+        # Target tokens per example as Batch.n_tokens counts them (eos included; 1 a label),
+        # for data.epoch tokens: a gather of every kept row, so made for a mixture only.
+        mean_tokens = [
+            float(t[k].mean()) + 1 if t is not None and len(k) else 1.0
+            for t, k in zip(tgt_lens, kept, strict=True)
+        ]
         try:
             self.mixture = Mixture.of(cfg, s.seed, [len(k) for k in kept], mean_tokens)
         except ValueError as exc:
