@@ -27,11 +27,11 @@ import numpy as np
 from aiayn.data.batch import Batch, round_width
 from aiayn.data.cache import TokenCache
 from aiayn.data.mixture import Mixture, tag_ids
-from aiayn.data.pad import Specials, cache_arrays
+from aiayn.data.pad import cache_arrays
 from aiayn.data.plan import LmPlan, Plan, epoch_rng, lm_plan, pair_plan
 from aiayn.data.plan_files import PlanFiles, plans_folder
 from aiayn.data.position import Settings, fingerprint, recorded_number
-from aiayn.data.segment import Segment, target_sums
+from aiayn.data.segment import Segment, nothing_left, row_targets, specials, target_sums
 from aiayn.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class CacheRows:
         """Rows' widths and target lengths, each source's kept examples, and the mixture."""
         s, cfg = self.settings, self.settings.cfg
         widths, tgt_lens, kept, self.too_long = [], [], [], 0
-        self.base, self._source_of, self.mixture = None, None, None
+        self.base, self._source_of, self.mixture, self._tgt_len = None, None, None, None
         if s.kind == "lm":  # documents are cut into blocks: none is too long
             return
         for c, tag in zip(self.caches, self.tags, strict=True):
@@ -187,21 +187,14 @@ class CacheRows:
             epoch += 1
 
     def _segment(self, epoch: int, plan: Plan | LmPlan, sums: np.ndarray) -> Segment:
-        tok, s = self.settings.tok, self.settings
-        special = Specials(tok.pad_id, tok.bos_id, tok.eos_id, s.multiple, s.cfg.max_len + 1)
         return Segment(
-            {"epoch": epoch}, epoch, plan, sums, self.tables, special, self.tags,
-            self._source_of, self.base,
+            {"epoch": epoch}, epoch, plan, sums, self.tables, specials(self.settings),
+            self.tags, self._source_of, self.base,
         )  # fmt: skip
 
     def _nothing_left(self) -> DataError:
-        s = self.stats()
         where = f"token cache {self.caches[0].root}" if len(self.caches) == 1 else "the sources"
-        return DataError(
-            f"{where} gives no batches: of {s['examples_read']} examples read, "
-            f"{s['dropped_too_long']} are longer than data.max_len={self.settings.cfg.max_len} "
-            f"tokens and {s['dropped_empty']} are empty; raise data.max_len or check the corpus"
-        )
+        return nothing_left(where, self.stats(), self.settings.cfg.max_len)
 
     # ---- plans ------------------------------------------------------------------------------
 
@@ -243,7 +236,7 @@ class CacheRows:
         if kept is not None:
             return kept
         plan = self.compute_plan(epoch)
-        sums = target_sums(plan, self._row_targets)
+        sums = target_sums(plan, self._tgt_len)
         if files is not None and files.plans(epoch):
             self._background().submit(files.write, epoch, plan, sums)
         return plan, sums
@@ -264,12 +257,6 @@ class CacheRows:
         if not cfg.shuffle_buffer:  # no bucketing, but the sources still interleave
             rows, rng = rows[rng.permutation(len(rows))], None
         return pair_plan(self._width, rows, s.max_tokens, cfg.shuffle_buffer, rng)
-
-    def _row_targets(self, rows: np.ndarray) -> np.ndarray:
-        """int64 target tokens of each row as Batch.n_tokens counts them (eos included)."""
-        if self.settings.kind == "classifier":
-            return np.ones(len(rows), np.int64)
-        return self._tgt_len[rows].astype(np.int64) + 1
 
     # ---- what the loader asks besides -------------------------------------------------------
 
@@ -323,7 +310,7 @@ class CacheRows:
             batch = np.repeat(np.arange(n), np.diff(plan.bounds))
             cell = batch * S + self._source_of[plan.rows]
             examples = np.bincount(cell, minlength=n * S).reshape(n, S)
-            weights = self._row_targets(plan.rows).astype(np.float64)
+            weights = row_targets(self._tgt_len, plan.rows).astype(np.float64)
             tokens = np.bincount(cell, weights=weights, minlength=n * S).reshape(n, S)
             if plan.order is not None:
                 examples, tokens = examples[plan.order], tokens[plan.order]

@@ -15,6 +15,8 @@ import numpy as np
 from aiayn.data.batch import Batch
 from aiayn.data.pad import RowsRead, Specials, lm_batch, ragged_index, read_batches
 from aiayn.data.plan import LmPlan, Plan
+from aiayn.data.position import Settings
+from aiayn.errors import DataError
 
 
 @dataclass
@@ -51,9 +53,32 @@ class Segment:
         return lm_batch(self.tables[0], self.plan, k, self.special, self.first_id)
 
 
-def batch_targets(plan: Plan | LmPlan, row_targets) -> np.ndarray:
-    """Target tokens of each global batch of `plan` (Batch.n_tokens), in plan order.
-    `row_targets(rows)`: each row's (eos included; 1 for a label); unused for blocks."""
+def specials(s: Settings) -> Specials:
+    """What padding the rows of a source with these settings needs."""
+    tok = s.tok
+    return Specials(tok.pad_id, tok.bos_id, tok.eos_id, s.multiple, s.cfg.max_len + 1)
+
+
+def row_targets(tgt_lengths: np.ndarray | None, rows: np.ndarray) -> np.ndarray:
+    """int64 target tokens of each row as Batch.n_tokens counts them: its target and eos, or 1
+    where there is no target side (a label)."""
+    if tgt_lengths is None:
+        return np.ones(len(rows), np.int64)
+    return tgt_lengths[rows].astype(np.int64) + 1
+
+
+def nothing_left(where: str, stats: dict[str, int], max_len: int) -> DataError:
+    """A split that gives no batch at all: what was read, and what was dropped and why."""
+    return DataError(
+        f"{where} gives no batches: of {stats['examples_read']} examples read, "
+        f"{stats['dropped_too_long']} are longer than data.max_len={max_len} tokens and "
+        f"{stats['dropped_empty']} are empty; raise data.max_len or check the corpus"
+    )
+
+
+def batch_targets(plan: Plan | LmPlan, tgt_lengths: np.ndarray | None) -> np.ndarray:
+    """Target tokens of each global batch of `plan` (Batch.n_tokens), in plan order, from the
+    rows' target lengths (`row_targets`; unused for blocks)."""
     if isinstance(plan, LmPlan):  # a block's targets are its positions 1.. inside the stream
         starts = plan.offset + np.arange(plan.n_blocks, dtype=np.int64) * plan.size
         per_block = np.clip(plan.total - starts - 1, 0, plan.size - 1)
@@ -63,9 +88,9 @@ def batch_targets(plan: Plan | LmPlan, row_targets) -> np.ndarray:
         return np.add.reduceat(blocks, np.arange(0, len(blocks), plan.rows))
     if not len(plan.rows):
         return np.zeros(0, np.int64)
-    per_batch = np.add.reduceat(row_targets(plan.rows), plan.bounds[:-1])
+    per_batch = np.add.reduceat(row_targets(tgt_lengths, plan.rows), plan.bounds[:-1])
     return per_batch if plan.order is None else per_batch[plan.order]
 
 
-def target_sums(plan: Plan | LmPlan, row_targets) -> np.ndarray:
-    return np.concatenate(([0], np.cumsum(batch_targets(plan, row_targets))))
+def target_sums(plan: Plan | LmPlan, tgt_lengths: np.ndarray | None) -> np.ndarray:
+    return np.concatenate(([0], np.cumsum(batch_targets(plan, tgt_lengths))))

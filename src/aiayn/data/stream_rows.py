@@ -26,11 +26,11 @@ import numpy as np
 
 from aiayn.config import Config
 from aiayn.data.batch import Batch, round_width
-from aiayn.data.pad import Specials, table
+from aiayn.data.pad import table
 from aiayn.data.plan import LmPlan, Plan, lm_plan, pair_plan
 from aiayn.data.position import Settings, fingerprint
 from aiayn.data.prefetch import prefetch
-from aiayn.data.segment import Segment, target_sums
+from aiayn.data.segment import Segment, nothing_left, specials, target_sums
 from aiayn.data.splits import open_split, source_identity
 from aiayn.data.stream_mixture import StreamMixture
 from aiayn.errors import DataError
@@ -106,12 +106,7 @@ class StreamRows:
             epoch, chunk, state, read, next_id, first = epoch + 1, 0, None, 0, 0, 0
 
     def _nothing_left(self) -> DataError:
-        s = self.stats()
-        return DataError(
-            f"{self.what} gives no batches: of {s['examples_read']} examples read, "
-            f"{s['dropped_too_long']} are longer than data.max_len={self.settings.cfg.max_len} "
-            f"tokens and {s['dropped_empty']} are empty; raise data.max_len or check the corpus"
-        )
+        return nothing_left(self.what, self.stats(), self.settings.cfg.max_len)
 
     # ---- one chunk --------------------------------------------------------------------------
 
@@ -170,20 +165,12 @@ class StreamRows:
         return width, np.flatnonzero(~empty & ~too_long)
 
     def _made(self, anchor, plan, tables, which=None, first_id=0) -> Segment:
-        s, tok = self.settings, self.settings.tok
-        special = Specials(tok.pad_id, tok.bos_id, tok.eos_id, s.multiple, s.cfg.max_len + 1)
-        targets = tables[0].get("tgt_lengths")
-
-        def row_targets(rows: np.ndarray) -> np.ndarray:
-            if targets is None:  # a label
-                return np.ones(len(rows), np.int64)
-            return targets[rows].astype(np.int64) + 1
-
-        sums = target_sums(plan, row_targets)
+        sums = target_sums(plan, tables[0].get("tgt_lengths"))
         tags = None if which is None else self.tags
         return Segment(
-            anchor, anchor["epoch"], plan, sums, tables, special, tags, which, first_id=first_id
-        )
+            anchor, anchor["epoch"], plan, sums, tables, specials(self.settings), tags, which,
+            first_id=first_id,
+        )  # fmt: skip
 
     def largest_batches(self, anchor: dict) -> list[Batch]:
         """A batch of the widest rows the data allows (max_len + 1 tokens), as many as the
