@@ -80,7 +80,7 @@ class Source:
         """The normalised records after the first `read` of the split, or, for a dataset, from
         its saved `state` (the count then only says how many that is)."""
         if self._read is not None:
-            return Stream(itertools.islice(map(self.normalize, self._read(None)), read, None))
+            return Stream(map(self.normalize, itertools.islice(self._read(None), read, None)))
         ds = self.dataset(state)
         return Stream(self._records(ds), ds.state_dict)
 
