@@ -47,11 +47,13 @@ linux_only = pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSI
 
 
 def wait_for(path: Path, seconds: float = 20) -> str:
+    """The file's text once it has some: write_text creates the file before it writes, so a
+    file that exists may still be empty (CI read '' here once)."""
     deadline = time.monotonic() + seconds
-    while not path.exists():
+    while not (path.exists() and (text := path.read_text())):
         assert time.monotonic() < deadline, f"no {path.name} within {seconds:.0f} s"
         time.sleep(0.01)
-    return path.read_text()
+    return text
 
 
 @linux_only
