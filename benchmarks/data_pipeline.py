@@ -41,7 +41,8 @@ from _common import (
 )
 
 from aiayn.config import Config, load_config
-from aiayn.data import demo, ensure_cache, make_loader
+from aiayn.corpora import demo
+from aiayn.data import ensure_cache, make_loader
 from aiayn.data.prepare import prepare_tokenizer
 from aiayn.runtime.malloc import keep_freed_memory
 

@@ -26,7 +26,8 @@ from pathlib import Path
 from _common import fmt, interleaved, machine, markdown_table, summary
 
 from aiayn.config import TokenizerConfig, config_from_dict
-from aiayn.data import demo, ensure_cache, make_loader
+from aiayn.corpora import demo
+from aiayn.data import ensure_cache, make_loader
 from aiayn.data.mixture import as_train, cache_folder
 from aiayn.runtime.malloc import keep_freed_memory
 from aiayn.tokenizer import Tokenizer, train_tokenizer

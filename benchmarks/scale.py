@@ -64,7 +64,7 @@ SAVED = re.compile(r"saved \S+ in ([\d.]+)s")
 
 
 def make_corpus(root: Path, pairs: int, n_files: int) -> Path:
-    from aiayn.data import demo
+    from aiayn.corpora import demo
 
     corpus = demo.write_numbers(root / "numbers", n_train=pairs, n_valid=200, n_test=50)
     for lang in ("en", "de"):

@@ -48,7 +48,7 @@ from stages import (  # launch/stages.py
 @dataclass(frozen=True)
 class Recipe:
     config: str
-    corpus: str  # its name in aiayn/data/corpora.py
+    corpus: str  # its name in aiayn/corpora/catalog.py
     split: str  # the split the goal is measured on
     metric: str  # valid/<metric> in TensorBoard, <metric> in evaluate's JSON
     goal: float

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from aiayn.data.corpora import SHARED, corpus_dir
+from aiayn.corpora.catalog import SHARED, corpus_dir
 from aiayn.errors import AiaynError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +53,7 @@ def tokenizer_once(path: Path, common: list[str]) -> None:
 
 
 def corpus(name: str) -> Path:
-    """A recipe's corpus NAME (aiayn/data/corpora.py), relative to ROOT: ../shared/data/NAME
+    """A recipe's corpus NAME (aiayn/corpora/catalog.py), relative to ROOT: ../shared/data/NAME
     where it holds every file (tests, CI), else data/corpora/NAME, filled by `aiayn data download
     NAME` (which keeps the files already there and right, so a rerun reads no network)."""
     where = corpus_dir(name, ROOT)

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from aiayn.config import load_config
-from aiayn.data import demo, sample_sentences
+from aiayn.corpora import demo
+from aiayn.data import sample_sentences
 from aiayn.tokenizer import train_tokenizer
 
 from helpers import SMALL_MODEL, free_port, model_yaml  # tests/helpers.py

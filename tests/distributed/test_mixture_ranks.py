@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from aiayn.config import TokenizerConfig
-from aiayn.data import demo
+from aiayn.corpora import demo
 from aiayn.tokenizer import train_tokenizer
 
 from helpers import TINY_MODEL, model_yaml, torchrun  # tests/helpers.py

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from aiayn.data import demo
+from aiayn.corpora import demo
 from aiayn.data.cache import MANIFEST
 from aiayn.data.cache.shares import _CHUNK
 

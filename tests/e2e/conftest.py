@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from aiayn.data import demo
+from aiayn.corpora import demo
 
 
 @pytest.fixture(scope="session")

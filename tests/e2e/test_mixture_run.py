@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from aiayn.config import load_config
-from aiayn.data import demo, make_loader
+from aiayn.corpora import demo
+from aiayn.data import make_loader
 from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer
 from aiayn.train import train

@@ -11,7 +11,7 @@ import yaml
 
 from aiayn.checkpoint import read_trainer_state
 from aiayn.config import load_config
-from aiayn.data import demo
+from aiayn.corpora import demo
 from aiayn.engine.precision import resolve_precision
 from aiayn.errors import CheckpointError, TrainingError
 from aiayn.eval.evaluate import evaluate

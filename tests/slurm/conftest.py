@@ -4,7 +4,8 @@ import pytest
 from jobs import DEMO, describe, submit, wrapper  # tests/slurm/jobs.py
 
 from aiayn.config import load_config
-from aiayn.data import demo, sample_sentences
+from aiayn.corpora import demo
+from aiayn.data import sample_sentences
 from aiayn.tokenizer import train_tokenizer
 
 from minicluster import MiniCluster, why_unavailable  # tests/slurm/minicluster.py

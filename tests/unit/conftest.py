@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from aiayn.config import TokenizerConfig
-from aiayn.data.demo import write_lm, write_numbers
+from aiayn.corpora.demo import write_lm, write_numbers
 from aiayn.tokenizer import train_tokenizer
 
 

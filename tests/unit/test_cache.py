@@ -16,9 +16,9 @@ import torch
 from batch_checks import check_pair_rows, lines, roundtrip, same, take
 
 from aiayn.config import Config, DataConfig, ModelConfig, TokenizerConfig, TrainConfig
+from aiayn.corpora.demo import write_classify
 from aiayn.data import Loader, ensure_cache, make_loader, plan
 from aiayn.data.cache import MANIFEST, cache_dir, open_cache
-from aiayn.data.demo import write_classify
 from aiayn.data.plan import budget_bounds, pair_plan, sorted_bounds
 from aiayn.errors import DataError
 from aiayn.runtime.durable import sha256_of

@@ -21,8 +21,8 @@ import torch
 from batch_checks import check_pair_rows, lines, roundtrip, same, stream_loader, take
 
 from aiayn.config import DataConfig
+from aiayn.corpora.demo import write_classify
 from aiayn.data import Batch, Loader, StepBatches, open_split, sample_sentences
-from aiayn.data.demo import write_classify
 from aiayn.errors import DataError
 from aiayn.tokenizer import EOS_ID, PAD_ID
 

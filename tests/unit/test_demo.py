@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from aiayn.data.demo import english_number, german_number, write_classify, write_lm, write_numbers
+from aiayn.corpora.demo import (
+    english_number,
+    german_number,
+    write_classify,
+    write_lm,
+    write_numbers,
+)
 
 KNOWN = [
     (0, "zero", "null"),

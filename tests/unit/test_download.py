@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 
 from aiayn.cli import main
-from aiayn.data.corpora import CORPORA, Corpus, RemoteFile, corpus_dir, missing_corpus_hint
-from aiayn.data.download import download, stored_sha256
+from aiayn.corpora.catalog import CORPORA, Corpus, RemoteFile, corpus_dir, missing_corpus_hint
+from aiayn.corpora.download import download, stored_sha256
 from aiayn.data.source import expand_files
 from aiayn.errors import DataError
 from aiayn.runtime.durable import size_text

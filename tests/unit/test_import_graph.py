@@ -80,6 +80,7 @@ LAYERS = [
     # errors, metric names, the process's settings, durable writes: what every layer may use.
     ("runtime", {"", "errors", "metric_names", "runtime"}),
     ("config", {"config"}),
+    ("corpora", {"corpora"}),
     ("tokenizer", {"tokenizer"}),
     ("model", {"model"}),
     ("distributed", {"distributed"}),

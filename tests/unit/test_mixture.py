@@ -14,11 +14,11 @@ import torch
 from batch_checks import roundtrip, same, take
 
 from aiayn.config import Config, DataConfig, ModelConfig, SourceConfig, TokenizerConfig, TrainConfig
+from aiayn.corpora.demo import write_numbers
 from aiayn.data import Loader, ensure_cache, make_loader
 from aiayn.data.batch import target_positions
 from aiayn.data.cache import cache_dir
 from aiayn.data.cache_rows import CacheRows
-from aiayn.data.demo import write_numbers
 from aiayn.data.mixture import (
     Mixture,
     as_train,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from aiayn.config import TokenizerConfig
-from aiayn.data.demo import english_number, german_number
+from aiayn.corpora.demo import english_number, german_number
 from aiayn.errors import TokenizerError
 from aiayn.tokenizer import (
     BOS_ID,

@@ -200,7 +200,7 @@ def cmd_data(args) -> int:
 
 
 def _data_download(args) -> int:
-    from aiayn.data.download import download, listing
+    from aiayn.corpora.download import download, listing
 
     if args.list or args.name is None:
         print(listing())
@@ -238,7 +238,7 @@ def cmd_params(args) -> int:
 
 
 def cmd_demo_data(args) -> int:
-    from aiayn.data import demo
+    from aiayn.corpora import demo
 
     writer = {
         "numbers": demo.write_numbers,

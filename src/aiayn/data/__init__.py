@@ -26,10 +26,9 @@ What the reference path buys at scale, in modules named for it:
     hub_revision.py         a Hub dataset pinned to the commit the first start read
     hub_copy.py             a Hub training split copied once to local parquet files
     prepare.py              the tokenizer and the token caches made ready before training
-    demo.py                 the generated corpora of the demos and the tests
-    corpora.py              the recipes' public corpora: files, pinned URLs, sha256, where
-                            a recipe reads them (../shared/data or data/corpora)
-    download.py             `aiayn data download`: those files fetched and checked
+
+The corpora themselves (the demos' generated ones, the recipes' public ones and their
+download) are aiayn/corpora's.
 """
 
 from aiayn.data.batch import Batch

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from aiayn.config import DataConfig
-from aiayn.data.corpora import missing_corpus_hint
+from aiayn.corpora.catalog import missing_corpus_hint
 from aiayn.data.source import Source, expand_files
 from aiayn.errors import DataError
 from aiayn.runtime.durable import count_hashed

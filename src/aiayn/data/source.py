@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from aiayn.data.corpora import missing_corpus_hint
+from aiayn.corpora.catalog import missing_corpus_hint
 from aiayn.errors import DataError
 
 if TYPE_CHECKING:

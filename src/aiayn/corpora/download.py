@@ -1,4 +1,4 @@
-"""`aiayn data download NAME`: a recipe's corpus (corpora.py) fetched and checked.
+"""`aiayn data download NAME`: a recipe's corpus (catalog.py) fetched and checked.
 
 Each file is streamed into a hidden `.NAME.part` beside its final name, hashed as it arrives,
 and renamed to NAME only once its sha256 is the recorded one, so the final name never holds a
@@ -24,7 +24,7 @@ import zlib
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
-from aiayn.data.corpora import CORPORA, DOWNLOADED, Corpus, RemoteFile
+from aiayn.corpora.catalog import CORPORA, DOWNLOADED, Corpus, RemoteFile
 from aiayn.errors import DataError
 from aiayn.runtime.durable import fsync_path, size_text
 
@@ -100,7 +100,7 @@ def _fetch(f: RemoteFile, url: str, final: Path) -> None:
             raise DataError(
                 f"{final.name}: checksum mismatch for {url}: expected sha256 {f.sha256}, got "
                 f"{digest} ({got} bytes, {f.size} expected). Nothing was kept; if the source "
-                "really changed, the registry (aiayn/data/corpora.py) must be updated"
+                "really changed, the registry (aiayn/corpora/catalog.py) must be updated"
             )
         os.replace(part, final)
     except BaseException:
