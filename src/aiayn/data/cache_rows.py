@@ -27,10 +27,11 @@ import numpy as np
 from aiayn.data.batch import Batch, round_width
 from aiayn.data.cache import TokenCache
 from aiayn.data.mixture import Mixture, tag_ids
+from aiayn.data.mixture import fingerprint as mixture_fingerprint
 from aiayn.data.pad import cache_arrays
 from aiayn.data.plan import LmPlan, Plan, epoch_rng, lm_plan, pair_plan
 from aiayn.data.plan_files import PlanFiles, plans_folder
-from aiayn.data.position import Settings, fingerprint, recorded_number
+from aiayn.data.position import Settings, fingerprint
 from aiayn.data.segment import Segment, nothing_left, row_targets, specials, target_sums
 from aiayn.errors import DataError
 
@@ -71,7 +72,7 @@ class CacheRows:
         self._current: tuple[int, Plan | LmPlan, np.ndarray] | None = None
         self._tallies: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         if self.mixture is not None and s.rank == 0:
-            self._log_sources()
+            self.mixture.log(cfg)
 
     def _index(self) -> None:
         """Rows' widths and target lengths, each source's kept examples, and the mixture."""
@@ -116,43 +117,10 @@ class CacheRows:
             raise DataError(message) from None
 
     def _data_fingerprint(self) -> dict:
-        cfg = self.settings.cfg
-        if not cfg.sources:
+        if not self.settings.cfg.sources:
             return {"cache": self.caches[0].digest}
-        sources = [
-            {"name": s.name, "cache": c.digest, "weight": recorded_number(s.weight), "tag": s.tag}
-            for s, c in zip(cfg.sources, self.caches, strict=True)
-        ]
-        mixture = {"sources": sources, "temperature": recorded_number(cfg.temperature)}
-        mixture.update(epoch=cfg.epoch, epoch_source=cfg.epoch_source, epoch_size=cfg.epoch_size)
-        return {"mixture": mixture}
-
-    def _log_sources(self) -> None:
-        m, cfg = self.mixture, self.settings.cfg
-        what = {
-            "largest": f"one pass of {m.names[int(np.argmax(m.sizes))]}",
-            "source": f"one pass of {cfg.epoch_source}",
-            "tokens": f"about {cfg.epoch_size or 0:,} target tokens",
-        }
-        log.info(
-            "mixture of %d sources, an epoch (data.epoch %s%s) is %s examples",
-            len(m.names),
-            cfg.epoch,
-            f": {what[cfg.epoch]}" if cfg.epoch in what else "",
-            f"{m.epoch_size:,}",
-        )
-        for s, source in enumerate(cfg.sources):
-            weight = f"weight {source.weight:g}, " if source.weight is not None else ""
-            log.info(
-                "  source %s: %sshare %.1f%%, %s examples, %s per epoch (%.3g passes), tag %s",
-                source.name,
-                weight,
-                100 * m.p[s],
-                f"{int(m.sizes[s]):,}",
-                f"{int(m.counts[s]):,}",
-                m.counts[s] / max(int(m.sizes[s]), 1),
-                source.tag or "none",
-            )
+        digests = [c.digest for c in self.caches]
+        return {"mixture": mixture_fingerprint(self.settings.cfg, "cache", digests)}
 
     # ---- the row source ---------------------------------------------------------------------
 

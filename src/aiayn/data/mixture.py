@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,8 @@ from aiayn.config import Config, DataConfig, SourceConfig, TokenizerConfig
 from aiayn.data.splits import sample_sentences
 from aiayn.errors import DataError
 from aiayn.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 # Keeps the pass permutations' seeds apart from the plan's (plan.epoch_rng(seed, epoch)).
 _STREAM = 0x6D6978  # "mix"
@@ -81,6 +84,27 @@ def tag_ids(cfg: DataConfig, tok: Tokenizer) -> list[int | None]:
             )
         out.append(i)
     return out
+
+
+def fingerprint(cfg: DataConfig, key: str, data: list) -> dict:
+    """What names a mixture in a saved position: each source's data (under `key`: its token
+    cache's digest, or its stream's identity), weight and tag, and the epoch's definition. A
+    weight of 2 and one of 2.0 are the same."""
+
+    def number(value: float | None) -> float | None:
+        return None if value is None else float(value)
+
+    sources = [
+        {"name": s.name, key: d, "weight": number(s.weight), "tag": s.tag}
+        for s, d in zip(cfg.sources, data, strict=True)
+    ]
+    return {
+        "sources": sources,
+        "temperature": number(cfg.temperature),
+        "epoch": cfg.epoch,
+        "epoch_source": cfg.epoch_source,
+        "epoch_size": cfg.epoch_size,
+    }
 
 
 def shares(sizes: np.ndarray, weights: list[float] | None, temperature: float | None) -> np.ndarray:
@@ -221,6 +245,34 @@ class Mixture:
             take(self.seed, name, int(n), epoch * int(c), int(c), ordered=False)
             for name, n, c in zip(self.names, self.sizes, self.counts, strict=True)
         ]
+
+    def log(self, cfg: DataConfig, sizes_known: bool = True) -> None:
+        """The mixture as a start logs it: the epoch, and a line per source (sizes_known=False:
+        streams whose sizes were not counted)."""
+        what = {
+            "largest": f"one pass of {self.names[int(np.argmax(self.sizes))]}",
+            "source": f"one pass of {cfg.epoch_source}",
+            "tokens": f"about {cfg.epoch_size or 0:,} target tokens",
+        }
+        log.info(
+            "mixture of %d sources, an epoch (data.epoch %s%s) is %s examples",
+            len(self.names),
+            cfg.epoch,
+            f": {what[cfg.epoch]}" if cfg.epoch in what else "",
+            f"{self.epoch_size:,}",
+        )
+        for s, source in enumerate(cfg.sources):
+            weight = f"weight {source.weight:g}, " if source.weight is not None else ""
+            count, size = f"{int(self.counts[s]):,} per epoch", int(self.sizes[s])
+            of = f"{size:,} examples, {count} ({self.counts[s] / max(size, 1):.3g} passes)"
+            log.info(
+                "  source %s: %sshare %.1f%%, %s, tag %s",
+                source.name,
+                weight,
+                100 * self.p[s],
+                of if sizes_known else f"{count} (size unknown: streamed)",
+                source.tag or "none",
+            )
 
     def passes(self, epoch: int, taken: np.ndarray | None = None) -> np.ndarray:
         """Passes made over each source by the start of `epoch` plus `taken` of its examples."""

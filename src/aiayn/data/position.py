@@ -66,11 +66,6 @@ def fingerprint(s: Settings, name: str, data: dict) -> dict:
     return out
 
 
-def recorded_number(value: float | None) -> float | None:
-    """A float as a fingerprint records it: a weight of 2 and one of 2.0 are the same."""
-    return None if value is None else float(value)
-
-
 def saved_state(version: int, fingerprint: dict, position: dict) -> dict:
     """Plain ints, strings, lists and dicts: safe for torch.load(weights_only=True)."""
     return {

@@ -27,7 +27,8 @@ import numpy as np
 
 from aiayn.config import Config
 from aiayn.data.mixture import Mixture, as_train, tag_ids
-from aiayn.data.position import Settings, recorded_number
+from aiayn.data.mixture import fingerprint as mixture_fingerprint
+from aiayn.data.position import Settings
 from aiayn.data.splits import Source, open_split, source_identity
 from aiayn.errors import DataError
 
@@ -87,19 +88,12 @@ class StreamMixture:
 
     def fingerprint(self) -> dict:
         """What names the mixture in a saved position."""
-        cfg, data, kind = self.run_cfg, self.cfg, self.settings.kind
+        cfg, kind = self.run_cfg, self.settings.kind
         identities = [
             source_identity(as_train(cfg, s).data, s.path, kind, contents=True)
-            for s in data.sources
+            for s in self.cfg.sources
         ]
-        sources = [
-            {"name": s.name, "source": ident, "weight": recorded_number(s.weight), "tag": s.tag}
-            for s, ident in zip(data.sources, identities, strict=True)
-        ]
-        mixture = {"sources": sources, "temperature": recorded_number(data.temperature)}
-        mixture.update(epoch=data.epoch, epoch_source=data.epoch_source)
-        mixture["epoch_size"] = data.epoch_size
-        return mixture
+        return mixture_fingerprint(self.cfg, "source", identities)
 
     def start(self, epoch: int = 0) -> dict:
         first = {"pass": 0, "state": None, "read": 0}
@@ -121,7 +115,7 @@ class StreamMixture:
         mixture = Mixture.of(self.cfg, self.seed, known, None)
         self.counts, self.sizes = mixture.counts, sizes
         if self.rank == 0:
-            self._log_sources(mixture.p)
+            mixture.log(self.cfg, sizes_known=sizes is not None)
 
     def _count_sizes(self) -> list[int]:
         """Every source's records, read through once: what data.epoch (other than examples)
@@ -132,29 +126,6 @@ class StreamMixture:
         if empty:
             raise DataError(f"data.sources {', '.join(empty)} hold no records")
         return sizes
-
-    def _log_sources(self, p: np.ndarray) -> None:
-        log.info(
-            "mixture of %d streamed sources, an epoch (data.epoch %s) is %s examples read",
-            len(self.names),
-            self.cfg.epoch,
-            f"{int(self.counts.sum()):,}",
-        )
-        for s, source in enumerate(self.cfg.sources):
-            weight = f"weight {source.weight:g}, " if source.weight is not None else ""
-            size = "size unknown: streamed"
-            if self.sizes is not None:
-                passes = self.counts[s] / self.sizes[s]
-                size = f"{self.sizes[s]:,} examples, {passes:.3g} passes"
-            log.info(
-                "  source %s: %sshare %.1f%%, %s per epoch (%s), tag %s",
-                source.name,
-                weight,
-                100 * p[s],
-                f"{int(self.counts[s]):,}",
-                size,
-                source.tag or "none",
-            )
 
     def scalars(self, pos: dict) -> dict[str, float]:
         """Examples read from each source by the start of the chunk the group is in, the
