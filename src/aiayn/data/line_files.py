@@ -88,11 +88,7 @@ def _check_lines(
             if digest is not None:
                 hashes[str(Path(path).resolve())] = digest.hexdigest()
         if len({n for n, _ in scans}) > 1:
-            (a, (na, _)), (b, (nb, _)) = zip(group, scans, strict=True)
-            raise DataError(
-                f"parallel files are not line-aligned: {a} has {na} lines but {b} has {nb}; "
-                "line i of one must be the translation of line i of the other"
-            )
+            raise misaligned(group, [n for n, _ in scans])
         bad = sorted({line for _, lines in scans for line in lines})
         if bad and on_invalid_utf8 == "error":
             path = next(p for p, (_, lines) in zip(group, scans, strict=True) if bad[0] in lines)
@@ -250,6 +246,13 @@ def _utf8(line: bytes) -> bool:
         return True
     except UnicodeDecodeError:
         return False
+
+
+def misaligned(pair: list[str], lines: list[int]) -> DataError:
+    return DataError(
+        f"parallel files are not line-aligned: {pair[0]} has {lines[0]} lines but {pair[1]} has "
+        f"{lines[1]}; line i of one must be the translation of line i of the other"
+    )
 
 
 def utf8_error(path: str, lineno: int) -> DataError:

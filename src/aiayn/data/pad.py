@@ -6,19 +6,12 @@ lengths, ids and labels. Pairs (seq2seq, classifier) are padded by `read_batches
 `one_batch`), a language model's blocks by `lm_batch`. A mixture's tags are put here, before a
 tagged source's source tokens, and nowhere else.
 
-The loader hands out one batch at a time but reads and pads its next batches of the segment (an
-epoch, or a streamed chunk) in one go (about READ_TOKENS padded tokens of them). A batch of a
-few thousand tokens costs mostly numpy's fixed price per call, a microsecond or two, and made
-one at a time it took some twenty calls (gathers of offsets and tokens per side, a mask, a fill
-and an assignment per tensor), a mixture of sources (data/cache_rows.py) a gather per source on
-top. Together, those calls are made once per read: every batch's tensors are laid out one after
-another in one array per tensor, each token put straight into its padded cell, and a batch is
-then views of those arrays. A mixture's rows are read source by source, each source's rows in
-one gather, and their tokens land in their batches' cells by the same scatter, so the number of
-sources costs a few calls per read, not per batch.
-
-The read holds its batches' padded tensors (three int64 arrays of about READ_TOKENS), so the
-memory held ahead stays small at any batch size.
+The loader hands out one batch at a time but pads several of a segment's together (about
+READ_TOKENS padded tokens of them): numpy's fixed price per call, not the tokens, is most of a
+small batch's cost, so each tensor of all those batches is laid out in one array, every token
+put straight into its padded cell, and a batch is views of it. A mixture's rows are gathered
+source by source and scattered into their cells the same way, a few calls per read, not per
+batch.
 """
 
 from __future__ import annotations
@@ -46,7 +39,7 @@ def read_count(max_tokens: int) -> int:
 
 def cache_arrays(cache: TokenCache) -> dict[str, np.ndarray]:
     """Plain ndarray views of a cache's memory maps (no copy): np.memmap's indexing goes
-    through a Python subclass, about a microsecond more a call."""
+    through a Python subclass on every call."""
     return {name: np.asarray(a) for name, a in vars(cache).items() if isinstance(a, np.ndarray)}
 
 

@@ -62,8 +62,7 @@ class PlanFiles:
     One file per epoch, `epoch_<e>.plan`: MAGIC, the header's length (8 bytes, little-endian),
     a JSON header (the epoch, the plan's kind, its scalars, and each array's dtype, offset and
     length), then the arrays, each at a multiple of 64 bytes. One file and one map, not a .npy
-    per array: at W = 32 on Multi30k a rank's whole epoch is about a millisecond, and opening
-    four .npy files (numpy parses each header) took as long as making the plan."""
+    per array: a rank's share of an epoch can take less time than parsing four .npy headers."""
 
     def __init__(self, folder: Path, local_rank: int, local_world_size: int):
         self.folder = folder

@@ -94,13 +94,9 @@ class LineFiles:
             return
         for g, group in enumerate(self.groups):
             counts = [s["lines"] for p, s in zip(pieces, scans, strict=True) if p.group == g]
-            na, nb = (sum(c[f] for c in counts) for f in (0, 1))
-            if na != nb:
-                raise DataError(
-                    f"parallel files are not line-aligned: {group[0]} has {na} lines but "
-                    f"{group[1]} has {nb}; line i of one must be the translation of line i of "
-                    "the other"
-                )
+            lines = [sum(c[f] for c in counts) for f in (0, 1)]
+            if lines[0] != lines[1]:
+                raise line_files.misaligned(group, lines)
 
     def records(self, s: int, pieces: list[Piece], scans: list[dict], skipped: list[int]):
         """The normalised records of piece s, in order, given every piece's scan. Lines that

@@ -47,8 +47,8 @@ def tokenizing(kind: str, tok: Tokenizer) -> Iterator[Tokenize]:
 @contextlib.contextmanager
 def _no_cyclic_gc() -> Iterator[None]:
     """The build allocates millions of lists (records, token ids) and no reference cycle: the
-    cyclic collector's passes over them cost ~10% of the build, under the GIL that the reader
-    and the encoder share."""
+    cyclic collector would pass over them all, under the GIL that the reader and the encoder
+    share."""
     was = gc.isenabled()
     gc.disable()
     try:
