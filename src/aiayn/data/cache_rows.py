@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from aiayn.data.batch import Batch, round_width
+from aiayn.data.batch import Batch
 from aiayn.data.cache import TokenCache
 from aiayn.data.mixture import Mixture, tag_ids
 from aiayn.data.mixture import fingerprint as mixture_fingerprint
@@ -32,7 +32,14 @@ from aiayn.data.pad import cache_arrays
 from aiayn.data.plan import LmPlan, Plan, epoch_rng, lm_plan, pair_plan
 from aiayn.data.plan_files import PlanFiles, plans_folder
 from aiayn.data.position import Settings, fingerprint
-from aiayn.data.segment import Segment, nothing_left, row_targets, specials, target_sums
+from aiayn.data.segment import (
+    Segment,
+    nothing_left,
+    row_targets,
+    row_widths,
+    specials,
+    target_sums,
+)
 from aiayn.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -82,15 +89,11 @@ class CacheRows:
         if s.kind == "lm":  # documents are cut into blocks: none is too long
             return
         for c, tag in zip(self.caches, self.tags, strict=True):
-            longest = c.lengths("src") + np.int32(tag is not None)  # a new array
             tgt_len = c.lengths("tgt")
-            if tgt_len is not None:
-                np.maximum(longest, tgt_len, out=longest)
+            longest, width = row_widths(s, c.lengths("src"), tgt_len, np.int32(tag is not None))
             kept.append(np.flatnonzero(longest <= cfg.max_len).astype(np.int32))
             self.too_long += len(longest) - len(kept[-1])
-            # Every row gains one special token (eos, or bos for tgt_in); the plan counts the
-            # width a row is padded to, so the token budget includes the rounding.
-            widths.append(round_width(longest + 1, s.multiple, cfg.max_len + 1))
+            widths.append(width)
             tgt_lens.append(tgt_len)
         self._kept = kept
         if len(self.caches) == 1:  # the cache's own arrays: per-rank memory, memory-mapped

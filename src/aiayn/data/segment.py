@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from aiayn.data.batch import Batch
+from aiayn.data.batch import Batch, round_width
 from aiayn.data.pad import RowsRead, Specials, lm_batch, ragged_index, read_batches
 from aiayn.data.plan import LmPlan, Plan
 from aiayn.data.position import Settings
@@ -57,6 +57,17 @@ def specials(s: Settings) -> Specials:
     """What padding the rows of a source with these settings needs."""
     tok = s.tok
     return Specials(tok.pad_id, tok.bos_id, tok.eos_id, s.multiple, s.cfg.max_len + 1)
+
+
+def row_widths(s: Settings, src_len: np.ndarray, tgt_len: np.ndarray | None, tagged=0):
+    """(longest, width): each row's longest side, a tag counted (`tagged`: 1 where the row's
+    source has one), and the width it is padded to. Every row gains one special token (eos,
+    or bos for tgt_in), and the plan counts the padded width, so the token budget includes the
+    rounding."""
+    longest = src_len + tagged  # a new array, maximised in place
+    if tgt_len is not None:
+        np.maximum(longest, tgt_len, out=longest)
+    return longest, round_width(longest + 1, s.multiple, s.cfg.max_len + 1)
 
 
 def row_targets(tgt_lengths: np.ndarray | None, rows: np.ndarray) -> np.ndarray:

@@ -25,12 +25,12 @@ from collections.abc import Iterator
 import numpy as np
 
 from aiayn.config import Config
-from aiayn.data.batch import Batch, round_width
+from aiayn.data.batch import Batch
 from aiayn.data.pad import table
 from aiayn.data.plan import LmPlan, Plan, lm_plan, pair_plan
 from aiayn.data.position import Settings, fingerprint
 from aiayn.data.prefetch import prefetch
-from aiayn.data.segment import Segment, nothing_left, specials, target_sums
+from aiayn.data.segment import Segment, nothing_left, row_widths, specials, target_sums
 from aiayn.data.splits import open_split, source_identity
 from aiayn.data.stream_mixture import StreamMixture
 from aiayn.errors import DataError
@@ -150,18 +150,13 @@ class StreamRows:
     def _widths(self, rows: dict, which: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """Each row's padded width (a tag counted), and the rows kept: those with no empty
         side and within data.max_len, the others dropped and counted."""
-        cfg, multiple = self.settings.cfg, self.settings.multiple
-        src_len = rows["src_lengths"]
-        tgt_len = rows.get("tgt_lengths", src_len)
+        src_len, tgt_len = rows["src_lengths"], rows.get("tgt_lengths")
         tagged = 0 if which is None else np.array([t is not None for t in self.tags])[which]
-        empty = np.minimum(src_len, tgt_len) == 0
-        longest = np.maximum(src_len + tagged, tgt_len)
-        too_long = ~empty & (longest > cfg.max_len)
+        empty = src_len == 0 if tgt_len is None else np.minimum(src_len, tgt_len) == 0
+        longest, width = row_widths(self.settings, src_len, tgt_len, tagged)
+        too_long = ~empty & (longest > self.settings.cfg.max_len)
         self._stats["dropped_empty"] += int(empty.sum())
         self._stats["dropped_too_long"] += int(too_long.sum())
-        # Every row gains one special token (eos, or bos for tgt_in); the budget counts the
-        # width a row is padded to.
-        width = round_width(longest + 1, multiple, cfg.max_len + 1)
         return width, np.flatnonzero(~empty & ~too_long)
 
     def _made(self, anchor, plan, tables, which=None, first_id=0) -> Segment:
