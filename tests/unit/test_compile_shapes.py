@@ -17,7 +17,7 @@ from aiayn.data.batch import Batch, round_width
 from aiayn.data.plan import epoch_rng, pair_plan
 from aiayn.engine import parallelize
 from aiayn.engine.loss import batch_loss
-from aiayn.infer.decode import beam_search
+from aiayn.infer.beam import beam_search
 from aiayn.model import build_model
 
 PAD, BOS, EOS, VOCAB = 0, 1, 2, 40

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.config import ModelConfig
-from aiayn.infer.decode import beam_search, generate, greedy_search, length_penalty
+from aiayn.infer.beam import beam_search
+from aiayn.infer.decode import generate, greedy_search, length_penalty
 from aiayn.model import DecoderState, build_model
 
 from helpers import TWO_LAYER_MODEL  # tests/helpers.py
@@ -360,7 +361,7 @@ def test_an_empty_line_is_translated_as_an_empty_line_without_decoding_it(tok):
 
 
 def test_the_n_best_list_starts_with_the_beam_output_and_is_sorted_by_its_scores(toy, src):
-    from aiayn.infer.decode import beam_search_n_best
+    from aiayn.infer.beam import beam_search_n_best
 
     best = beam_search(toy, src, beam=4, alpha=0.6, **KW)
     lists = beam_search_n_best(toy, src, beam=4, alpha=0.6, n_best=4, **KW)
@@ -444,7 +445,8 @@ def test_noise_drops_blanks_and_moves_words_at_most_swap_positions():
 
 
 def test_an_ensemble_of_one_model_twice_is_that_model_bit_for_bit(toy, src):
-    from aiayn.infer.decode import beam_search_n_best, scored_greedy_search
+    from aiayn.infer.beam import beam_search_n_best
+    from aiayn.infer.decode import scored_greedy_search
     from aiayn.infer.ensemble import Ensemble
 
     twice = Ensemble([toy, toy])
@@ -457,7 +459,7 @@ def test_an_ensemble_of_one_model_twice_is_that_model_bit_for_bit(toy, src):
 
 
 def test_an_ensembles_score_is_the_mean_of_its_members_scores(toy, src):
-    from aiayn.infer.decode import beam_search_n_best
+    from aiayn.infer.beam import beam_search_n_best
     from aiayn.infer.ensemble import Ensemble
 
     other = tiny(seed=1)  # untrained: it pulls the ensemble elsewhere

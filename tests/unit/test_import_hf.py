@@ -25,7 +25,8 @@ from aiayn.checkpoint.inference import load_for_inference
 from aiayn.errors import ExportError
 from aiayn.export import export_model
 from aiayn.export.hf_import import import_hf
-from aiayn.infer.decode import beam_search, greedy_search
+from aiayn.infer.beam import beam_search
+from aiayn.infer.decode import greedy_search
 
 BUILDER = Path(__file__).with_name("marian_build.py")
 TOL = 1e-4

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from batch_checks import roundtrip, same, take
+from batch_checks import check_plans_kept, roundtrip, same, take
 
 from aiayn.config import Config, DataConfig, ModelConfig, SourceConfig, TokenizerConfig, TrainConfig
 from aiayn.corpora.demo import write_numbers
@@ -345,6 +345,13 @@ def test_batches_read_together_are_the_batches_read_one_at_a_time(
         assert all(t.is_contiguous() for t in (b.src, b.tgt_in, b.tgt_out, b.keep))
         assert torch.equal(b.keep, target_positions(b.tgt_out, PAD_ID))
         assert b.n_tokens == len(b.keep)
+
+
+def test_a_mixtures_plans_kept_beside_its_caches_equal_todays_bit_for_bit(tmp_path, corpora, mtok):
+    """A mixture's epochs are planned once per node too, beside its first source's cache, and
+    read by the node's other ranks: the batches bitwise those of a rank that plans each epoch."""
+    cfg = mixed_cfg(tmp_path / "run", corpora)
+    check_plans_kept(lambda rank, world: mixed(cfg, mtok, rank, world), 3)
 
 
 def test_a_tag_that_is_not_a_piece_is_refused_naming_it_and_the_fix(tmp_path, corpora, tok):

@@ -42,7 +42,7 @@ class _States(_Each):
 
 
 class Ensemble:
-    """Translation models decoded together; to the searches in decode.py, one model."""
+    """Translation models decoded together; to the searches (decode.py, beam.py), one model."""
 
     log_probs = True  # decode returns log-probabilities (decode.log_probs)
 

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from aiayn.config import DecodeConfig
-from aiayn.infer.decode import Hypothesis, beam_search_n_best, scored_greedy_search
+from aiayn.infer.beam import beam_search_n_best
+from aiayn.infer.decode import Hypothesis, scored_greedy_search
 from aiayn.infer.sampling import noised, sample_search, sentence_generator
 from aiayn.tokenizer import Tokenizer
 
