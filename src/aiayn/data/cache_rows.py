@@ -26,8 +26,7 @@ import numpy as np
 
 from aiayn.data.batch import Batch
 from aiayn.data.cache import TokenCache
-from aiayn.data.mixture import Mixture, tag_ids
-from aiayn.data.mixture import fingerprint as mixture_fingerprint
+from aiayn.data.mixture import Mixture, mixture_fingerprint, tag_ids
 from aiayn.data.pad import cache_arrays
 from aiayn.data.plan import LmPlan, Plan, epoch_rng, lm_plan, pair_plan
 from aiayn.data.plan_files import PlanFiles, plans_folder

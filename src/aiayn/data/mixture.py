@@ -86,7 +86,7 @@ def tag_ids(cfg: DataConfig, tok: Tokenizer) -> list[int | None]:
     return out
 
 
-def fingerprint(cfg: DataConfig, key: str, data: list) -> dict:
+def mixture_fingerprint(cfg: DataConfig, key: str, data: list) -> dict:
     """What names a mixture in a saved position: each source's data (under `key`: its token
     cache's digest, or its stream's identity), weight and tag, and the epoch's definition. A
     weight of 2 and one of 2.0 are the same."""

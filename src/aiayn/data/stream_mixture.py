@@ -26,8 +26,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from aiayn.config import Config
-from aiayn.data.mixture import Mixture, as_train, tag_ids
-from aiayn.data.mixture import fingerprint as mixture_fingerprint
+from aiayn.data.mixture import Mixture, as_train, mixture_fingerprint, tag_ids
 from aiayn.data.position import Settings
 from aiayn.data.splits import Source, open_split, source_identity
 from aiayn.errors import DataError
