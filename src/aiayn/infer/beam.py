@@ -10,15 +10,15 @@ import torch
 
 from aiayn.infer.decode import (
     Hypothesis,
-    _banned,
-    _eval_mode,
-    _max_lengths,
-    _min_lengths,
-    _no_early_eos,
+    ban_pad_and_bos,
+    eval_mode,
     greedy_search,
     length_penalty,
     log_probs,
+    max_lengths,
+    min_lengths,
     new_state,
+    no_early_eos,
 )
 from aiayn.model import DecoderState, Seq2SeqTransformer
 
@@ -79,7 +79,7 @@ def beam_search_n_best(
     if not 1 <= n_best <= beam:
         raise ValueError(f"n_best {n_best} must be 1..beam ({beam}): widen the beam")
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(src.size(0))]
-    with _eval_mode(model):
+    with eval_mode(model):
         beams = _start_beams(model, src, max_len_b, min_len, pad_id, bos_id)
         for step in range(int(beams.limits.max()) + 1):
             logits = model.decode(beams.last, beams.memory, beams.src_mask, beams.state)[:, -1]
@@ -132,8 +132,8 @@ def _start_beams(
         live=list(range(src.size(0))),
         memory=memory,
         src_mask=src_mask,
-        limits=_max_lengths(model, src, pad_id, max_len_b),
-        minimums=_min_lengths(src, pad_id, min_len),
+        limits=max_lengths(model, src, pad_id, max_len_b),
+        minimums=min_lengths(src, pad_id, min_len),
         state=new_state(model),
         last=src.new_full((src.size(0), 1), bos_id),
         history=src.new_zeros((src.size(0), 0)),
@@ -184,9 +184,9 @@ def _step_logp(logp, step, beams: _Beams, at_limit, min_len, pad_id, bos_id, eos
     banned, eos held back before min_len tokens, and only eos where a sentence is at its
     length limit."""
     W = beams.scores.size(1)
-    logp = _banned(logp, pad_id, bos_id, eos_id)
+    logp = ban_pad_and_bos(logp, pad_id, bos_id, eos_id)
     if step < min_len:
-        logp = _no_early_eos(logp, step, beams.minimums.repeat_interleave(W), eos_id)
+        logp = no_early_eos(logp, step, beams.minimums.repeat_interleave(W), eos_id)
     if bool(at_limit.any()):
         rows_at_limit = at_limit.repeat_interleave(W)  # (n * W,)
         logp[rows_at_limit] = _only_eos(logp[rows_at_limit], eos_id)

@@ -45,7 +45,7 @@ def log_probs(model, logits: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
+def eval_mode(model: nn.Module) -> Iterator[None]:
     """Eval mode (no dropout) and no autograd while decoding; the caller's mode comes back.
     A model that says it is `partitioned` (evaluate.Lockstep) gets loss.grad_free's no_grad."""
     was_training = model.training
@@ -62,20 +62,20 @@ def length_penalty(length: int | torch.Tensor, alpha: float):
     return ((5 + length) / 6) ** alpha
 
 
-def _max_lengths(model: Seq2SeqTransformer, src: torch.Tensor, pad_id: int, max_len_b: int):
+def max_lengths(model: Seq2SeqTransformer, src: torch.Tensor, pad_id: int, max_len_b: int):
     """(B,) most output tokens per sentence: its source length + max_len_b (§6.1), capped so
     that bos + outputs fit the model's positions."""
     src_len = (src != pad_id).sum(dim=1)
     return (src_len + max_len_b).clamp(max=model.cfg.max_len - 1)
 
 
-def _min_lengths(src: torch.Tensor, pad_id: int, min_len: int) -> torch.Tensor:
+def min_lengths(src: torch.Tensor, pad_id: int, min_len: int) -> torch.Tensor:
     """(B,) fewest output tokens per sentence before eos: min_len, but none for an empty
     source (eos alone), whose translation may well be empty."""
     return torch.where((src != pad_id).sum(dim=1) > 1, min_len, 0)
 
 
-def _no_early_eos(logp: torch.Tensor, step: int, minimums: torch.Tensor, eos_id: int):
+def no_early_eos(logp: torch.Tensor, step: int, minimums: torch.Tensor, eos_id: int):
     """Scores (rows, V) with eos impossible in the rows whose hypotheses are still shorter
     than their minimum (one per row). Callers skip it from step min_len on; no host sync."""
     early = step < minimums  # (rows,)
@@ -118,19 +118,19 @@ def scored_greedy_search(
     (the log-softmax only reads the chosen tokens' log P): the same output either way."""
     out: list[list[int]] = [[] for _ in range(src.size(0))]
     total = [0.0] * src.size(0)  # log P of each sentence's hypothesis so far
-    with _eval_mode(model):
+    with eval_mode(model):
         memory, src_mask = model.encode(src)  # (B, S, D), (B, 1, 1, S)
-        limits = _max_lengths(model, src, pad_id, max_len_b)  # (B,)
-        minimums = _min_lengths(src, pad_id, min_len)  # (B,)
+        limits = max_lengths(model, src, pad_id, max_len_b)  # (B,)
+        minimums = min_lengths(src, pad_id, min_len)  # (B,)
         live = list(range(src.size(0)))  # the sentence of each row still decoded
         state = new_state(model)
         last = src.new_full((src.size(0), 1), bos_id)  # (B', 1)
         for step in range(int(limits.max())):
             logits = model.decode(last, memory, src_mask, state)[:, -1]  # (B', V)
             logp = log_probs(model, logits) if scored else None
-            logits = _banned(logits, pad_id, bos_id, eos_id)
+            logits = ban_pad_and_bos(logits, pad_id, bos_id, eos_id)
             if step < min_len:
-                logits = _no_early_eos(logits, step, minimums, eos_id)
+                logits = no_early_eos(logits, step, minimums, eos_id)
             last = logits.argmax(dim=-1, keepdim=True)
             if logp is not None:
                 for b, lp in zip(live, logp.gather(1, last)[:, 0].tolist(), strict=True):
@@ -149,16 +149,16 @@ def scored_greedy_search(
                 state.select_sources(keep)
     # A hypothesis cut at its limit has no eos: its length counts its tokens alone.
     return [
-        Hypothesis(t / length_penalty(len(row), alpha) if scored else 0.0, _cut(row, eos_id))
+        Hypothesis(t / length_penalty(len(row), alpha) if scored else 0.0, before_eos(row, eos_id))
         for row, t in zip(out, total, strict=True)
     ]
 
 
-def _cut(ids: list[int], eos_id: int) -> list[int]:
+def before_eos(ids: list[int], eos_id: int) -> list[int]:
     return ids[: ids.index(eos_id)] if eos_id in ids else ids
 
 
-def _banned(scores: torch.Tensor, pad_id: int, bos_id: int, eos_id: int) -> torch.Tensor:
+def ban_pad_and_bos(scores: torch.Tensor, pad_id: int, bos_id: int, eos_id: int) -> torch.Tensor:
     """Scores (rows, V) with pad and bos impossible (unless one is also eos, which ends an
     output): neither is ever an output. A trained
     model all but never picks them; an imported Marian model's bos is a copy of its pad row
@@ -194,7 +194,7 @@ def generate(
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p)
     pos = int(lens.min())
-    with _eval_mode(model):
+    with eval_mode(model):
         state = DecoderState()
         logits = model(tokens[:, :pos], state=state)  # (B, pos, V)
         done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
@@ -210,7 +210,7 @@ def generate(
             logits = model(tokens[:, pos - 1 : pos], state=state)  # (B, 1, V)
     rows = tokens.tolist()
     return [
-        _cut(row[n:pos][:max_new_tokens], eos_id)
+        before_eos(row[n:pos][:max_new_tokens], eos_id)
         if eos_id is not None
         else row[n:pos][:max_new_tokens]
         for row, n in zip(rows, lens.tolist(), strict=True)

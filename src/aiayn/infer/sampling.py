@@ -16,15 +16,15 @@ import torch
 
 from aiayn.infer.decode import (
     Hypothesis,
-    _banned,
-    _cut,
-    _eval_mode,
-    _max_lengths,
-    _min_lengths,
-    _no_early_eos,
+    ban_pad_and_bos,
+    before_eos,
+    eval_mode,
     length_penalty,
     log_probs,
+    max_lengths,
+    min_lengths,
     new_state,
+    no_early_eos,
 )
 
 
@@ -75,7 +75,7 @@ def sample_search(
     and filters do not enter it), as beam search's. eos not before min_len tokens, and the
     length limits of beam search. top_k 1 is greedy search."""
     B = src.size(0)
-    limits = _max_lengths(model, src, pad_id, max_len_b)  # (B,)
+    limits = max_lengths(model, src, pad_id, max_len_b)  # (B,)
     steps = int(limits.max())
     # (B * n, steps): sample j of sentence b is row b * n + j; its u[t] picks token t. Each
     # sentence draws (n, its own limit), which its source fixes, whatever the batch: the
@@ -88,19 +88,19 @@ def sample_search(
     src = src.repeat_interleave(n, dim=0)  # (B * n, S)
     out: list[list[int]] = [[] for _ in range(B * n)]
     total = [0.0] * (B * n)
-    with _eval_mode(model):
+    with eval_mode(model):
         memory, src_mask = model.encode(src)
         limits = limits.repeat_interleave(n)  # (B * n,)
-        minimums = _min_lengths(src, pad_id, min_len)
+        minimums = min_lengths(src, pad_id, min_len)
         live = list(range(B * n))
         state = new_state(model)
         last = src.new_full((B * n, 1), bos_id)
         for step in range(steps):
             logits = model.decode(last, memory, src_mask, state)[:, -1]  # (rows, V)
             # As beam search: log-probabilities of the whole vocabulary, then the bans.
-            logp = _banned(log_probs(model, logits), pad_id, bos_id, eos_id)
+            logp = ban_pad_and_bos(log_probs(model, logits), pad_id, bos_id, eos_id)
             if step < min_len:
-                logp = _no_early_eos(logp, step, minimums, eos_id)
+                logp = no_early_eos(logp, step, minimums, eos_id)
             probs = torch.softmax(filtered_logits(logp, temperature, top_k, top_p), dim=-1)
             cdf = probs.cumsum(dim=-1)  # (rows, V)
             u = uniforms[:, step : step + 1] * cdf[:, -1:]  # (rows, 1): cdf's end may be < 1
@@ -120,7 +120,7 @@ def sample_search(
                 state.reorder(keep)
                 state.select_sources(keep)
     hyps = [
-        Hypothesis(t / length_penalty(len(row), alpha), _cut(row, eos_id))
+        Hypothesis(t / length_penalty(len(row), alpha), before_eos(row, eos_id))
         for row, t in zip(out, total, strict=True)
     ]
     return [sorted(hyps[b * n : (b + 1) * n], key=lambda h: -h.score) for b in range(B)]
