@@ -122,3 +122,31 @@ def test_the_restart_join_timeout_comes_from_the_rendezvous_conf():
     for bad in ("restart_join_timeout=0", "restart_join_timeout=soon"):
         with pytest.raises(ConfigError, match="restart_join_timeout"):
             restart_join_timeout(bad)
+
+
+def test_a_ranks_error_file_is_whole_or_absent_for_the_agent(tmp_path, monkeypatch):
+    """The message a failed rank leaves torchrun's agent parses, and a rank killed while it
+    writes leaves no file at all: an empty one made the agent raise instead of restarting the
+    group (CI: JSONDecodeError in ProcessFailure, tests/distributed/test_restarts.py)."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
+
+    from aiayn.cli.training import record_for_the_launcher
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    record_for_the_launcher(ValueError("corpus gone"))
+    assert ProcessFailure(0, 1, 1, str(error_file)).message["message"] == "ValueError: corpus gone"
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]
+
+    error_file.unlink()
+
+    def killed_while_writing(self, exc):
+        with open(self._get_error_file_path(), "w") as fh:
+            fh.write('{"mess')  # then SIGKILL: nothing after this runs
+        raise SystemExit(-9)
+
+    monkeypatch.setattr(ErrorHandler, "record_exception", killed_while_writing)
+    with pytest.raises(SystemExit):
+        record_for_the_launcher(ValueError("corpus gone"))
+    assert not error_file.exists()  # the agent then reports the exit code alone
+    assert ProcessFailure(0, 1, -9, str(error_file)).exitcode == -9

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -118,8 +119,6 @@ def add_parsers(sub) -> None:
 
 
 def cmd_train(args) -> int:
-    import os
-
     from aiayn.config import keys_set, load_config
     from aiayn.distributed.launcher import accelerate_overrides
     from aiayn.distributed.preemption import REQUEUE_EXIT_CODE, Preempted
@@ -136,13 +135,28 @@ def cmd_train(args) -> int:
         return REQUEUE_EXIT_CODE
     except Exception as exc:
         if "TORCHELASTIC_ERROR_FILE" in os.environ:
-            # torchrun's agent reads the message from this file: the launcher's summary and
-            # the run's faults.jsonl then say why this rank failed, not only its exit code.
-            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-            ErrorHandler().record_exception(exc)
+            record_for_the_launcher(exc)
         raise
     return 0
+
+
+def record_for_the_launcher(exc: Exception) -> None:
+    """torchrun's agent reads this rank's message from TORCHELASTIC_ERROR_FILE: the launcher's
+    summary and the run's faults.jsonl then say why it failed, not only its exit code. Written
+    whole or not at all: a rank that fails because another did is often SIGKILLed by the agent
+    while it writes, and the agent, finding the file empty, raises instead of restarting the
+    group (torch's ProcessFailure parses it unguarded; pytorch/pytorch#56739 would have made
+    that non-fatal and was closed). So ErrorHandler writes a file beside it, renamed into place."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    final = os.environ["TORCHELASTIC_ERROR_FILE"]
+    os.environ["TORCHELASTIC_ERROR_FILE"] = part = f"{final}.{os.getpid()}.part"
+    try:
+        ErrorHandler().record_exception(exc)
+    finally:
+        os.environ["TORCHELASTIC_ERROR_FILE"] = final
+    if os.path.isfile(part):
+        os.replace(part, final)
 
 
 def cmd_tokenizer(args) -> int:
