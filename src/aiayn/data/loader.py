@@ -100,7 +100,14 @@ class Loader:
     def stats(self) -> dict[str, int]:
         """What was read and dropped: examples_read, dropped_too_long, dropped_empty, batches,
         invalid_utf8_skipped."""
-        return {**self.rows.stats(), "batches": self._batches}
+        read = self.rows.stats()
+        return {
+            "examples_read": read["examples_read"],
+            "dropped_too_long": read["dropped_too_long"],
+            "dropped_empty": read["dropped_empty"],
+            "batches": self._batches,
+            "invalid_utf8_skipped": read["invalid_utf8_skipped"],
+        }
 
     def mixture_scalars(self) -> dict[str, float]:
         """What the group has taken of each source of a mixture, for TensorBoard ("data");
