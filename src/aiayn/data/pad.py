@@ -11,7 +11,8 @@ READ_TOKENS padded tokens of them): numpy's fixed price per call, not the tokens
 small batch's cost, so each tensor of all those batches is laid out in one array, every token
 put straight into its padded cell, and a batch is views of it. A mixture's rows are gathered
 source by source and scattered into their cells the same way, a few calls per read, not per
-batch.
+batch. The read holds its batches' padded tensors (three int64 arrays of about READ_TOKENS),
+so the memory held ahead stays small at any batch size.
 """
 
 from __future__ import annotations
