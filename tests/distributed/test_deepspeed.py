@@ -55,7 +55,7 @@ def test_zero_stage_follows_the_ddp_loss_curve(setup, ddp_run, name, options):
     run(torchrun(2) + aiayn(config, run_dir, *DS, *options), timeout=900)
     stage = options[0].split("=")[1]
     log = (run_dir / "train.log").read_text()
-    assert f"backend deepspeed, ZeRO stage {stage}" in log
+    assert f"DeepSpeed ZeRO-{stage} on 2 rank(s)" in log
     size = re.search(r"seq2seq model, [\d,]+ parameters", log).group()
     assert size in (ddp_run / "train.log").read_text()  # counted before ZeRO-3 partitions
     assert_same_curve(run_dir, ddp_run, rtol=1e-4)
@@ -196,7 +196,7 @@ def test_accelerate_launch_use_deepspeed(setup, ddp_run):
     run_dir = root / "accelerate_zero3"
     out = run(accelerate_launch("--use_deepspeed", "--zero_stage", "3") + aiayn(config, run_dir))
     assert "from accelerate launch: distributed.backend=deepspeed distributed.zero_stage=3" in out
-    assert "backend deepspeed, ZeRO stage 3" in (run_dir / "train.log").read_text()
+    assert "DeepSpeed ZeRO-3 on 2 rank(s)" in (run_dir / "train.log").read_text()
     assert_same_curve(run_dir, ddp_run, rtol=1e-4)
 
 

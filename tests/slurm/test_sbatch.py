@@ -34,7 +34,7 @@ def test_the_demo_trains_to_the_end_on_two_nodes_and_its_loss_falls(straight):
     assert launchers == set(MiniCluster.NODES), wrapped  # the job's two nodes
     assert any("-m aiayn.distributed.node_exclusion at-start" in line for line in wrapped)
     log = (run_dir / "train.log").read_text()
-    assert "x 2 ranks per step" in log and "backend ddp" in log
+    assert "x 2 ranks per step" in log and "DDP on 2 rank(s)" in log
     assert f"training done at step {STEPS}" in log
     loss = losses(run_dir)
     assert sorted(loss) == list(range(5, STEPS + 1, 5))

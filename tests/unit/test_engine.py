@@ -9,7 +9,7 @@ import torch
 
 from aiayn.config import load_config
 from aiayn.distributed.launcher import accelerate_overrides
-from aiayn.engine import deepspeed_config
+from aiayn.engine import deepspeed_config, registry
 from aiayn.engine.ddp_engine import LocalEngine
 from aiayn.engine.loss import batch_loss
 from aiayn.errors import ConfigError
@@ -183,13 +183,15 @@ def test_shipped_deepspeed_files_agree_with_the_shipped_configs(project_root):
         ),
         (
             ["distributed.backend=deepspeed", "train.compile=true"],
-            "train.compile is for distributed.backend ddp",
+            "train.compile is not for distributed.backend deepspeed",
         ),
+        (["distributed.backend=deepspeeed"], "is no engine; .* did you mean deepspeed"),
     ],
 )
 def test_inconsistent_distributed_settings_are_refused(overrides, message):
+    cfg = load_config(None, [*BASE, *overrides])  # each section holds; the engine refuses
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [*BASE, *overrides])
+        registry.check(cfg)
 
 
 def test_accelerate_variables_become_overrides():

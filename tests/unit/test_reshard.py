@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from aiayn.checkpoint import reshard
 from aiayn.config import load_config
+from aiayn.engine import deepspeed_files, registry
 from aiayn.engine import state as engine_state
 from aiayn.engine.ddp_engine import LocalEngine
 from aiayn.engine.deepspeed_engine import DeepSpeedEngine
@@ -36,11 +36,12 @@ def portable_of(engine: LocalEngine) -> engine_state.Portable:
     """The engine's state as a checkpoint would give it to a new topology."""
     shapes = {n: p.shape for n, p in engine_state.trainable(engine.module)}
     weights = {
-        (n, engine_state.WEIGHT): reshard.Pieces([p.detach().clone().flatten()])
+        (n, engine_state.WEIGHT): engine_state.Pieces([p.detach().clone().flatten()])
         for n, p in engine_state.trainable(engine.module)
     }
     saved = engine.state_dict()
-    return reshard._from_torch_optimizer(saved["optimizer"], weights, shapes, saved["scheduler"], 0)
+    optimizer, scheduler = saved["optimizer"], saved["scheduler"]
+    return engine_state.torch_adam_portable(optimizer, weights, shapes, scheduler, 0)
 
 
 def test_torch_adam_state_round_trips_exactly_through_the_portable_form():
@@ -86,19 +87,19 @@ def zero12_partitions(full: dict[str, torch.Tensor], paddings: list[int], world:
     return list(flat.chunk(world))
 
 
-def merged(pieces: dict[str, reshard.Pieces]) -> dict[str, torch.Tensor]:
+def merged(pieces: dict[str, engine_state.Pieces]) -> dict[str, torch.Tensor]:
     return {n: p.read(0, p.numel).view(SHAPES[n]) for n, p in pieces.items()}
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_zero_partitions_merge_back_into_whole_tensors(world):
     full = {n: torch.randn(s) for n, s in SHAPES.items()}
-    ranks = [reshard.Pieces([t]) for t in zero3_partitions(full, world)]
-    got = merged(reshard._zero3_pieces(ranks, SHAPES, world))
+    ranks = [engine_state.Pieces([t]) for t in zero3_partitions(full, world)]
+    got = merged(deepspeed_files._zero3_pieces(ranks, SHAPES, world))
     assert all(torch.equal(got[n], full[n]) for n in full)
     paddings = [1, 0, 3]
-    flat = reshard.Pieces(zero12_partitions(full, paddings, world))
-    got = merged(reshard._zero12_pieces([flat], [SHAPES], [paddings]))
+    flat = engine_state.Pieces(zero12_partitions(full, paddings, world))
+    got = merged(deepspeed_files._zero12_pieces([flat], [SHAPES], [paddings]))
     assert all(torch.equal(got[n], full[n]) for n in full)
 
 
@@ -113,7 +114,7 @@ def test_each_new_rank_reads_its_partition_and_about_1_over_w_of_the_state(old, 
     shapes = {"a": torch.Size([30, 5]), "b": torch.Size([77]), "c": torch.Size([16, 8])}
     full = {n: torch.randn(s) for n, s in shapes.items()}
     subgroups = [[t[: t.numel() // 3], t[t.numel() // 3 :]] for t in zero3_partitions(full, old)]
-    pieces = reshard._zero3_pieces([reshard.Pieces(g) for g in subgroups], shapes, old)
+    pieces = deepspeed_files._zero3_pieces([engine_state.Pieces(g) for g in subgroups], shapes, old)
     total = sum(t.numel() for t in full.values())
     for rank in range(new):
         state = engine_state.Portable(shapes, {(n, "weight"): pieces[n] for n in shapes}, 0, {}, 0)
@@ -136,7 +137,7 @@ def test_a_stored_tensor_is_read_by_rows(tmp_path):
     save_file(tensors, tmp_path / "t.safetensors")
     with safe_open(str(tmp_path / "t.safetensors"), framework="pt") as fh:
         for key, t in tensors.items():
-            rows = reshard.Rows(fh, key)
+            rows = engine_state.Rows(fh, key)
             for start, end in [(0, t.numel()), (3, 4), (6, 20), (t.numel() - 2, t.numel())]:
                 assert torch.equal(rows.read(start, end), t.flatten()[start:end])
 
@@ -145,19 +146,23 @@ def test_partitions_of_another_model_are_refused():
     full = {n: torch.randn(s) for n, s in SHAPES.items()}
     other = {**SHAPES, "b": torch.Size([9])}
     with pytest.raises(CheckpointError, match="do not belong to this model"):
-        ranks = [reshard.Pieces([t]) for t in zero3_partitions(full, 2)]
-        reshard._zero3_pieces(ranks, other, 2)
+        ranks = [engine_state.Pieces([t]) for t in zero3_partitions(full, 2)]
+        deepspeed_files._zero3_pieces(ranks, other, 2)
     with pytest.raises(CheckpointError, match="do not belong to this model"):
-        flat = reshard.Pieces(zero12_partitions(full, [0, 0, 0], 1))
-        reshard._zero12_pieces([flat], [other], None)
+        flat = engine_state.Pieces(zero12_partitions(full, [0, 0, 0], 1))
+        deepspeed_files._zero12_pieces([flat], [other], None)
 
 
 def test_which_topologies_share_a_layout():
-    ddp1, ddp4 = reshard.Topology("ddp", 0, 1), reshard.Topology("ddp", 0, 4)
-    z2, z3 = reshard.Topology("deepspeed", 2, 2), reshard.Topology("deepspeed", 3, 2)
+    def saved(world: int, backend: str = "ddp", stage: int = 0):
+        config = {"distributed": {"backend": backend, "zero_stage": stage}}
+        return registry.saved_topology(config, world)
+
+    ddp1, ddp4 = saved(1), saved(4)
+    z2, z3 = saved(2, "deepspeed", 2), saved(2, "deepspeed", 3)
     assert ddp1.same_layout(ddp4)  # a torch optimizer's state is whole on every rank
-    assert z3.same_layout(reshard.Topology("deepspeed", 3, 2))
-    assert not z3.same_layout(reshard.Topology("deepspeed", 3, 4))
+    assert z3.same_layout(saved(2, "deepspeed", 3))
+    assert not z3.same_layout(saved(4, "deepspeed", 3))
     assert not z2.same_layout(z3) and not z3.same_layout(ddp1) and not ddp1.same_layout(z2)
     assert str(z3) == "DeepSpeed ZeRO-3 on 2 rank(s)" and str(ddp4) == "DDP on 4 rank(s)"
 

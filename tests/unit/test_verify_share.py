@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from aiayn.engine.state import partition_rank
+from aiayn.engine.deepspeed_files import partition_rank
 from aiayn.runtime.durable import bytes_hashed, sha256_of
 from aiayn.runtime.verify_share import hashed_in_ranges, share_of, verify_share
 

@@ -76,7 +76,7 @@ def load_moments(engine, found: Located, cfg) -> None:
         )
     trainer_state = read_trainer_state(found.checkpoint, lambda key: key.startswith("/engine/"))
     manifest = read_manifest(found.checkpoint, verify=False)
-    saved = reshard.Topology.of_checkpoint(manifest, trainer_state)
+    saved = reshard.topology_of(manifest, trainer_state)
     shapes = {name: p.shape for name, p in trainable(engine.module)}
     with reshard.read(found.checkpoint, trainer_state, saved, shapes) as state:
         # this run's fresh schedule, not the source's position in its own

@@ -26,7 +26,8 @@ from aiayn.checkpoint.format import (
     read_stored,
 )
 from aiayn.distributed.env import DistEnv
-from aiayn.engine.state import partition_rank, trainable
+from aiayn.engine.registry import shard_rank, topology
+from aiayn.engine.state import trainable
 from aiayn.errors import CheckpointError
 from aiayn.runtime.durable import size_text
 from aiayn.runtime.seeding import load_rng_state, seed_everything
@@ -103,7 +104,7 @@ def _verify_my_share(ckpt: Path, env: DistEnv) -> tuple[str | None, bool]:
         return f"{ckpt} has no readable {MANIFEST_FILE} ({exc})", True
     try:  # what rank 0 reads too: damage, the same on every rank, never a hang
         files = json.loads(text)["files"]
-        return verify_share(ckpt, files, env.rank, env.world_size, partition_rank), False
+        return verify_share(ckpt, files, env.rank, env.world_size, shard_rank), False
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"{ckpt}: {type(exc).__name__}: {exc}", False
 
@@ -174,8 +175,8 @@ def _load_engine(run: Any, ckpt: Path, trainer_state: dict, manifest: dict) -> N
     """Weights and engine state: in the engine's own format when the topology is
     unchanged (bitwise), else resharded by parameter name."""
     cfg, env, engine = run.cfg, run.env, run.engine
-    saved = reshard.Topology.of_checkpoint(manifest, trainer_state)
-    here = reshard.Topology.of(cfg, env.world_size)
+    saved = reshard.topology_of(manifest, trainer_state)
+    here = topology(cfg, env.world_size)
     if saved.same_layout(here):  # the engine reads its own format: a bitwise resume
         if engine.loads_weights:
             load_checkpoint(

@@ -13,10 +13,12 @@ from aiayn.config.checks import Section, bounded, suggest
 
 @dataclass
 class DistributedConfig(Section):
-    backend: Literal["ddp", "deepspeed"] = "ddp"
-    """ddp: PyTorch DistributedDataParallel (also the single-process path); deepspeed: ZeRO."""
+    backend: str = "ddp"
+    """The engine (engine/registry.py): ddp, PyTorch DistributedDataParallel (also the
+    single-process path); deepspeed, DeepSpeed ZeRO (the options zero_stage to
+    deepspeed_config)."""
     zero_stage: int = bounded(0, low=0, high=3)
-    """DeepSpeed ZeRO stage: 0 none, 1 optimizer states, 2 also gradients, 3 also parameters
+    """deepspeed: the ZeRO stage: 0 none, 1 optimizer states, 2 also gradients, 3 also parameters
     are partitioned across data-parallel ranks."""
     offload_optimizer: bool = False
     """ZeRO-Offload (stage >= 1): optimizer state and step on the CPU (DeepSpeedCPUAdam)."""
@@ -43,27 +45,6 @@ class DistributedConfig(Section):
     the group (docs/distributed.md, "Faults and restarts": with the launcher's defaults a lost
     node is given up within 2 minutes). Keep it above the longest stretch in which one rank
     waits for another: a rank's part of a synchronous save, validation's slowest share."""
-
-    def validate(self) -> list[str]:
-        errs = []
-        if self.backend == "ddp":
-            used = [
-                f"distributed.{name}"
-                for name in (
-                    "zero_stage",
-                    "offload_optimizer",
-                    "offload_params",
-                    "deepspeed_config",
-                )
-                if getattr(self, name)
-            ]
-            if used:
-                errs.append(f"{', '.join(used)} need distributed.backend=deepspeed")
-        elif self.offload_optimizer and self.zero_stage < 1:
-            errs.append("distributed.offload_optimizer needs distributed.zero_stage >= 1")
-        if self.offload_params and self.zero_stage != 3:
-            errs.append("distributed.offload_params needs distributed.zero_stage=3")
-        return errs
 
 
 @dataclass

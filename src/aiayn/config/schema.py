@@ -51,12 +51,6 @@ class Config:
             )
         errs += self._validate_ranking()
         errs += self._validate_finish()
-        if self.train.compile and self.distributed.backend == "deepspeed":
-            errs.append(
-                "train.compile is for distributed.backend ddp (and one process): DeepSpeed's "
-                "hooks gather and reduce inside the layers torch.compile would trace; set "
-                "train.compile=false or distributed.backend=ddp"
-            )
         scale = self.train.loss_scale_init
         if scale >= 1 and not math.log2(scale).is_integer():
             errs.append(

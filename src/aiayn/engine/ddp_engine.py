@@ -17,6 +17,7 @@ from aiayn.config import Config
 from aiayn.distributed.env import DistEnv
 from aiayn.engine import parallelize
 from aiayn.engine.ema import EMA, saved_weights, whole_pieces
+from aiayn.engine.kind import Kind
 from aiayn.engine.optim import (
     build_optimizer,
     clip_gradients,
@@ -27,6 +28,20 @@ from aiayn.engine.optim import (
 from aiayn.engine.precision import autocast
 from aiayn.engine.replicas import replicas_differ
 from aiayn.engine.state import WEIGHT, Portable, Weights, trainable
+
+KIND = Kind(
+    name="ddp",
+    title="DDP",
+    build="aiayn.engine.ddp_engine:build",
+    any_world=True,  # a torch optimizer's state is the same whole copy on any number of ranks
+)
+
+
+def build(model: nn.Module, cfg: Config, env: DistEnv, rebuild=None) -> LocalEngine:
+    """DDP across processes, or the plain engine in one."""
+    if env.distributed:
+        return DDPEngine(model, cfg, env)
+    return LocalEngine(model, cfg, env.device)
 
 
 class LocalEngine:

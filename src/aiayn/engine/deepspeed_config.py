@@ -24,9 +24,39 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.config import Config
+from aiayn.engine import deepspeed_files
+from aiayn.engine.kind import Kind
 from aiayn.errors import ConfigError
 
 log = logging.getLogger("aiayn")
+
+
+def problems(cfg: Config) -> list[str]:
+    """The run config's settings that DeepSpeed cannot run together."""
+    par, errs = cfg.distributed, []
+    if par.offload_optimizer and par.zero_stage < 1:
+        errs.append("distributed.offload_optimizer needs distributed.zero_stage >= 1")
+    if par.offload_params and par.zero_stage != 3:
+        errs.append("distributed.offload_params needs distributed.zero_stage=3")
+    if cfg.train.compile:
+        errs.append(
+            "train.compile is not for distributed.backend deepspeed: DeepSpeed's hooks gather "
+            "and reduce inside the layers torch.compile would trace; set train.compile=false "
+            "or choose another distributed.backend"
+        )
+    return errs
+
+
+KIND = Kind(
+    name="deepspeed",
+    title="DeepSpeed",
+    build="aiayn.engine.deepspeed_engine:DeepSpeedEngine",
+    options=("zero_stage", "offload_optimizer", "offload_params", "deepspeed_config"),
+    check=problems,
+    layout=lambda distributed: f"ZeRO-{distributed.get('zero_stage', 0)}",
+    shard_rank=deepspeed_files.partition_rank,
+    portable=deepspeed_files.read,
+)
 
 # The top-level keys of DeepSpeed's reports about itself: a user's file may change them.
 REPORTING = ("timers", "wall_clock_breakdown", "steps_per_print")

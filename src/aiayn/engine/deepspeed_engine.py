@@ -17,11 +17,12 @@ from torch import nn
 from aiayn.config import Config
 from aiayn.distributed.env import DistEnv
 from aiayn.engine import deepspeed_config, op_builds, parallelize
+from aiayn.engine.deepspeed_files import DEEPSPEED_DIR
 from aiayn.engine.ema import EMA, Piece, file_keys, saved_weights, whole_pieces
 from aiayn.engine.optim import clip_gradients, load_schedule, load_torch_adam, paper_schedule
 from aiayn.engine.precision import autocast
 from aiayn.engine.replicas import replicas_differ
-from aiayn.engine.state import DEEPSPEED_DIR, MOMENTS, WEIGHT, Portable, Weights, trainable
+from aiayn.engine.state import MOMENTS, WEIGHT, Portable, Weights, trainable
 from aiayn.errors import CheckpointError, ConfigError, TrainingError
 from aiayn.runtime import io_counts
 

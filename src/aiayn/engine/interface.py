@@ -1,10 +1,11 @@
-"""The engine interface and the choice of engine: backward, clipping, optimizer and schedule,
-once per accumulation boundary.
+"""The engine interface: backward, clipping, optimizer and schedule, once per accumulation
+boundary.
 
 The training loop talks to an `Engine` and nothing else, so one process, DDP
 (engine/ddp_engine.py) and DeepSpeed (engine/deepspeed_engine.py) take each other's
-place without the loop changing. The engines import what they share from below them
-(precision.autocast, engine/replicas.py), never this module or each other.
+place without the loop changing; engine/registry.py builds the one a config names. The
+engines import what they share from below them (precision.autocast, engine/replicas.py),
+never this module or each other.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from aiayn.config import Config
 from aiayn.distributed.env import DistEnv
-from aiayn.engine.ddp_engine import DDPEngine, LocalEngine
 from aiayn.engine.ema import EMA
 from aiayn.engine.state import Portable, Weights
 
@@ -86,18 +85,3 @@ class Engine(Protocol):
 
     def load_portable(self, state: Portable) -> None:
         """Restore from a checkpoint written on another topology (checkpoint/reshard.py)."""
-
-
-def build_engine(model: nn.Module, cfg: Config, env: DistEnv, rebuild=None) -> Engine:
-    """DeepSpeed when configured; else DDP across processes, or the plain engine on one.
-
-    `rebuild` makes a fresh model of the same architecture (ZeRO-3 gathers weights into it).
-    """
-    if cfg.distributed.backend == "deepspeed":
-        # Imported here only because importing deepspeed takes seconds, and it is optional.
-        from aiayn.engine.deepspeed_engine import DeepSpeedEngine
-
-        return DeepSpeedEngine(model, cfg, env, rebuild)
-    if env.distributed:
-        return DDPEngine(model, cfg, env)
-    return LocalEngine(model, cfg, env.device)

@@ -1,15 +1,17 @@
 """The state that engines and checkpoints share, below both: the weights a save writes
-(`Weights`), the optimizer state in a form no engine owns (`Portable`), and the names both
-sides use for them.
+(`Weights`), the optimizer state in a form no engine owns (`Portable`), the stretches it is
+read from by element range (`Pieces` in memory or mapped, `Rows` of a safetensors file), and
+the names both sides use for them.
 
 An engine yields `Weights` to a save and loads a `Portable` on a resume across topologies;
-the checkpoint package writes the first and reads the second out of any engine's files
-(checkpoint/reshard.py). Neither side imports the other: they meet here.
+the checkpoint package writes the first and reads the second out of its own files
+(checkpoint/reshard.py), or asks the engine's kind to read files of the engine's own
+(engine/kind.py). Neither side imports the other: they meet here.
 """
 
 from __future__ import annotations
 
-import re
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -17,18 +19,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-DEEPSPEED_DIR = "deepspeed"  # where every rank's `save_checkpoint` writes (deepspeed_engine.py)
+from aiayn.errors import CheckpointError
+
 MOMENTS = ("exp_avg", "exp_avg_sq")
 WEIGHT = "weight"  # the fp32 (master) weights, beside MOMENTS
-
-
-def partition_rank(name: str) -> int | None:
-    """The data-parallel rank whose ZeRO partition a file under DEEPSPEED_DIR holds, by
-    DeepSpeed's name for it ([bf16_]zero_pp_rank_<r>_...); None for another file."""
-    if not name.startswith(DEEPSPEED_DIR + "/"):
-        return None
-    found = re.search(r"(?:^|_|/)zero_pp_rank_(\d+)_", name)
-    return int(found.group(1)) if found else None
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -125,3 +119,84 @@ def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) in the order every engine hands them to its optimizer; a tied
     parameter once, under its first name (as named_parameters and DeepSpeed name it)."""
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+class Pieces:
+    """Elements held as consecutive 1-D tensor views (a parameter's partitions in several ZeRO
+    rank files, mapped from disk): `view` selects a range without reading it, `read` copies one
+    range out as fp32."""
+
+    def __init__(self, parts: list[torch.Tensor], numel: int | None = None):
+        self.parts = [t for t in parts if t.numel()]
+        self.numel = sum(t.numel() for t in self.parts) if numel is None else numel
+        self.itemsize = self.parts[0].element_size() if self.parts else 4
+
+    def view(self, start: int, end: int) -> Pieces:
+        out, at = [], 0
+        for t in self.parts:
+            lo, hi = max(start - at, 0), min(end - at, t.numel())
+            if lo < hi:
+                out.append(t[lo:hi])
+            at += t.numel()
+        return Pieces(out)
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        parts = self.view(start, end).parts
+        return torch.cat([t.float() for t in parts]) if parts else torch.zeros(0)
+
+
+class Rows:
+    """A tensor of a safetensors file, read by element range: only the rows that hold it."""
+
+    def __init__(self, handle, key: str):
+        self.handle, self.key = handle, key
+        stored = handle.get_slice(key)
+        self.shape = list(stored.get_shape())
+        self.numel = math.prod(self.shape)
+        self.itemsize = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}.get(stored.get_dtype(), 4)
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        if len(self.shape) < 2:
+            return self.handle.get_slice(self.key)[start:end].reshape(-1).float()
+        row = self.numel // self.shape[0]
+        first = start // row
+        rows = self.handle.get_slice(self.key)[first : -(-end // row)].reshape(-1)
+        return rows[start - first * row : end - first * row].float()
+
+
+def in_memory(value: torch.Tensor) -> Pieces:
+    return Pieces([value.flatten()])
+
+
+def torch_adam_portable(
+    state: dict[str, Any],
+    tensors: dict[tuple[str, str], Stretch],
+    shapes: dict[str, torch.Size],
+    scheduler: dict,
+    skipped: int,
+    stretch: Callable[[Any], Stretch] = in_memory,
+    number: Callable[[Any], int] = int,
+) -> Portable:
+    """A torch Adam state dict (one param group, indexed by position) with the weights'
+    `tensors`, as a Portable. Its tensors are in memory, or left unread where `stretch` (each
+    moment's) and `number` (a step count's) find them (checkpoint/reshard.py's trainer file)."""
+    (group,) = state["param_groups"]
+    if len(group["params"]) != len(shapes):
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(group['params'])} parameters, this model "
+            f"{len(shapes)}: it was written by another model; use a new run_dir"
+        )
+    steps = set()
+    tensors = dict(tensors)
+    for index, name in zip(group["params"], shapes, strict=True):
+        entry = state["state"].get(index)
+        if entry is None:  # never stepped (no gradient yet): Adam starts it from zeros
+            continue
+        tensors.update({(name, k): stretch(entry[k]) for k in MOMENTS})
+        steps.add(number(entry["step"]))
+    if len(steps) > 1:
+        raise CheckpointError(
+            f"parameters have different Adam step counts {sorted(steps)}: a sharded optimizer "
+            "keeps one; resume this checkpoint with the backend it was written by"
+        )
+    return Portable(dict(shapes), tensors, steps.pop() if steps else 0, scheduler, skipped)

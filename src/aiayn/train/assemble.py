@@ -27,6 +27,7 @@ from aiayn.distributed.env import DistEnv, setup, use_timeout
 from aiayn.distributed.preemption import StopFlag
 from aiayn.distributed.run_lock import hold_run_dir
 from aiayn.engine import Engine, build_engine
+from aiayn.engine import registry as engines
 from aiayn.engine.precision import resolve_precision
 from aiayn.model import build_model, count_parameters, selection
 from aiayn.runtime.malloc import keep_freed_memory
@@ -91,7 +92,7 @@ def assemble(
     ckpts.track(cfg, tok, engine, loader, env, start and start.provenance)
     progress = ckpts.restore(resume_from, startup) if resume_from is not None else Progress()
     log_checksums(env)
-    if memory_probe.wanted(cfg.train.memory_probe, env.device, cfg.distributed.zero_stage):
+    if memory_probe.wanted(cfg.train.memory_probe, env.device, engine.partitioned):
         kind, smoothing = cfg.model.kind, cfg.train.label_smoothing
         with startup.phase("memory probe"):
             memory_probe.probe(
@@ -124,6 +125,7 @@ def assemble(
 def _settled(cfg: Config, env: DistEnv) -> Config:
     """The config with what it leaves to the run decided, and the process set up for it."""
     cfg = _resolved(cfg, env.device)
+    engines.check(cfg)  # the engine's own settings, before any work
     cfg.train.accumulation(env.world_size)  # refuses a world size that cannot share the batch
     cfg = pin_hub_revision(cfg, env.decide)  # before any record is read
     configure(env.device, cfg.train.tf32, cfg.train.deterministic, cfg.train.attention_kernel)
@@ -190,8 +192,8 @@ def _log_start(
     accumulation = train.accumulation(world)
     log.info(
         "%s model, %s parameters, vocab %d | %s tokens a step over all ranks = %s-token "
-        "micro-batches x %d accumulated x %d ranks per step (%s) | backend %s, ZeRO stage %d, "
-        "%s on %s | peak %.3g TFLOP/s | %s schedule, warmup %d, cooldown %d of %d steps | %s",
+        "micro-batches x %d accumulated x %d ranks per step (%s) | %s, %s on %s | peak %.3g "
+        "TFLOP/s | %s schedule, warmup %d, cooldown %d of %d steps | %s",
         cfg.model.kind,
         f"{n_params:,}",
         tok.vocab_size,
@@ -200,8 +202,7 @@ def _log_start(
         accumulation,
         world,
         "train.tokens_per_step" if train.tokens_per_step else "train.grad_accum: grows with ranks",
-        cfg.distributed.backend,
-        cfg.distributed.zero_stage,
+        engines.topology(cfg, world),
         cfg.train.precision,
         env.device,
         peak / 1e12,

@@ -22,10 +22,12 @@ from aiayn.errors import TrainingError
 log = logging.getLogger("aiayn")
 
 
-def wanted(setting: str, device: torch.device, zero_stage: int) -> bool:
-    """train.memory_probe on this device. ZeRO-3 gathers parameters in hooks of its own around
-    each module: a pass outside its engine would not be the pass it runs."""
-    if setting == "never" or zero_stage == 3:
+def wanted(setting: str, device: torch.device, partitioned: bool) -> bool:
+    """train.memory_probe on this device. A partitioned engine (ZeRO-3) gathers parameters in
+    hooks of its own around each module, in collectives every rank must take part in: a pass
+    outside its step would not be the pass it runs, and ranks probing different numbers of
+    batches would wait for each other."""
+    if setting == "never" or partitioned:
         return False
     return setting == "always" or device.type == "cuda"
 

@@ -3,7 +3,8 @@ without a process group and without the network, every problem reported together
 
 It checks the config itself (keys, types, ranges: load_config), that the corpus files and
 init.source exist, the tokenizer against the contract the run's latest checkpoint recorded,
-and that `world_size` ranks can share train.tokens_per_step's micro-batches. A Hub dataset is
+that the engine takes the distributed settings, and that `world_size` ranks can share
+train.tokens_per_step's micro-batches. A Hub dataset is
 named but not looked up (that needs the network; the start pins its revision)."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from aiayn.checkpoint.format import checkpoints_in, read_manifest
 from aiayn.checkpoint.locate import locate
 from aiayn.config import Config
 from aiayn.data.splits import source_files
+from aiayn.engine import registry as engines
 from aiayn.errors import AiaynError
 from aiayn.tokenizer import Tokenizer, check_contract
 
@@ -24,7 +26,7 @@ def preflight(cfg: Config, world_size: int) -> tuple[list[str], list[str]]:
     """(what was checked and holds, the problems a start would stop on), one line each."""
     checks = [partial(_split, cfg, name, split) for name, split in _splits(cfg)]
     checks += [partial(_init_source, cfg), partial(_tokenizer, cfg)]
-    checks += [partial(_batch, cfg, world_size)]
+    checks += [partial(_engine, cfg, world_size), partial(_batch, cfg, world_size)]
     ok: list[str] = []
     problems: list[str] = []
     for check in checks:
@@ -71,6 +73,11 @@ def _tokenizer(cfg: Config) -> list[str]:
     recorded: dict[str, Any] = read_manifest(ckpts[-1], verify=False)["tokenizer"]
     check_contract(recorded, tok, where=str(ckpts[-1]))  # TokenizerError listing each field
     return [f"tokenizer: {path} is the one {ckpts[-1]} recorded (the run resumes from it)"]
+
+
+def _engine(cfg: Config, world_size: int) -> list[str]:
+    engines.check(cfg)  # ConfigError listing what the engine refuses
+    return [f"engine: {engines.topology(cfg, world_size)}"]
 
 
 def _batch(cfg: Config, world_size: int) -> list[str]:
