@@ -1,10 +1,10 @@
 """Run by test_step_collectives.py under torchrun: `aiayn train` in this process, once under DDP
-and then once under DeepSpeed at each ZeRO stage, 0 to 3, in the same process group (one launch:
-start-up is most of a launch's cost). Writes to OUT/rank_<r>.json, per run: every collective
-the trainer calls through torch.distributed (op, group's backend, tensors' devices); per
-optimizer step, where it began in that list, the host syncs inside it (tests/syncs.py: the
-operator and the code that called it), how many of them came before engine.step (in the
-micro-batches' forwards and backwards), and DeepSpeed's device syncs
+then once under DeepSpeed at each ZeRO stage, 0 to 3, and once under FSDP2, in the same process
+group (one launch: start-up is most of a launch's cost). Writes to OUT/rank_<r>.json, per run:
+every collective the trainer calls through torch.distributed (op, group's backend, tensors'
+devices); per optimizer step, where it began in that list, the host syncs inside it
+(tests/syncs.py: the operator and the code that called it), how many of them came before
+engine.step (in the micro-batches' forwards and backwards), and DeepSpeed's device syncs
 (`get_accelerator().synchronize()`); and, under DeepSpeed, which of its own diagnostics the
 engine has on.
 
@@ -50,6 +50,7 @@ RUNS = {
         f"zero{s}": ["distributed.backend=deepspeed", f"distributed.zero_stage={s}"]
         for s in range(4)
     },
+    "fsdp": ["distributed.backend=fsdp"],
 }
 
 

@@ -1,7 +1,7 @@
 """Collectives and host syncs per optimizer step, with two real ranks (gloo) on the path a NCCL
-job takes: under DDP, and under DeepSpeed ZeRO 0, 1, 2 and 3 in the same launch; and, from the
-same runs, that each ZeRO stage computes DDP's update (test_deepspeed.py follows the stages with
-options, offload and activation checkpointing, over 20 steps)."""
+job takes: under DDP, under DeepSpeed ZeRO 0, 1, 2 and 3 and under FSDP2 in the same launch;
+and, from the same runs, that each ZeRO stage and FSDP2 compute DDP's update (test_deepspeed.py
+follows the stages with options, offload and activation checkpointing, over 20 steps)."""
 
 import json
 from collections import Counter
@@ -41,6 +41,7 @@ ALLOWED_PER_STEP = {
         f"zero/stage_1_and_2.py:unscale_and_clip_grads -> {ZERO_NORM}",
     ],
     "zero3": [f"zero/stage3.py:step -> {ZERO_NORM}"],
+    "fsdp": [],  # the norm is one all-reduce of the ranks' rows' norms, on the device
 }
 # ZeRO-3 records the order in which modules gather their weights during the first step and
 # checks it is the same on every rank: a broadcast and an .item() per module and parameter
@@ -96,6 +97,15 @@ def test_a_step_waits_for_no_collective_of_host_numbers_and_no_host_sync(ranks):
         assert all(step["syncs"] == [] for step in steps), steps
 
 
+def test_an_fsdp_step_makes_no_host_sync(ranks):
+    """Under FSDP2 on two ranks, 2 micro-batches a rank: no host sync in the micro-batches
+    (the first gathers no reduction: set_requires_gradient_sync) nor in the step."""
+    for seen in ranks:
+        steps = seen["fsdp"]["steps"]
+        assert len(steps) == STEPS
+        assert all(step["sites"] == ALLOWED_PER_STEP["fsdp"] for step in steps), steps
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_zero_step_syncs_only_for_its_norm_and_never_per_micro_batch(ranks, stage):
     """Under DeepSpeed on two ranks, ZeRO 0 to 3, each optimizer step (2 micro-batches per
@@ -120,20 +130,21 @@ def test_a_zero_step_syncs_only_for_its_norm_and_never_per_micro_batch(ranks, st
             assert step["device_syncs"] == [], (where, step["device_syncs"])
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_a_zero_stage_computes_the_ddp_update(launched, stage):
-    """The same 5 steps (2 micro-batches a rank, fp32, dropout off) under DDP and under ZeRO at
-    `stage`, in one process group: the same update up to float rounding. DeepSpeed sums the
-    gradient norm over flat partitions and steps Adam per partition, so low bits may differ:
+@pytest.mark.parametrize("engine", ["zero0", "zero1", "zero2", "zero3", "fsdp"])
+def test_a_sharded_engine_computes_the_ddp_update(launched, engine):
+    """The same 5 steps (2 micro-batches a rank, fp32, dropout off) under DDP and under a ZeRO
+    stage or FSDP2, in one process group: the same update up to float rounding. DeepSpeed sums
+    the gradient norm over flat partitions and steps Adam per partition, FSDP2 sums each rank's
+    rows' norms, so low bits may differ:
     measured on 2026-11-27 (AMD EPYC, avx512_bf16), the last step's loss equal, its gradient norm
     within 1e-7 (relative) and the weights within 3e-8. The bounds leave 10-30 times that, and
     are far below what a wrong update moves: Adam moves each weight by about the learning rate a
     step, here 1.25e-4 x step (warmup 100, d_model 64), about 2e-3 over the 5 steps. The norm
     before clipping is the one DDP reports (ZeRO-0 once reported nan: DeepSpeed computed none
     for a plain torch optimizer). test_deepspeed.py follows ZeRO with options over 20 steps."""
-    ddp, zero = launched / "ddp", launched / f"zero{stage}"
-    assert_close(weights_at(zero, STEPS), weights_at(ddp, STEPS), atol=1e-6)
+    ddp, other = launched / "ddp", launched / engine
+    assert_close(weights_at(other, STEPS), weights_at(ddp, STEPS), atol=1e-6)
     for tag, rtol in (("train/loss", 1e-6), ("train/grad_norm", 1e-6)):
-        got, ref = scalars(zero, tag), scalars(ddp, tag)
+        got, ref = scalars(other, tag), scalars(ddp, tag)
         assert sorted(got) == sorted(ref) == [STEPS], (tag, got, ref)
         assert got[STEPS] == pytest.approx(ref[STEPS], rel=rtol), tag

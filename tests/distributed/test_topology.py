@@ -1,5 +1,6 @@
 """Resuming on another topology, with real processes: ZeRO-3 on 2 ranks -> DDP on 1 -> ZeRO-3 ->
-ZeRO-2 -> ZeRO-0 -> DDP, and ZeRO-3 on 2 -> 4 -> 2 ranks, each against an uninterrupted run.
+ZeRO-2 -> ZeRO-0 -> DDP, ZeRO-3 on 2 -> 4 -> 2 ranks, and ZeRO-3 -> FSDP2 on 2 -> DDP on 1 ->
+FSDP2 on 4 -> ZeRO-3 on 2, each against an uninterrupted run.
 
 Every run fixes the step's batch over all ranks (train.tokens_per_step), so one process
 accumulates 2 micro-batches where 2 ranks take 1 each (the loader hands global batches r, r+W,
@@ -58,6 +59,7 @@ def zero(stage: int) -> tuple[str, ...]:
 
 
 TWO, FOUR = "train.tokens_per_step=1200", "train.tokens_per_step=2400"  # micro-batches of 600
+FSDP = "distributed.backend=fsdp"
 TOPOLOGIES = {  # name -> (launcher, options, how train.log names it)
     "zero3x2": (lambda: torchrun(2), (*zero(3), TWO), "DeepSpeed ZeRO-3 on 2 rank(s)"),
     "zero2x2": (lambda: torchrun(2), (*zero(2), TWO), "DeepSpeed ZeRO-2 on 2 rank(s)"),
@@ -66,6 +68,9 @@ TOPOLOGIES = {  # name -> (launcher, options, how train.log names it)
     "zero3x4": (lambda: torchrun(4), (*zero(3), FOUR), "DeepSpeed ZeRO-3 on 4 rank(s)"),
     "zero0x1": (lambda: [sys.executable], (*zero(0), TWO), "DeepSpeed ZeRO-0 on 1 rank(s)"),
     "ddp1": (lambda: [sys.executable], (TWO,), "DDP on 1 rank(s)"),
+    "ddp1acc4": (lambda: [sys.executable], (FOUR,), "DDP on 1 rank(s)"),
+    "fsdpx2acc2": (lambda: torchrun(2), (FSDP, FOUR), "FSDP2 on 2 rank(s)"),
+    "fsdpx4": (lambda: torchrun(4), (FSDP, FOUR), "FSDP2 on 4 rank(s)"),
 }
 
 
@@ -119,6 +124,8 @@ def assert_continues(run_dir: Path, reference: Path, weights_atol: float, loss_r
         ["zero3x2", "ddp1", "zero3x2", "zero2x2", "zero0x1", "ddp1"],
         # The world size changes, 2 -> 4 -> 2: each rank reads its partition only.
         ["zero3x2acc2", "zero3x4", "zero3x2acc2"],
+        # FSDP2 reads and is read by every engine, at another world size too.
+        ["zero3x2acc2", "fsdpx2acc2", "ddp1acc4", "fsdpx4", "zero3x2acc2"],
     ],
     ids="_to_".join,
 )
@@ -137,7 +144,13 @@ def test_resume_on_another_topology_continues_the_same_run(setup, straight, chai
         assert "checkpoint written by {}, resuming on {}".format(*names) in log
     assert "apply to another batch" not in log  # the world size changed, the batch did not
     assert_continues(run_dir, straight(chain[0]), WEIGHTS_ATOL, LOSS_RTOL)
-    if chain[0] == "zero3x2acc2":
+    if "fsdpx4" in chain:
+        # An FSDP2 rank of 4 keeps a quarter of every parameter's rows and of its moments.
+        step = ends[chain.index("fsdpx4")]
+        files = sorted((run_dir / "checkpoints" / f"step_{step:08d}" / "fsdp").iterdir())
+        sizes = [f.stat().st_size for f in files]
+        assert len(sizes) == 4 and max(sizes) < 0.3 * sum(sizes), sizes
+    elif chain[0] == "zero3x2acc2":
         # ZeRO-3 to ZeRO-3: the busiest rank read about 1/W_new of the weights and moments
         # (the whole of them per rank before: W_new x the state in all).
         shares = [kib(read) / kib(stored) for read, stored in READS.findall(log)]

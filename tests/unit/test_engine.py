@@ -186,6 +186,8 @@ def test_shipped_deepspeed_files_agree_with_the_shipped_configs(project_root):
             "train.compile is not for distributed.backend deepspeed",
         ),
         (["distributed.backend=deepspeeed"], "is no engine; .* did you mean deepspeed"),
+        (["distributed.fsdp.reshard_after_forward=false"], "fsdp need distributed.backend=fsdp"),
+        (["distributed.backend=fsdp", "train.precision=fp16"], "fp16 with distributed.backend"),
     ],
 )
 def test_inconsistent_distributed_settings_are_refused(overrides, message):

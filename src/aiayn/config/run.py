@@ -12,11 +12,24 @@ from aiayn.config.checks import Section, bounded, suggest
 
 
 @dataclass
+class FSDPConfig(Section):
+    reshard_after_forward: bool = True
+    """True: each layer's parameters are freed after its forward and gathered again for its
+    backward (ZeRO-3's memory: a rank holds 1/W of them between uses); false: kept gathered
+    from the forward to the backward (ZeRO-2's speed: one gather a step fewer, the whole
+    layer's weights held meanwhile). The default is the memory, which is why a user shards."""
+    offload: bool = False
+    """Parameters, gradients and the optimizer step on the CPU (FSDP2's CPUOffloadPolicy),
+    copied to the device for each layer's use."""
+
+
+@dataclass
 class DistributedConfig(Section):
     backend: str = "ddp"
-    """The engine (engine/registry.py): ddp, PyTorch DistributedDataParallel (also the
-    single-process path); deepspeed, DeepSpeed ZeRO (the options zero_stage to
-    deepspeed_config)."""
+    """The engine (engine/registry.py; docs/distributed.md compares them): ddp, PyTorch
+    DistributedDataParallel (also the single-process path); deepspeed, DeepSpeed ZeRO (the
+    options zero_stage to deepspeed_config); fsdp, PyTorch's FSDP2 (`fully_shard`, the
+    options of distributed.fsdp)."""
     zero_stage: int = bounded(0, low=0, high=3)
     """deepspeed: the ZeRO stage: 0 none, 1 optimizer states, 2 also gradients, 3 also parameters
     are partitioned across data-parallel ranks."""
@@ -24,6 +37,7 @@ class DistributedConfig(Section):
     """ZeRO-Offload (stage >= 1): optimizer state and step on the CPU (DeepSpeedCPUAdam)."""
     offload_params: bool = False
     """ZeRO-3 parameter offload to the CPU."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass instead of storing them."""
     deepspeed_config: str | None = None

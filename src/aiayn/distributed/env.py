@@ -326,3 +326,21 @@ def use_timeout(minutes: float, env: DistEnv | None = None) -> None:
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def join_single_process_group(env: DistEnv) -> None:
+    """A process group of this one process, for an engine that needs one (DeepSpeed, FSDP2)
+    even then; with two or more processes, setup() made it.
+
+    Its store lives in this process (a HashStore): under a launcher (torchrun, accelerate
+    launch or srun with one process) a tcp:// or env:// store would be a client of the
+    launcher's agent store (TORCHELASTIC_USE_AGENT_STORE), and a tcp:// address on a port of
+    our own is one nobody serves, so the run waited there without a word until the store's
+    timeout (seen on a GPU with torchrun --nproc_per_node=1).
+    """
+    if dist.is_initialized():
+        return
+    for name, value in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
+        os.environ.setdefault(name, str(value))  # DeepSpeed's sanity check reads them
+    backend = "nccl" if env.device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

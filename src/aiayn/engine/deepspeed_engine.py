@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from aiayn.config import Config
-from aiayn.distributed.env import DistEnv
+from aiayn.distributed.env import DistEnv, join_single_process_group
 from aiayn.engine import deepspeed_config, op_builds, parallelize
 from aiayn.engine.deepspeed_files import DEEPSPEED_DIR
 from aiayn.engine.ema import EMA, Piece, file_keys, saved_weights, whole_pieces
@@ -42,7 +42,7 @@ class DeepSpeedEngine:
             raise ConfigError(
                 "train.precision=fp16 with DeepSpeed needs a CUDA device; use bf16 or fp32 on CPU"
             )
-        _join_single_process_group(env)
+        join_single_process_group(env)  # DeepSpeed needs a group even for one process
         deepspeed.utils.logger.setLevel(logging.WARNING)
         op_builds.wait_for_op_builds()  # deepspeed.initialize compiles ops on first use
         op_builds.skip_inference_all_reduce()
@@ -412,20 +412,3 @@ class DeepSpeedEngine:
                     for key in MOMENTS:
                         safe_set_local_optimizer_state(p, piece(key).to(self.device), key)
         self.model.optimizer.refresh_fp32_params()
-
-
-def _join_single_process_group(env: DistEnv) -> None:
-    """DeepSpeed needs a process group even for one process; with two or more, setup() made it.
-
-    Its store lives in this process (a HashStore): under a launcher (torchrun, accelerate
-    launch or srun with one process) a tcp:// or env:// store would be a client of the
-    launcher's agent store (TORCHELASTIC_USE_AGENT_STORE), and a tcp:// address on a port of
-    our own is one nobody serves, so the run waited there without a word until the store's
-    timeout (seen on a GPU with torchrun --nproc_per_node=1).
-    """
-    if dist.is_initialized():
-        return
-    for name, value in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
-        os.environ.setdefault(name, str(value))  # DeepSpeed's sanity check reads them
-    backend = "nccl" if env.device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -19,7 +19,7 @@ from aiayn.config import Config
 from aiayn.model.layers import DecoderLayer, EncoderLayer
 
 
-def _layers(model: nn.Module) -> list[nn.Module]:
+def layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (EncoderLayer, DecoderLayer))]
 
 
@@ -30,7 +30,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     under `torch.utils.checkpoint` (non-reentrant: the RNG state is replayed, so dropout draws
     the same masks in the recomputation). Evaluation and decoding run it unchanged.
     """
-    for layer in _layers(model):
+    for layer in layers(model):
         forward = layer.forward
 
         @functools.wraps(forward)
@@ -68,7 +68,7 @@ def apply_compile(model: nn.Module, backend: str | Callable = "inductor") -> Non
     # when widths are rounded to a multiple) compile a graph in which they must stay equal.
     torch.fx.experimental._config.use_duck_shape = False
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    for layer in _layers(model):
+    for layer in layers(model):
         layer.compile(backend=backend, dynamic=True)
 
 

@@ -17,7 +17,7 @@ from aiayn.config import Config
 from aiayn.config.checks import suggest
 from aiayn.config.run import DistributedConfig
 from aiayn.distributed.env import DistEnv
-from aiayn.engine import ddp_engine, deepspeed_config
+from aiayn.engine import ddp_engine, deepspeed_config, fsdp_engine
 from aiayn.engine.kind import Kind, Topology
 from aiayn.errors import ConfigError
 
@@ -26,6 +26,7 @@ ENGINES: dict[str, Kind] = {
     for kind in (
         ddp_engine.KIND,
         deepspeed_config.KIND,
+        fsdp_engine.KIND,
     )
 }
 

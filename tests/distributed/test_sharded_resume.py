@@ -1,0 +1,92 @@
+"""A whole sharded job killed (SIGKILL to every process) after a checkpoint and during a save,
+then started again with the same command: it ends bitwise where an uninterrupted run ends."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from helpers import scalars, torchrun, weights_at  # tests/helpers.py
+from processes import kill_tree, logged, wait_until  # tests/processes.py
+from procs import ENV, aiayn, assert_close, run
+
+pytestmark = pytest.mark.distributed
+ENGINES = {
+    "zero3": ("distributed.backend=deepspeed", "distributed.zero_stage=3"),
+    "fsdp": ("distributed.backend=fsdp",),
+}
+
+
+def start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def saves_in_progress(run_dir: Path) -> set[str]:
+    root = run_dir / "checkpoints"
+    return {p.name for p in root.glob(".tmp-*")} if root.is_dir() else set()
+
+
+@pytest.mark.parametrize("engine", ["zero3", "fsdp"])
+def test_a_killed_sharded_run_resumes_bitwise(setup, engine):
+    """SIGKILL to the whole job after a checkpoint, and again while every rank writes its
+    shards of the next one; re-run: the final weights equal an uninterrupted run's bit for
+    bit, dropout on (each rank's RNG stream is checkpointed). ZeRO-3 and FSDP2, whose saves
+    gather the weights one tensor at a time and write every rank's partition; FSDP2's rank
+    files (its rows of the weights and of Adam's moments) end bitwise too. ZeRO-2's kills and
+    resumes are test_restarts.py's (SIGKILL and an exception on one rank, bitwise to the end),
+    and a save is the same writer under every stage.
+
+    Both keep the moving average of the weights (train.ema), each rank its partition's, which
+    ends bitwise equal too; the killed run validates that average (train.ema_validate, at its
+    last step, before its last save), the uninterrupted one the weights: swapping the EMA in
+    and the weights back must leave training as it was, bit for bit."""
+    root, config = setup
+    steps = 60  # ~50 ms each: time for the kills to land before the run ends
+    common = (
+        *ENGINES[engine],
+        "model.dropout=0.1",
+        "checkpoint.every_steps=5",
+        "train.eval_every=0",
+        f"train.max_steps={steps}",
+        "train.ema=0.9",
+    )
+    options = (*common, "train.ema_validate=true")
+    straight, killed = root / f"straight_{engine}", root / f"killed_{engine}"
+    run(torchrun(2) + aiayn(config, straight, *common))
+    log = killed / "train.log"
+    job = start(torchrun(2) + aiayn(config, killed, *options))
+    try:
+        wait_until(job, logged(log, "train step 12 |"), 300, "training step 12")
+    finally:
+        kill_tree(job)
+    during_save = None
+    for _ in range(5):  # a save can finish before the kill lands: then try the next one
+        stale = saves_in_progress(killed)
+        job = start(torchrun(2) + aiayn(config, killed, *options))
+        try:
+            # A save lasts ~0.1 s: poll often, but leave the ranks their cores.
+            wait_until(
+                job, lambda s=stale: saves_in_progress(killed) - s, 300, "save", interval=0.001
+            )
+        finally:
+            kill_tree(job)
+        if caught := saves_in_progress(killed) - stale:
+            during_save = caught
+            break
+    assert during_save, "no kill landed inside a save in 5 tries"
+    assert not (killed / "checkpoints" / f"step_{steps:08d}").exists()
+    run(torchrun(2) + aiayn(config, killed, *options))
+    assert log.read_text().count("resuming from") >= 2
+    assert_close(weights_at(killed, steps), weights_at(straight, steps), atol=0.0)
+    ema = [load_file(run_dir / "checkpoints" / f"step_{steps:08d}" / "ema.safetensors")
+           for run_dir in (killed, straight)]  # fmt: skip
+    assert_close(*ema, atol=0.0)
+    assert ema[0].keys() == weights_at(killed, steps).keys()
+    if engine == "fsdp":
+        for rank in (0, 1):
+            name = f"checkpoints/step_{steps:08d}/fsdp/rank_{rank:05d}.safetensors"
+            assert_close(*(load_file(run_dir / name) for run_dir in (killed, straight)), atol=0.0)
+    # the killed run validated the EMA, the other the weights: another loss at the last step
+    ema_loss, raw_loss = (scalars(r, "valid/loss")[steps] for r in (killed, straight))
+    assert ema_loss != raw_loss, (ema_loss, raw_loss)
