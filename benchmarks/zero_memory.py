@@ -1,5 +1,5 @@
-"""Per-rank bytes of parameters, gradients and optimizer states under ZeRO 0-3, measured,
-next to the ZeRO paper's formula (Rajbhandari et al. 2020, §5).
+"""Per-rank bytes of parameters, gradients and optimizer states under ZeRO 0-3 and FSDP2,
+measured, next to the ZeRO paper's formula (Rajbhandari et al. 2020, §5).
 
     torchrun --nproc_per_node=2 benchmarks/zero_memory.py [--preset small] [--vocab 8000]
 
@@ -16,6 +16,10 @@ The formula, for fp32 training with Adam (Psi parameters, N data-parallel ranks)
 master copy DeepSpeed keeps of its partition (4 Psi / N; it is the paper's K = 12 with fp32
 weights). Stage 1 divides the optimizer states by N, stage 2 also the gradients, stage 3
 also the parameters.
+
+FSDP2 (distributed.backend=fsdp) keeps no master copy in fp32: its rows of the weights are
+what Adam steps, so every role is divided by N (4 + 4 + 8 Psi / N); its local shards are
+counted (`to_local()`), padding included.
 
 ZeRO-3 keeps parameters smaller than `stage3_param_persistence_threshold` whole on every rank
 (a latency trade); this benchmark sets it to 0 so the measurement shows the partitioning
@@ -34,19 +38,22 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from aiayn.config import load_config
 from aiayn.distributed.env import setup
-from aiayn.engine.interface import build_engine
+from aiayn.engine import build_engine
 from aiayn.model import build_model, count_parameters
 
-STAGES = (0, 1, 2, 3)
+STAGES = (0, 1, 2, 3, "fsdp")
 
 
 def storages(tensors) -> dict[int, int]:
     """{storage address: bytes} of the distinct storages behind `tensors`."""
     out = {}
     for t in tensors:
+        if isinstance(t, DTensor):  # FSDP2's: the rank's shard is what it holds
+            t = t.to_local()
         if isinstance(t, torch.Tensor) and t.numel() > 0:
             s = t.untyped_storage()
             out[s.data_ptr()] = s.nbytes()
@@ -102,8 +109,10 @@ def measure(engine, stage: int) -> dict[str, int]:
     }
 
 
-def formula(psi: int, n: int, stage: int) -> dict[str, float]:
+def formula(psi: int, n: int, stage) -> dict[str, float]:
     b = 4  # fp32
+    if stage == "fsdp":
+        return {"parameters": b * psi / n, "gradients": b * psi / n, "optimizer": 2 * b * psi / n}
     return {
         "parameters": b * psi / (n if stage >= 3 else 1),
         "gradients": b * psi / (n if stage >= 2 else 1),
@@ -119,9 +128,15 @@ def run_stage(stage: int, args, env) -> dict[str, int]:
         "data.train=unused",
         f"model.preset={args.preset}",
         "model.dropout=0",
-        "distributed.backend=deepspeed",
-        f"distributed.zero_stage={stage}",
-        f"distributed.deepspeed_config={fh.name}",
+        *(
+            ["distributed.backend=fsdp"]
+            if stage == "fsdp"
+            else [
+                "distributed.backend=deepspeed",
+                f"distributed.zero_stage={stage}",
+                f"distributed.deepspeed_config={fh.name}",
+            ]
+        ),
     ]
     cfg = load_config(None, overrides)
     torch.manual_seed(0)
@@ -164,7 +179,8 @@ def main() -> int:
         rows.append((stage, psi, per_rank, expected))
     if env.rank == 0:
         n = env.world_size
-        print(f"\nZeRO per-rank memory, {args.preset} preset, vocab {args.vocab}, {n} ranks, fp32")
+        what = f"{args.preset} preset, vocab {args.vocab}, {n} ranks, fp32"
+        print(f"\nZeRO and FSDP2 per-rank memory, {what}")
         print(f"Psi = {rows[0][1]:,} parameters; MiB per rank (rank 0; ranks agree within 1%)\n")
         print("| stage | what | measured MiB | formula MiB | difference |")
         print("| --- | --- | ---: | ---: | ---: |")

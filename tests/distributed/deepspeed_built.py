@@ -12,9 +12,8 @@ import torch
 import torch.distributed as dist
 
 from aiayn.config import load_config
-from aiayn.distributed.env import DistEnv
+from aiayn.distributed.env import DistEnv, join_single_process_group
 from aiayn.engine import deepspeed_config, op_builds
-from aiayn.engine.deepspeed_engine import _join_single_process_group
 from aiayn.model import build_model
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: helpers.py, for batches.py
@@ -32,7 +31,7 @@ OVERRIDES = [
 
 
 def main() -> None:
-    _join_single_process_group(DistEnv(0, 1, torch.device("cpu")))  # as DeepSpeedEngine does,
+    join_single_process_group(DistEnv(0, 1, torch.device("cpu")))  # as DeepSpeedEngine does,
     op_builds.skip_inference_all_reduce()  # and this
     deepspeed.utils.logger.setLevel(logging.WARNING)
     cfg = load_config(None, OVERRIDES)

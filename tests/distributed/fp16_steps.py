@@ -13,7 +13,7 @@ import torch
 
 from aiayn.config import load_config
 from aiayn.distributed import env as dist_env
-from aiayn.engine.interface import build_engine
+from aiayn.engine import build_engine
 from aiayn.engine.loss import batch_loss
 from aiayn.model import build_model
 

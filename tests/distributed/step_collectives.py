@@ -1,5 +1,5 @@
 """Run by test_step_collectives.py under torchrun: `aiayn train` in this process, once under DDP
-then once under DeepSpeed at each ZeRO stage, 0 to 3, and once under FSDP2, in the same process
+then once under DeepSpeed at each ZeRO stage, 0 to 3, and twice under FSDP2, in the same process
 group (one launch: start-up is most of a launch's cost). Writes to OUT/rank_<r>.json, per run:
 every collective the trainer calls through torch.distributed (op, group's backend, tensors'
 devices); per optimizer step, where it began in that list, the host syncs inside it
@@ -51,6 +51,12 @@ RUNS = {
         for s in range(4)
     },
     "fsdp": ["distributed.backend=fsdp"],
+    # ZeRO-2's form (weights kept gathered from forward to backward), offloaded to the host.
+    "fsdp_kept": [
+        "distributed.backend=fsdp",
+        "distributed.fsdp.reshard_after_forward=false",
+        "distributed.fsdp.offload=true",
+    ],
 }
 
 

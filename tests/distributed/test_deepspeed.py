@@ -71,7 +71,7 @@ def test_one_process_accumulating_two_equals_two_ranks(setup, ddp_run, launcher)
     """World size 1 (DeepSpeed gets a process group of its own) with train.grad_accum=2: the
     loop, not DeepSpeed, owns the accumulation boundary and the token normalisation. Started
     by torchrun too, whose agent store once left that group waiting, silent, for a store
-    nobody served (deepspeed_engine._join_single_process_group)."""
+    nobody served (distributed/env.py: join_single_process_group)."""
     root, config = setup
     run_dir = root / f"zero2_accum2_{launcher}"
     start = [sys.executable] if launcher == "python" else torchrun(1)

@@ -130,10 +130,12 @@ def test_a_zero_step_syncs_only_for_its_norm_and_never_per_micro_batch(ranks, st
             assert step["device_syncs"] == [], (where, step["device_syncs"])
 
 
-@pytest.mark.parametrize("engine", ["zero0", "zero1", "zero2", "zero3", "fsdp"])
+@pytest.mark.parametrize("engine", ["zero0", "zero1", "zero2", "zero3", "fsdp", "fsdp_kept"])
 def test_a_sharded_engine_computes_the_ddp_update(launched, engine):
     """The same 5 steps (2 micro-batches a rank, fp32, dropout off) under DDP and under a ZeRO
-    stage or FSDP2, in one process group: the same update up to float rounding. DeepSpeed sums
+    stage or FSDP2 (as ZeRO-3, and as ZeRO-2 offloaded: its weights kept gathered from a
+    forward to its backward, and after the last validation until the save shards them again),
+    in one process group: the same update up to float rounding. DeepSpeed sums
     the gradient norm over flat partitions and steps Adam per partition, FSDP2 sums each rank's
     rows' norms, so low bits may differ:
     measured on 2026-11-27 (AMD EPYC, avx512_bf16), the last step's loss equal, its gradient norm

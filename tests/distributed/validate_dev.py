@@ -17,7 +17,7 @@ import torch
 
 from aiayn.config import load_config
 from aiayn.distributed.env import setup, teardown
-from aiayn.engine.interface import build_engine
+from aiayn.engine import build_engine
 from aiayn.eval.validation import Validation
 from aiayn.model import build_model
 from aiayn.tokenizer import Tokenizer

@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -106,7 +107,9 @@ class FSDPEngine:
             param_dtype=torch.bfloat16 if self.precision == "bf16" else None,
             reduce_dtype=torch.float32,
         )
-        offload = CPUOffloadPolicy() if cfg.distributed.fsdp.offload else OffloadPolicy()
+        # Pinned host memory needs an accelerator; on a CPU run offload changes nothing.
+        pin = self.device.type == "cuda"
+        offload = CPUOffloadPolicy(pin) if cfg.distributed.fsdp.offload else OffloadPolicy()
         reshard = cfg.distributed.fsdp.reshard_after_forward
         for layer in parallelize.layers(model):
             fully_shard(layer, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
@@ -142,6 +145,14 @@ class FSDPEngine:
             return torch.cat([t[: e - s] for t, (s, e) in zip(parts, cuts, strict=True)])
 
         return EMA(decay, pieces, lambda: [p.to_local() for _, p in named], gather, warmup)
+
+    def _sharded(self) -> list[tuple[str, nn.Parameter]]:
+        """The trainable parameters as their shards (DTensors). With reshard_after_forward
+        false, a forward without a backward (validation's) leaves them gathered."""
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return trainable(self.module)
 
     @property
     def lr(self) -> float:
@@ -187,6 +198,7 @@ class FSDPEngine:
         # Gathered one tensor at a time into a plain copy, as ZeRO-3's is.
         with torch.random.fork_rng(devices=[]):
             plain = self.rebuild().to(self.device)
+        self._sharded()
         own = dict(self.module.named_parameters())
         with torch.no_grad():
             for name, q in plain.named_parameters():
@@ -209,6 +221,7 @@ class FSDPEngine:
             keep, *others = sorted(names)
             specs[keep] = state[keep]
             metadata.update({name: keep for name in others})
+        self._sharded()
         params = dict(self.module.named_parameters(remove_duplicate=False))
         buffers = dict(self.module.named_buffers(remove_duplicate=False))
 
@@ -226,12 +239,12 @@ class FSDPEngine:
         return saved_weights(self)
 
     def ema_applied(self):
-        return self.ema.applied([p.to_local() for _, p in trainable(self.module)])
+        return self.ema.applied([p.to_local() for _, p in self._sharded()])
 
     def save_shards(self, directory: Path) -> list[Path]:
         """This rank's rows of every trainable parameter and of its Adam moments."""
         tensors, step = {}, 0
-        for name, p in trainable(self.module):
+        for name, p in self._sharded():
             tensors[name] = p.to_local().detach()
             state = self.optimizer.state.get(p, {})
             for key in MOMENTS:
@@ -281,7 +294,7 @@ class FSDPEngine:
         """Each parameter's local rows (`rows(name, key)`, any shape of the right size) into
         the module and Adam's state, which torch makes at the first step: made here."""
         with torch.no_grad():
-            for name, p in trainable(self.module):
+            for name, p in self._sharded():
                 local = p.to_local()
                 local.copy_(rows(name, WEIGHT).view(local.shape))
                 if not stepped(name):
