@@ -1,6 +1,6 @@
-"""ZeRO-3 never holds the whole model on a rank while it saves or validates (issue: saves and
-validation at scale), measured in 4 real processes: each rank's allocated host memory, sampled
-every millisecond through each save and each validation, rises by its share of the weights
+"""ZeRO-3 and FSDP2 never hold the whole model on a rank while they save or validate (issue:
+saves and validation at scale), measured in 4 real processes: each rank's allocated host
+memory, sampled every millisecond through each save and each validation, rises by its share of the weights
 file and a gathered weight or two at a save, by a layer's weights and the activations at a
 validation; never by a whole model. The same instrument sees the whole model in the gathered
 copy that validation built before (`full_module`), so the bounds can fail. The run keeps the
@@ -28,9 +28,21 @@ pytestmark = [
 PROBE = str(Path(__file__).with_name("zero3_memory_probe.py"))
 RELEASE = Path(__file__).with_name("zero3_release.json")
 WORLD = 4
+ENGINES = {
+    "zero3": (
+        "distributed.backend=deepspeed",
+        "distributed.zero_stage=3",
+        # DeepSpeed keeps up to 1e9 parameters gathered unless told to release them
+        f"distributed.deepspeed_config={RELEASE}",
+    ),
+    "fsdp": ("distributed.backend=fsdp",),  # each rank writes its rows from the tensors
+}
 
 
-def test_zero3_saves_and_validates_at_four_ranks_without_a_whole_model(setup, tmp_path):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_sharded_engine_saves_and_validates_at_four_ranks_without_a_whole_model(
+    setup, tmp_path, engine
+):
     root, config = setup
     run_dir = tmp_path / "run"
     run(
@@ -48,10 +60,7 @@ def test_zero3_saves_and_validates_at_four_ranks_without_a_whole_model(setup, tm
             "train.eval_bleu=24",  # the lockstep beam search too, not only the loss
             "checkpoint.every_steps=2",
             "train.ema=0.999",
-            "distributed.backend=deepspeed",
-            "distributed.zero_stage=3",
-            # DeepSpeed keeps up to 1e9 parameters gathered unless told to release them
-            f"distributed.deepspeed_config={RELEASE}",
+            *ENGINES[engine],
         ],
         timeout=900,
     )
@@ -68,12 +77,16 @@ def test_zero3_saves_and_validates_at_four_ranks_without_a_whole_model(setup, tm
         # the control: a gathered copy is a whole model (and the instrument sees it)
         assert r["whole_model_copy"] > 0.95 * model, report
         # train.ema: the EMA of this rank's partition (DeepSpeed pads each to a multiple
-        # of the world size), never the whole of it
+        # of the world size; FSDP2's rows divide evenly here), never the whole of it
         assert model / WORLD <= r["ema_held"] < model / WORLD + 4 * len(numels) * WORLD, report
         # a save: its 1/4 shares of model.safetensors and of ema.safetensors, kept until
         # written, and the weights and EMAs gathered one at a time beside them, DeepSpeed's
-        # buffers with each (0.40 measured without the EMA)
+        # buffers with each (0.40 measured without the EMA); FSDP2's rank file is written
+        # from its shards, no copy of them
         assert r["save"] < 2 * model / WORLD + 5 * largest, report
-        # a validation: each layer's weights gathered for its forward, then released (0.21)
-        assert r["validation"] < 0.3 * model, report
+        # a validation: each layer's weights gathered for its forward, then released: 0.21
+        # under ZeRO-3; FSDP2 on gloo holds about three layers' all-gather buffers at once
+        # (0.6-0.7 here, the same 54 MiB for a loss pass at N = 3 and N = 6, so it is layers,
+        # not the model), below the whole model the control sees
+        assert r["validation"] < (0.3 if engine == "zero3" else 0.8) * model, report
     print(report, file=sys.stderr)

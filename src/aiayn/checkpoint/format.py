@@ -12,7 +12,7 @@ Layout of a run directory:
         manifest.json       step, sizes and sha256 of the files above, config, tokenizer contract
 
 Every rank writes a byte range of model.safetensors and trainer.safetensors, hashed as it
-writes (checkpoint/tensor_files.py); the manifest records each range's sha256. Checkpoints
+writes (runtime/tensor_files.py); the manifest records each range's sha256. Checkpoints
 written before hold the tensors in trainer.pt and one sha256 per file: they load the same.
     run_dir/checkpoints/latest   name of the newest complete checkpoint
 
@@ -37,10 +37,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, load_model
 from torch import nn
 
-from aiayn.checkpoint.tensor_files import DTYPES
 from aiayn.errors import CheckpointError
 from aiayn.runtime import io_counts
 from aiayn.runtime.durable import checksums_match, sha256_of
+from aiayn.runtime.tensor_files import DTYPES
 from aiayn.tokenizer import check_contract
 
 log = logging.getLogger(__name__)

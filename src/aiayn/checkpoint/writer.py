@@ -3,7 +3,7 @@
 Every rank takes part in a save, and every rank writes its share: a sharded engine (DeepSpeed
 ZeRO) its partition, and each rank 1/W of the weights and of the trainer state's tensors, a byte
 range of model.safetensors and trainer.safetensors each, hashed as it writes
-(checkpoint/tensor_files.py). Once every rank's ranges are on disk, the writer (rank 0) adds the
+(runtime/tensor_files.py). Once every rank's ranges are on disk, the writer (rank 0) adds the
 rest of the trainer state, the manifest that covers every file, the rename and the `latest`
 pointer, then applies the retention rules (checkpoint/retention.py) in a thread of its own.
 With async_save each rank writes in a background thread from host copies of its ranges
@@ -44,11 +44,11 @@ from aiayn.checkpoint.format import (
     step_dir_name,
 )
 from aiayn.checkpoint.retention import LATEST, Retention, pointed
-from aiayn.checkpoint.tensor_files import TensorFile, slice_bytes, write_slices
 from aiayn.engine.state import host_copy
 from aiayn.errors import CheckpointError
 from aiayn.runtime import io_counts
 from aiayn.runtime.durable import fsync_path, sha256_of, write_atomic
+from aiayn.runtime.tensor_files import TensorFile, slice_bytes, write_slices
 
 log = logging.getLogger(__name__)
 

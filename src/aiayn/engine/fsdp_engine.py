@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -49,6 +48,7 @@ from aiayn.engine.optim import build_optimizer, load_schedule, paper_schedule
 from aiayn.engine.precision import autocast
 from aiayn.engine.state import MOMENTS, WEIGHT, Portable, Rows, Weights, trainable
 from aiayn.errors import CheckpointError
+from aiayn.runtime.tensor_files import TensorFile, write_slices
 
 FOLDER = "fsdp"
 STEP_KEY = "aiayn_adam_step"  # a rank file's metadata: Adam's step count
@@ -253,8 +253,10 @@ class FSDPEngine:
             step = int(state["step"]) if "step" in state else step
         path = _rank_file(directory, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        host = {k: t.to("cpu").contiguous() for k, t in tensors.items()}
-        save_file(host, str(path), metadata={STEP_KEY: str(step)})
+        # Written from the tensors themselves, a part at a time: no copy of the rank's share.
+        layout = TensorFile.of(tensors, {STEP_KEY: str(step)})
+        items = ((name, tensors[name]) for name in layout.names)
+        write_slices(path, layout.slices(items, 0, layout.size, lambda t: t), 0, layout.size)
         return [path]
 
     def state_dict(self) -> dict[str, Any]:
