@@ -1,8 +1,8 @@
-"""ZeRO-3 and FSDP2 never hold the whole model on a rank while they save or validate (issue:
-saves and validation at scale), measured in 4 real processes: each rank's allocated host
-memory, sampled every millisecond through each save and each validation, rises by its share of the weights
-file and a gathered weight or two at a save, by a layer's weights and the activations at a
-validation; never by a whole model. The same instrument sees the whole model in the gathered
+"""ZeRO-3 and FSDP2 never hold the whole model on a rank while they save or validate (issue: saves
+and validation at scale), measured in 4 real processes: each rank's allocated host memory,
+sampled every millisecond through each save and each validation, rises by its share of the
+weights file and a gathered weight or two at a save, by a layer's weights and the activations at
+a validation; never by a whole model. The same instrument sees the whole model in the gathered
 copy that validation built before (`full_module`), so the bounds can fail. The run keeps the
 moving average of the weights (train.ema): each rank holds the EMA of its partition, a quarter
 of the model, and a save writes a quarter of ema.safetensors beside its quarter of
