@@ -22,7 +22,7 @@ from aiayn.engine.ema import EMA, Piece, file_keys, saved_weights, whole_pieces
 from aiayn.engine.optim import clip_gradients, load_schedule, load_torch_adam, paper_schedule
 from aiayn.engine.precision import autocast
 from aiayn.engine.replicas import replicas_differ
-from aiayn.engine.state import MOMENTS, WEIGHT, Portable, Weights, trainable
+from aiayn.engine.state import MOMENTS, WEIGHT, Portable, Weights, saved_specs, trainable
 from aiayn.errors import CheckpointError, ConfigError, TrainingError
 from aiayn.runtime import io_counts
 
@@ -179,21 +179,10 @@ class DeepSpeedEngine:
         if self.zero_stage < 3:
             yield Weights.of(self.module)
             return
-        # Names, dtypes, shapes and ties from a plain model on the meta device (no memory);
-        # the values gathered one parameter at a time as a save asks for them, cast to the
+        # The values gathered one parameter at a time as a save asks for them, cast to the
         # plain model's dtype as full_module's copy is: the same model.safetensors, without
         # the whole model on any rank.
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            plain = self.rebuild()
-        state = plain.state_dict(keep_vars=True)
-        tied: dict[int, list[str]] = {}  # a tied parameter is one object under several names
-        for name, tensor in state.items():
-            tied.setdefault(id(tensor), []).append(name)
-        specs, metadata = {}, {}
-        for names in tied.values():
-            keep, *others = sorted(names)
-            specs[keep] = state[keep]
-            metadata.update({name: keep for name in others})
+        specs, metadata = saved_specs(self.rebuild)
         params = dict(self.module.named_parameters(remove_duplicate=False))
         buffers = dict(self.module.named_buffers(remove_duplicate=False))
 
@@ -206,7 +195,7 @@ class DeepSpeedEngine:
                 with self._gathered([params[name]]):
                     yield name, params[name].data.to(dtype)
 
-        yield Weights(specs, metadata or None, each, transient=True)
+        yield Weights(specs, metadata, each, transient=True)
 
     def ema_weights(self):
         return saved_weights(self)

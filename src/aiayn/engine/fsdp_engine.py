@@ -19,6 +19,7 @@ loads, and this one loads any engine's.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import re
 from collections.abc import Iterator
@@ -46,9 +47,11 @@ from aiayn.engine.ema import EMA, Piece, file_keys, saved_weights
 from aiayn.engine.kind import Kind
 from aiayn.engine.optim import build_optimizer, load_schedule, paper_schedule
 from aiayn.engine.precision import autocast
-from aiayn.engine.state import MOMENTS, WEIGHT, Portable, Rows, Weights, trainable
+from aiayn.engine.state import MOMENTS, WEIGHT, Portable, Rows, Weights, saved_specs, trainable
 from aiayn.errors import CheckpointError
 from aiayn.runtime.tensor_files import TensorFile, write_slices
+
+log = logging.getLogger("aiayn")
 
 FOLDER = "fsdp"
 STEP_KEY = "aiayn_adam_step"  # a rank file's metadata: Adam's step count
@@ -124,6 +127,15 @@ class FSDPEngine:
         self.skipped_steps = 0
         self.loss_scale = 1.0
         self.ema = None if cfg.train.ema is None else self._ema(cfg.train.ema, cfg.train.ema_warmup)
+        if env.is_main:
+            log.info(
+                "FSDP2: each layer's weights %s after its forward, computed in %s, gradients "
+                "reduced in fp32%s%s",
+                "freed" if reshard else "kept until its backward",
+                "bf16" if self.precision == "bf16" else "fp32",
+                " (gloo has no bf16 reduction)" if self.device.type == "cpu" else "",
+                ", all of it offloaded to host memory" if cfg.distributed.fsdp.offload else "",
+            )
 
     def _ema(self, decay: float, warmup: bool) -> EMA:
         """train.ema of this rank's rows of each parameter: no rank holds the whole EMA."""
@@ -208,19 +220,8 @@ class FSDPEngine:
 
     @contextlib.contextmanager
     def weights(self):
-        # Names, dtypes, shapes and ties from a plain model on the meta device; each parameter
-        # gathered as the save reaches it (every rank in the same order).
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            plain = self.rebuild()
-        state = plain.state_dict(keep_vars=True)
-        tied: dict[int, list[str]] = {}
-        for name, tensor in state.items():
-            tied.setdefault(id(tensor), []).append(name)
-        specs, metadata = {}, {}
-        for names in tied.values():
-            keep, *others = sorted(names)
-            specs[keep] = state[keep]
-            metadata.update({name: keep for name in others})
+        # Each parameter gathered as the save reaches it (every rank in the same order).
+        specs, metadata = saved_specs(self.rebuild)
         self._sharded()
         params = dict(self.module.named_parameters(remove_duplicate=False))
         buffers = dict(self.module.named_buffers(remove_duplicate=False))
@@ -233,7 +234,7 @@ class FSDPEngine:
                 else:
                     yield name, buffers[name].to(dtype)
 
-        yield Weights(specs, metadata or None, each, transient=True)
+        yield Weights(specs, metadata, each, transient=True)
 
     def ema_weights(self):
         return saved_weights(self)

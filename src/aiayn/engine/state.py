@@ -52,6 +52,27 @@ def weights_snapshot(
     return tensors, metadata or None
 
 
+def saved_specs(
+    rebuild: Callable[[], nn.Module],
+) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    """What model.safetensors holds, for an engine whose weights are not whole on a rank: the
+    names, dtypes and shapes of a plain model built on the meta device (no memory), each tied
+    tensor once under its first name, sorted, the others in the metadata (weights_snapshot's
+    rule)."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        plain = rebuild()  # building it must not move the dropout RNG
+    state = plain.state_dict(keep_vars=True)
+    tied: dict[int, list[str]] = {}  # a tied parameter is one object under several names
+    for name, tensor in state.items():
+        tied.setdefault(id(tensor), []).append(name)
+    specs, metadata = {}, {}
+    for names in tied.values():
+        keep, *others = sorted(names)
+        specs[keep] = state[keep]
+        metadata.update({name: keep for name in others})
+    return specs, metadata or None
+
+
 @dataclass
 class Weights:
     """The weights a save writes into model.safetensors, each tensor once (tied names in
