@@ -43,6 +43,25 @@ def pytest_configure(config):
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
+# Files of many launches each, started first: pytest-xdist hands a file (make test's
+# --dist loadfile) to the next free worker in collection order, and these, collected late by
+# name, left one worker running for minutes after the other had finished.
+LONGEST_FIRST = (
+    "test_topology.py",
+    "test_restarts.py",
+    "test_sharded_resume.py",
+    "test_zero3_memory.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def order(item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=order)  # stable: every other file keeps its place
+
+
 def pytest_report_header(config):
     return cpu_kinds.describe(config.getoption("--cpu-kind"))
 
