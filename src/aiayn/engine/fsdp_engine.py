@@ -30,15 +30,6 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-    register_fsdp_forward_method,
-)
-from torch.distributed.tensor import DTensor
 
 from aiayn.config import Config
 from aiayn.distributed.env import DistEnv, join_single_process_group
@@ -98,6 +89,17 @@ class FSDPEngine:
     partitioned = True  # a forward gathers each unit's parameters: every rank takes part
 
     def __init__(self, model: nn.Module, cfg: Config, env: DistEnv, rebuild):
+        # Imported here, not with the module, which the registry imports for every run: with
+        # torch.distributed.fsdp imported, about one two-rank DDP validation in six hung in
+        # destroy_process_group at its end (tests/distributed/validate_dev.py).
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+            register_fsdp_forward_method,
+        )
+
         join_single_process_group(env)  # fully_shard needs a group even for one process
         self.device, self.precision = env.device, cfg.train.precision
         self.rank, self.world_size = env.rank, env.world_size
@@ -161,6 +163,8 @@ class FSDPEngine:
     def _sharded(self) -> list[tuple[str, nn.Parameter]]:
         """The trainable parameters as their shards (DTensors). With reshard_after_forward
         false, a forward without a backward (validation's) leaves them gathered."""
+        from torch.distributed.fsdp import FSDPModule
+
         for module in self.module.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
@@ -191,7 +195,9 @@ class FSDPEngine:
         params = [p for _, p in trainable(self.module)]
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
-        if isinstance(norm, DTensor):  # each rank's rows' norm: the whole one is a collective
+        if hasattr(
+            norm, "full_tensor"
+        ):  # each rank's rows' norm (a DTensor): the whole one is a collective
             norm = norm.full_tensor()
         if self.clip_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.clip_norm, norm)
