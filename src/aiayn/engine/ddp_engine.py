@@ -157,7 +157,7 @@ class LocalEngine:
             for name, p in params:
                 p.copy_(state.whole(name, WEIGHT))
         load_torch_adam(self.optimizer, params, state)
-        load_schedule(self.scheduler, state)
+        load_schedule(self.scheduler, state.scheduler)
         self.skipped_steps = state.skipped_steps
 
 

@@ -342,7 +342,7 @@ class DeepSpeedEngine:
             else:
                 self._load_whole_weights(params, state)
                 self._load_zero12_moments(params, flats, state)
-        load_schedule(self.scheduler, state)
+        load_schedule(self.scheduler, state.scheduler)
         # DeepSpeed's own counters: steps taken (skipped ones included) and samples seen.
         self.model.skipped_steps = state.skipped_steps
         self.model.global_steps = state.scheduler["last_epoch"] + state.skipped_steps

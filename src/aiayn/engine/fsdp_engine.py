@@ -195,9 +195,8 @@ class FSDPEngine:
         params = [p for _, p in trainable(self.module)]
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
-        if hasattr(
-            norm, "full_tensor"
-        ):  # each rank's rows' norm (a DTensor): the whole one is a collective
+        # A DTensor of each rank's rows' norm: the whole norm is a collective.
+        if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         if self.clip_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.clip_norm, norm)
@@ -250,14 +249,15 @@ class FSDPEngine:
 
     def save_shards(self, directory: Path) -> list[Path]:
         """This rank's rows of every trainable parameter and of its Adam moments."""
-        tensors, step = {}, 0
+        tensors, steps = {}, []
         for name, p in self._sharded():
             tensors[name] = p.to_local().detach()
             state = self.optimizer.state.get(p, {})
             for key in MOMENTS:
                 if key in state:
                     tensors[f"{name}/{key}"] = state[key].to_local().detach()
-            step = int(state["step"]) if "step" in state else step
+            steps += [state["step"]] if "step" in state else []
+        step = int(steps[-1]) if steps else 0  # one count for all (one host sync, not one each)
         path = _rank_file(directory, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         # Written from the tensors themselves, a part at a time: no copy of the rank's share.
@@ -285,7 +285,7 @@ class FSDPEngine:
 
             step = int((fh.metadata() or {}).get(STEP_KEY, 0))
             self._load(rows, lambda name: f"{name}/{MOMENTS[0]}" in names, step)
-        load_schedule(self.scheduler, Portable({}, {}, step, state["scheduler"], 0))
+        load_schedule(self.scheduler, state["scheduler"])
 
     def load_portable(self, state: Portable) -> None:
         """Restore from a checkpoint of another topology: each rank reads its rows."""
@@ -296,7 +296,7 @@ class FSDPEngine:
             return state.read(name, key, a, b)
 
         self._load(mine, state.has_moments, state.step)
-        load_schedule(self.scheduler, state)
+        load_schedule(self.scheduler, state.scheduler)
         self.skipped_steps = state.skipped_steps
 
     def _load(self, rows, stepped, step: int) -> None:

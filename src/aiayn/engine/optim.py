@@ -56,9 +56,9 @@ def load_torch_adam(optimizer: torch.optim.Optimizer, params, state: Portable) -
     optimizer.load_state_dict(saved)  # casts to each parameter's device and dtype
 
 
-def load_schedule(scheduler: LambdaLR, state: Portable) -> None:
-    """The schedule's position, and the learning rate it had set at the checkpoint's step
-    (LambdaLR.load_state_dict restores the counter, not the optimizer's lr)."""
-    scheduler.load_state_dict(state.scheduler)
+def load_schedule(scheduler: LambdaLR, saved: dict) -> None:
+    """The schedule's position (a LambdaLR state dict), and the learning rate it had set at the
+    checkpoint's step (LambdaLR.load_state_dict restores the counter, not the optimizer's lr)."""
+    scheduler.load_state_dict(saved)
     for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
         group["lr"] = lr
