@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from aiayn.config import Config, config_from_dict  # noqa: E402
 from aiayn.data.batch import Batch  # noqa: E402
-from aiayn.engine.ddp_engine import LocalEngine  # noqa: E402
+from aiayn.distributed.env import DistEnv  # noqa: E402
 from aiayn.engine.loss import batch_loss  # noqa: E402
+from aiayn.engine.registry import build_engine  # noqa: E402
 from aiayn.model import build_model  # noqa: E402
 from aiayn.tokenizer import PAD_ID as PAD  # noqa: E402
 
@@ -45,7 +46,7 @@ class AiaynTrainer:
         torch.manual_seed(cfg.train.seed)
         self.cfg = cfg
         model = build_model(cfg.model, vocab_size, PAD)
-        self.engine = LocalEngine(model, cfg, torch.device(device))
+        self.engine = build_engine(model, cfg, DistEnv(0, 1, torch.device(device)))
         self.name = name or self.name
 
     def step(self, batch: Batch) -> None:

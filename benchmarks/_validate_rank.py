@@ -19,6 +19,7 @@ from aiayn.checkpoint.inference import load_for_inference  # noqa: E402
 from aiayn.data.split_copies import copied_split  # noqa: E402
 from aiayn.distributed.env import setup, teardown  # noqa: E402
 from aiayn.engine.ddp_engine import LocalEngine  # noqa: E402
+from aiayn.engine.recipe import recipe  # noqa: E402
 from aiayn.eval.validation import Validation
 from aiayn.train.monitor import Metrics  # noqa: E402
 
@@ -29,7 +30,7 @@ def main(checkpoint: str, out: str, *overrides: str) -> None:
     cfg = copied_split(cfg, "valid", Path(checkpoint)) or cfg
     cfg = dataclasses.replace(cfg, run_dir=out)  # the hypotheses file goes there
     validation = Validation(cfg, tok, env)
-    engine = LocalEngine(model, cfg, env.device)
+    engine = LocalEngine(model, recipe(cfg, env.device), env.device)
     started = time.perf_counter()
     result = validation.run(engine, Metrics(out, env.is_main, tensorboard=False), 1, env)
     if env.is_main:

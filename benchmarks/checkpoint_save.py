@@ -20,7 +20,8 @@ import torch
 
 from aiayn.checkpoint import CheckpointManager
 from aiayn.config import load_config
-from aiayn.engine.ddp_engine import LocalEngine
+from aiayn.distributed.env import DistEnv
+from aiayn.engine.registry import build_engine
 from aiayn.model import build_model, count_parameters
 
 
@@ -32,7 +33,9 @@ def main() -> int:
     args = parser.parse_args()
     cfg = load_config(None, ["data.train=unused", f"model.preset={args.preset}"])
     torch.manual_seed(0)
-    engine = LocalEngine(build_model(cfg.model, args.vocab, 0), cfg, torch.device("cpu"))
+    engine = build_engine(
+        build_model(cfg.model, args.vocab, 0), cfg, DistEnv(0, 1, torch.device("cpu"))
+    )
     src = torch.randint(4, args.vocab, (8, 16))
     engine.model(src, src).float().square().mean().backward()
     engine.step()  # Adam's moments exist from here

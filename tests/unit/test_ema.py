@@ -13,8 +13,10 @@ from aiayn.checkpoint import CheckpointManager, read_manifest
 from aiayn.checkpoint.init_from import load_weights
 from aiayn.checkpoint.locate import locate
 from aiayn.config import load_config
+from aiayn.distributed.env import DistEnv
 from aiayn.engine.ddp_engine import LocalEngine
 from aiayn.engine.loss import batch_loss
+from aiayn.engine.registry import build_engine
 from aiayn.engine.state import Weights
 from aiayn.errors import CheckpointError, ConfigError
 from aiayn.model import build_model
@@ -25,7 +27,7 @@ from batches import TINY, padded_batch
 def engine_for(*overrides) -> LocalEngine:
     cfg = load_config(None, [*TINY, "schedule.kind=constant", "schedule.lr=0.01", *overrides])
     torch.manual_seed(0)
-    return LocalEngine(build_model(cfg.model, 50, 0), cfg, torch.device("cpu"))
+    return build_engine(build_model(cfg.model, 50, 0), cfg, DistEnv(0, 1, torch.device("cpu")))
 
 
 def train_steps(engine: LocalEngine, n: int, seen: list | None = None) -> None:

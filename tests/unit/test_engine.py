@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from aiayn.config import load_config
+from aiayn.distributed.env import DistEnv
 from aiayn.distributed.launcher import accelerate_overrides
 from aiayn.engine import deepspeed_config, registry
 from aiayn.engine.ddp_engine import LocalEngine
 from aiayn.engine.loss import batch_loss
+from aiayn.engine.registry import build_engine
 from aiayn.errors import ConfigError
 from aiayn.model import build_model
 from aiayn.model.layers import FeedForward
@@ -224,7 +226,7 @@ def test_accelerate_variables_become_overrides():
 def engine_for(*overrides) -> LocalEngine:
     cfg = load_config(None, [*TINY, *overrides])
     torch.manual_seed(0)
-    return LocalEngine(build_model(cfg.model, 50, 0), cfg, torch.device("cpu"))
+    return build_engine(build_model(cfg.model, 50, 0), cfg, DistEnv(0, 1, torch.device("cpu")))
 
 
 def test_fp16_overflow_skips_the_step_and_the_schedule_then_training_goes_on():

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from aiayn.config import load_config
+from aiayn.distributed.env import DistEnv
 from aiayn.engine import deepspeed_files, registry
 from aiayn.engine import state as engine_state
 from aiayn.engine.ddp_engine import LocalEngine
 from aiayn.engine.deepspeed_engine import DeepSpeedEngine
+from aiayn.engine.registry import build_engine
 from aiayn.errors import CheckpointError
 from aiayn.model import build_model
 
@@ -24,7 +26,7 @@ SHAPES = {"a": torch.Size([3, 5]), "b": torch.Size([7]), "c": torch.Size([2, 2])
 def engine_after_steps(steps: int) -> LocalEngine:
     cfg = load_config(None, TINY)
     torch.manual_seed(0)
-    engine = LocalEngine(build_model(cfg.model, 50, 0), cfg, torch.device("cpu"))
+    engine = build_engine(build_model(cfg.model, 50, 0), cfg, DistEnv(0, 1, torch.device("cpu")))
     for _ in range(steps):
         for p in engine.module.parameters():
             p.grad = torch.randn_like(p)

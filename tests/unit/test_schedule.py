@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from aiayn.config import config_from_dict
-from aiayn.engine.ddp_engine import LocalEngine
+from aiayn.distributed.env import DistEnv
+from aiayn.engine.registry import build_engine
 from aiayn.engine.schedule import learning_rate, noam_lr
 from aiayn.errors import ConfigError
 
@@ -35,7 +36,7 @@ def test_schedule_steps_once_per_optimizer_step_not_per_micro_batch():
         }
     )
     model = torch.nn.Linear(4, 1)
-    engine = LocalEngine(model, cfg, torch.device("cpu"))
+    engine = build_engine(model, cfg, DistEnv(0, 1, torch.device("cpu")))
     for step in range(1, 4):
         assert math.isclose(engine.lr, learning_rate(step, cfg.schedule, 16, cfg.train.max_steps))
         for _ in range(cfg.train.grad_accum):
@@ -74,7 +75,7 @@ def test_cooldown_leaves_the_rate_until_its_steps_then_falls_linearly_to_zero():
 def test_the_engine_steps_along_the_cooldown():
     cfg = cooldown_config(4, max_steps=6, warmup=1)
     model = torch.nn.Linear(4, 1)
-    engine = LocalEngine(model, cfg, torch.device("cpu"))
+    engine = build_engine(model, cfg, DistEnv(0, 1, torch.device("cpu")))
     seen = []
     for _ in range(6):
         seen.append(engine.lr)
@@ -130,7 +131,7 @@ def rates_along(engine, model, steps: int) -> tuple[list[float], float]:
 
 def engine_rates(cfg, steps: int) -> tuple[list[float], float]:
     model = torch.nn.Linear(4, 1)
-    return rates_along(LocalEngine(model, cfg, torch.device("cpu")), model, steps)
+    return rates_along(build_engine(model, cfg, DistEnv(0, 1, torch.device("cpu"))), model, steps)
 
 
 def test_a_short_run_with_a_fraction_cooldown_ends_at_rate_zero_as_the_step_form_does():
@@ -152,14 +153,14 @@ def test_a_checkpoint_saved_with_a_step_cooldown_resumes_to_the_same_rate(resume
     # or with the recipe as it now is (a fraction 0.2 of the same max_steps).
     saved_cfg = cooldown_config(20)
     model = torch.nn.Linear(4, 1)
-    engine = LocalEngine(model, saved_cfg, torch.device("cpu"))
+    engine = build_engine(model, saved_cfg, DistEnv(0, 1, torch.device("cpu")))
     rates_along(engine, model, 85)
     state, lr_at_save = copy.deepcopy(engine.state_dict()), engine.lr
     uninterrupted, _ = rates_along(engine, model, 15)
 
     cfg = saved_cfg if resumed_with == "steps" else cooldown_config(None, fraction=0.2)
     model = torch.nn.Linear(4, 1)
-    resumed = LocalEngine(model, cfg, torch.device("cpu"))
+    resumed = build_engine(model, cfg, DistEnv(0, 1, torch.device("cpu")))
     resumed.load_state_dict(state, tmp_path)
     assert resumed.lr == lr_at_save == learning_rate(86, saved_cfg.schedule, 16, 100)
     assert 0 < lr_at_save < learning_rate(86, cooldown_config(0).schedule, 16, 100)

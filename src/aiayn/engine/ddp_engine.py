@@ -15,17 +15,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aiayn.config import Config
 from aiayn.distributed.env import DistEnv
-from aiayn.engine import parallelize
-from aiayn.engine.ema import EMA, saved_weights, whole_pieces
+from aiayn.engine.ema import saved_weights, whole_pieces
 from aiayn.engine.kind import Kind
-from aiayn.engine.optim import (
-    build_optimizer,
-    clip_gradients,
-    load_schedule,
-    load_torch_adam,
-    paper_schedule,
-)
+from aiayn.engine.optim import clip_gradients, load_schedule, load_torch_adam
 from aiayn.engine.precision import autocast
+from aiayn.engine.recipe import Recipe
 from aiayn.engine.replicas import replicas_differ
 from aiayn.engine.state import WEIGHT, Portable, Weights, trainable
 
@@ -37,11 +31,11 @@ KIND = Kind(
 )
 
 
-def build(model: nn.Module, cfg: Config, env: DistEnv, rebuild=None) -> LocalEngine:
+def build(model: nn.Module, cfg: Config, env: DistEnv, recipe: Recipe, rebuild=None) -> LocalEngine:
     """DDP across processes, or the plain engine in one."""
     if env.distributed:
-        return DDPEngine(model, cfg, env)
-    return LocalEngine(model, cfg, env.device)
+        return DDPEngine(model, recipe, env)
+    return LocalEngine(model, recipe, env.device)
 
 
 class LocalEngine:
@@ -50,26 +44,24 @@ class LocalEngine:
     loads_weights = True  # model.safetensors holds the whole model
     partitioned = False  # every rank holds the whole model
 
-    def __init__(self, model: nn.Module, cfg: Config, device: torch.device):
+    def __init__(self, model: nn.Module, recipe: Recipe, device: torch.device):
         self.module = model.to(device)
         self.model = self.module  # what the loop calls; a wrapper (DDP) in other engines
         self.device = device
-        self.clip_norm = cfg.train.clip_norm
-        self.precision = cfg.train.precision
-        self.optimizer = build_optimizer(self.module, cfg, device)
-        self.scheduler = paper_schedule(self.optimizer, cfg)
+        self.clip_norm = recipe.clip_norm
+        self.precision = recipe.precision
+        named = trainable(self.module)
+        params = [p for _, p in named]
+        self.optimizer = recipe.optimizer(params)
+        self.scheduler = recipe.schedule(self.optimizer)
         # fp16 needs loss scaling; fp32 and bf16 do not, and a disabled scaler is a no-op.
         self.scaler = torch.amp.GradScaler(
-            device.type, init_scale=cfg.train.loss_scale_init, enabled=self.precision == "fp16"
+            device.type, init_scale=recipe.loss_scale_init, enabled=self.precision == "fp16"
         )
         self.skipped_steps = 0
-        parallelize.apply(self.module, cfg)
         self.ema = None  # train.ema: every rank holds the whole weights, and their whole EMA
-        if cfg.train.ema is not None:
-            named = trainable(self.module)
-            params = [p for _, p in named]
-            pieces = whole_pieces(self.module, named)
-            self.ema = EMA(cfg.train.ema, pieces, lambda: params, warmup=cfg.train.ema_warmup)
+        if recipe.ema_decay is not None:
+            self.ema = recipe.ema(whole_pieces(self.module, named), lambda: params)
 
     @property
     def lr(self) -> float:
@@ -164,8 +156,8 @@ class LocalEngine:
 class DDPEngine(LocalEngine):
     """PyTorch DistributedDataParallel: gradients all-reduced (averaged) in the backward pass."""
 
-    def __init__(self, model: nn.Module, cfg: Config, env: DistEnv):
-        super().__init__(model, cfg, env.device)
+    def __init__(self, model: nn.Module, recipe: Recipe, env: DistEnv):
+        super().__init__(model, recipe, env.device)
         ids = [env.device.index] if env.device.type == "cuda" else None
         self.model = DDP(self.module, device_ids=ids)  # broadcasts rank 0's state once
         # ... and by default its buffers again before every forward. The model's only buffers

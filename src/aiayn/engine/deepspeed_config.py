@@ -123,7 +123,7 @@ def generate(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
 
 
 def adam_implementation(cfg: Config, device_type: str) -> dict[str, Any]:
-    """Which Adam DeepSpeed builds: torch's, as LocalEngine's (optim.build_optimizer), except
+    """Which Adam DeepSpeed builds: torch's, as the recipe's for the other engines, except
     with CPU offload, which steps its own DeepSpeedCPUAdam (compiled with a C++ compiler).
 
     Left to itself DeepSpeed takes its FusedAdam on CUDA: an op compiled with nvcc inside

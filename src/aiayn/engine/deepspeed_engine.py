@@ -16,11 +16,12 @@ from torch import nn
 
 from aiayn.config import Config
 from aiayn.distributed.env import DistEnv, join_single_process_group
-from aiayn.engine import deepspeed_config, op_builds, parallelize
+from aiayn.engine import deepspeed_config, op_builds
 from aiayn.engine.deepspeed_files import DEEPSPEED_DIR
 from aiayn.engine.ema import EMA, Piece, file_keys, saved_weights, whole_pieces
-from aiayn.engine.optim import clip_gradients, load_schedule, load_torch_adam, paper_schedule
+from aiayn.engine.optim import clip_gradients, load_schedule, load_torch_adam
 from aiayn.engine.precision import autocast
+from aiayn.engine.recipe import Recipe
 from aiayn.engine.replicas import replicas_differ
 from aiayn.engine.state import MOMENTS, WEIGHT, Portable, Weights, saved_specs, trainable
 from aiayn.errors import CheckpointError, ConfigError, TrainingError
@@ -37,8 +38,8 @@ class DeepSpeedEngine:
 
     loads_weights = False  # the ZeRO shards hold the weights (partitioned in stage 3)
 
-    def __init__(self, model: nn.Module, cfg: Config, env: DistEnv, rebuild):
-        if cfg.train.precision == "fp16" and env.device.type != "cuda":
+    def __init__(self, model: nn.Module, cfg: Config, env: DistEnv, recipe: Recipe, rebuild):
+        if recipe.precision == "fp16" and env.device.type != "cuda":
             raise ConfigError(
                 "train.precision=fp16 with DeepSpeed needs a CUDA device; use bf16 or fp32 on CPU"
             )
@@ -47,17 +48,17 @@ class DeepSpeedEngine:
         op_builds.wait_for_op_builds()  # deepspeed.initialize compiles ops on first use
         op_builds.skip_inference_all_reduce()
         self.ds_config = deepspeed_config.build(cfg, env.world_size, env.device.type)
-        parallelize.apply(model, cfg)
+        # DeepSpeed builds its Adam from ds_config (the recipe's settings) and wraps it.
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model,
             model_parameters=[p for _, p in trainable(model)],
             config=self.ds_config,
-            lr_scheduler=lambda optimizer: paper_schedule(optimizer, cfg),
+            lr_scheduler=recipe.schedule,
             dist_init_required=False,
         )
         self.module = self.model.module
         self.device = env.device
-        self.precision = cfg.train.precision
+        self.precision = recipe.precision
         self.world_size = env.world_size
         self.zero_stage = cfg.distributed.zero_stage
         self.offload = cfg.distributed.offload_optimizer or cfg.distributed.offload_params
@@ -75,12 +76,12 @@ class DeepSpeedEngine:
             # does, when its step has all-reduced the gradients and calls the optimizer.
             def clip(optimizer, args, kwargs) -> None:
                 params = [p for group in optimizer.param_groups for p in group["params"]]
-                self._grad_norm = clip_gradients(params, cfg.train.clip_norm)
+                self._grad_norm = clip_gradients(params, recipe.clip_norm)
 
             self.optimizer.register_step_pre_hook(clip)
-        self.ema = None if cfg.train.ema is None else self._ema(cfg.train.ema, cfg.train.ema_warmup)
+        self.ema = None if recipe.ema_decay is None else self._ema(recipe)
 
-    def _ema(self, decay: float, warmup: bool) -> EMA:
+    def _ema(self, recipe: Recipe) -> EMA:
         """train.ema: stages 0-2 hold the whole weights on every rank, and each rank their
         whole EMA; under stage 3 each rank keeps the EMA of its own partition of each
         parameter (elements [r * n, (r + 1) * n) of the flattened tensor, zero-padded as
@@ -88,7 +89,7 @@ class DeepSpeedEngine:
         named = trainable(self.module)
         if self.zero_stage < 3:
             params = [p for _, p in named]
-            return EMA(decay, whole_pieces(self.module, named), lambda: params, warmup=warmup)
+            return recipe.ema(whole_pieces(self.module, named), lambda: params)
         keys = file_keys(self.module)
         pieces = []
         for _, p in named:
@@ -103,7 +104,7 @@ class DeepSpeedEngine:
             dist.all_gather(parts, mine)
             return torch.cat(parts)
 
-        return EMA(decay, pieces, lambda: [p.ds_tensor for _, p in named], gather, warmup)
+        return recipe.ema(pieces, lambda: [p.ds_tensor for _, p in named], gather)
 
     @property
     def lr(self) -> float:

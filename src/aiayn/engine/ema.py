@@ -29,6 +29,12 @@ from aiayn.engine.state import Weights
 Read = Callable[[str, int, int], torch.Tensor]
 """Elements [start, end) of a tensor of ema.safetensors, flattened, by its name there."""
 
+Sources = Callable[[], list[torch.Tensor]]
+"""A rank's share of the trainable weights, in its pieces' order."""
+
+Gather = Callable[[int, torch.Tensor], torch.Tensor]
+"""(i, this rank's piece of parameter i) -> the whole flattened parameter (a collective)."""
+
 UPDATES_KEY = "aiayn_ema_updates"
 """ema.safetensors' metadata: the updates the average has had, which the warm-up's decay
 follows; a resume takes it up there, so that it repeats the decays of a run not stopped."""
@@ -55,8 +61,8 @@ class EMA:
         self,
         decay: float,
         pieces: list[Piece],
-        sources: Callable[[], list[torch.Tensor]],
-        gather: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        sources: Sources,
+        gather: Gather | None = None,
         warmup: bool = True,
     ):
         self.decay = decay

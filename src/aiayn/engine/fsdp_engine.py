@@ -36,8 +36,9 @@ from aiayn.distributed.env import DistEnv, join_single_process_group
 from aiayn.engine import parallelize
 from aiayn.engine.ema import EMA, Piece, file_keys, saved_weights
 from aiayn.engine.kind import Kind
-from aiayn.engine.optim import build_optimizer, load_schedule, paper_schedule
+from aiayn.engine.optim import load_schedule
 from aiayn.engine.precision import autocast
+from aiayn.engine.recipe import Recipe
 from aiayn.engine.state import MOMENTS, WEIGHT, Portable, Rows, Weights, saved_specs, trainable
 from aiayn.errors import CheckpointError
 from aiayn.runtime.tensor_files import TensorFile, write_slices
@@ -88,7 +89,7 @@ class FSDPEngine:
     loads_weights = False  # the rank files hold the weights, each rank its rows
     partitioned = True  # a forward gathers each unit's parameters: every rank takes part
 
-    def __init__(self, model: nn.Module, cfg: Config, env: DistEnv, rebuild):
+    def __init__(self, model: nn.Module, cfg: Config, env: DistEnv, recipe: Recipe, rebuild):
         # Imported here, not with the module, which the registry imports for every run: with
         # torch.distributed.fsdp imported, about one two-rank DDP validation in six hung in
         # destroy_process_group at its end (tests/distributed/validate_dev.py).
@@ -101,12 +102,11 @@ class FSDPEngine:
         )
 
         join_single_process_group(env)  # fully_shard needs a group even for one process
-        self.device, self.precision = env.device, cfg.train.precision
+        self.device, self.precision = env.device, recipe.precision
         self.rank, self.world_size = env.rank, env.world_size
-        self.clip_norm = cfg.train.clip_norm
+        self.clip_norm = recipe.clip_norm
         self.rebuild = rebuild
         model.to(self.device)
-        parallelize.apply(model, cfg)
         # gloo has no bf16 reduction (pytorch#111131), and fp32 sums are what DDP makes.
         mp = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if self.precision == "bf16" else None,
@@ -124,11 +124,11 @@ class FSDPEngine:
             if hasattr(model, method):
                 register_fsdp_forward_method(model, method)
         self.module = self.model = model
-        self.optimizer = build_optimizer(model, cfg, self.device)
-        self.scheduler = paper_schedule(self.optimizer, cfg)
+        self.optimizer = recipe.optimizer([p for _, p in trainable(model)])  # the DTensors
+        self.scheduler = recipe.schedule(self.optimizer)
         self.skipped_steps = 0
         self.loss_scale = 1.0
-        self.ema = None if cfg.train.ema is None else self._ema(cfg.train.ema, cfg.train.ema_warmup)
+        self.ema = None if recipe.ema_decay is None else self._ema(recipe)
         if env.is_main:
             log.info(
                 "FSDP2: each layer's weights %s after its forward, computed in %s, gradients "
@@ -139,7 +139,7 @@ class FSDPEngine:
                 ", all of it offloaded to host memory" if cfg.distributed.fsdp.offload else "",
             )
 
-    def _ema(self, decay: float, warmup: bool) -> EMA:
+    def _ema(self, recipe: Recipe) -> EMA:
         """train.ema of this rank's rows of each parameter: no rank holds the whole EMA."""
         named = trainable(self.module)
         keys = file_keys(self.module)
@@ -158,7 +158,7 @@ class FSDPEngine:
             cuts = [elements_of(shape, r, self.world_size) for r in range(self.world_size)]
             return torch.cat([t[: e - s] for t, (s, e) in zip(parts, cuts, strict=True)])
 
-        return EMA(decay, pieces, lambda: [p.to_local() for _, p in named], gather, warmup)
+        return recipe.ema(pieces, lambda: [p.to_local() for _, p in named], gather)
 
     def _sharded(self) -> list[tuple[str, nn.Parameter]]:
         """The trainable parameters as their shards (DTensors). With reshard_after_forward

@@ -2,10 +2,12 @@
 boundary.
 
 The training loop talks to an `Engine` and nothing else, so one process, DDP
-(engine/ddp_engine.py) and DeepSpeed (engine/deepspeed_engine.py) take each other's
-place without the loop changing; engine/registry.py builds the one a config names. The
-engines import what they share from below them (precision.autocast, engine/replicas.py),
-never this module or each other.
+(engine/ddp_engine.py), DeepSpeed (engine/deepspeed_engine.py) and FSDP2
+(engine/fsdp_engine.py) take each other's place without the loop changing;
+engine/registry.py builds the one a config names and hands it the `Recipe` (engine/recipe.py:
+the optimizer, schedule, clipping, precision and EMA every engine trains with). The engines
+import what they share from below them (precision.autocast, engine/replicas.py), never this
+module or each other.
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ class Kind:
 
     name: str  # what distributed.backend names it
     title: str  # how logs and errors name it
-    build: str  # "module:function" (model, cfg, env, rebuild) -> Engine, imported when used
+    # "module:function" (model, cfg, env, recipe, rebuild) -> Engine, imported when used.
+    build: str
     options: tuple[str, ...] = ()  # the distributed.* keys that only this engine reads
     check: Callable[[Any], list[str]] = _no_problems  # the run config's problems for it
     # What besides the world size decides its files' layout, from the distributed section as

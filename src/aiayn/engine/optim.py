@@ -9,13 +9,14 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from aiayn.config import Config
 from aiayn.engine.schedule import learning_rate
-from aiayn.engine.state import MOMENTS, Portable, trainable
+from aiayn.engine.state import MOMENTS, Portable
 
 
-def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: list[nn.Parameter], cfg: Config, device: torch.device
+) -> torch.optim.Optimizer:
     """Adam with the paper's beta_2 = 0.98 and epsilon = 1e-9 (§5.3) unless configured."""
     cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[cfg.optim.name]
-    params = [p for _, p in trainable(model)]
     # The fused kernel reads and writes each parameter, gradient and moment once per step; on
     # CPU, foreach falls back to one kernel per tensor and operation (benchmarks/README.md).
     # Same update up to float rounding.

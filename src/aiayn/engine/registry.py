@@ -17,8 +17,9 @@ from aiayn.config import Config
 from aiayn.config.checks import suggest
 from aiayn.config.run import DistributedConfig
 from aiayn.distributed.env import DistEnv
-from aiayn.engine import ddp_engine, deepspeed_config, fsdp_engine
+from aiayn.engine import ddp_engine, deepspeed_config, fsdp_engine, parallelize
 from aiayn.engine.kind import Kind, Topology
+from aiayn.engine.recipe import recipe
 from aiayn.errors import ConfigError
 
 ENGINES: dict[str, Kind] = {
@@ -89,9 +90,13 @@ def shard_rank(name: str) -> int | None:
 
 
 def build_engine(model: nn.Module, cfg: Config, env: DistEnv, rebuild=None) -> Any:
-    """The engine distributed.backend names, around `model`. `rebuild` makes a fresh model of
-    the same architecture (a partitioned engine gathers weights into it). The engine's module
-    is imported here: DeepSpeed's takes seconds to import, and it is optional."""
+    """The engine distributed.backend names, around `model`, with activation checkpointing and
+    compile applied to its layers and the one `Recipe` every engine trains with. `rebuild`
+    makes a fresh model of the same architecture (a partitioned engine gathers weights into
+    it). The engine's module is imported here: DeepSpeed's takes seconds to import, and it is
+    optional."""
     check(cfg)
+    parallelize.apply(model, cfg)  # before an engine wraps or shards the layers
     module, function = ENGINES[cfg.distributed.backend].build.split(":")
-    return getattr(importlib.import_module(module), function)(model, cfg, env, rebuild)
+    engine = getattr(importlib.import_module(module), function)
+    return engine(model, cfg, env, recipe(cfg, env.device), rebuild)
