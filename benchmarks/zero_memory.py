@@ -2,10 +2,11 @@
 measured, next to the ZeRO paper's formula (Rajbhandari et al. 2020, §5).
 
     torchrun --nproc_per_node=2 benchmarks/zero_memory.py [--preset small] [--vocab 8000]
+    torchrun --nproc_per_node=4 benchmarks/zero_memory.py --preset transformer_base --engines fsdp
 
-Each stage trains the same model for two steps on the DeepSpeed engine (aiayn's own, the one
-`distributed.backend=deepspeed` builds), then holds a backward pass's gradients and counts,
-on every rank, the bytes of every distinct tensor storage it holds, by role:
+Each engine (DDP, DeepSpeed ZeRO 0-3: aiayn's engines, as `distributed.backend` builds them,
+and FSDP2) trains the same model for two steps, then holds a backward pass's gradients and
+counts, on every rank, the bytes of every distinct tensor storage it holds, by role:
 
 - parameters: the module's parameters (their ZeRO-3 partitions in stage 3);
 - gradients: the parameters' .grad and DeepSpeed's gradient partitions and buckets;
@@ -24,6 +25,11 @@ counted (`to_local()`), padding included.
 ZeRO-3 keeps parameters smaller than `stage3_param_persistence_threshold` whole on every rank
 (a latency trade); this benchmark sets it to 0 so the measurement shows the partitioning
 itself, and says so in its table.
+
+A second table gives each engine's time per step (forward, backward, step; the slowest rank's
+mean over --steps steps after the measured ones) and the process's peak resident memory after
+it: the engines run one after another in one process, so that peak is cumulative; give one
+engine (--engines) for its own.
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ import argparse
 import gc
 import json
 import os
+import resource
 import sys
 import tempfile
+import time
 import warnings
 
 import torch
@@ -45,7 +53,7 @@ from aiayn.distributed.env import setup
 from aiayn.engine import build_engine
 from aiayn.model import build_model, count_parameters
 
-STAGES = (0, 1, 2, 3, "fsdp")
+STAGES = ("ddp", 0, 1, 2, 3, "fsdp")  # 0-3: DeepSpeed's ZeRO stages
 
 
 def storages(tensors) -> dict[int, int]:
@@ -113,6 +121,8 @@ def formula(psi: int, n: int, stage) -> dict[str, float]:
     b = 4  # fp32
     if stage == "fsdp":
         return {"parameters": b * psi / n, "gradients": b * psi / n, "optimizer": 2 * b * psi / n}
+    if stage == "ddp":
+        stage = 0
     return {
         "parameters": b * psi / (n if stage >= 3 else 1),
         "gradients": b * psi / (n if stage >= 2 else 1),
@@ -129,8 +139,8 @@ def run_stage(stage: int, args, env) -> dict[str, int]:
         f"model.preset={args.preset}",
         "model.dropout=0",
         *(
-            ["distributed.backend=fsdp"]
-            if stage == "fsdp"
+            [f"distributed.backend={stage}"]
+            if stage in ("ddp", "fsdp")
             else [
                 "distributed.backend=deepspeed",
                 f"distributed.zero_stage={stage}",
@@ -146,8 +156,8 @@ def run_stage(stage: int, args, env) -> dict[str, int]:
     g = torch.Generator().manual_seed(env.rank)
 
     def backward(engine):
-        src = torch.randint(4, args.vocab, (16, 24), generator=g)
-        tgt = torch.randint(4, args.vocab, (16, 24), generator=g)
+        src = torch.randint(4, args.vocab, (args.rows, args.width), generator=g)
+        tgt = torch.randint(4, args.vocab, (args.rows, args.width), generator=g)
         logits = engine.model(src, tgt)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten())
         engine.backward(loss)
@@ -159,6 +169,13 @@ def run_stage(stage: int, args, env) -> dict[str, int]:
     gc.collect()
     measured = measure(engine, stage)
     engine.step()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        backward(engine)
+        engine.step()
+    measured["step_s"] = (time.perf_counter() - start) / max(args.steps, 1)
+    measured["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     os.unlink(fh.name)
     del engine, model
     gc.collect()
@@ -169,10 +186,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--rows", type=int, default=16, help="sentences a micro-batch")
+    parser.add_argument("--width", type=int, default=24, help="tokens a sentence")
+    parser.add_argument("--steps", type=int, default=5, help="steps timed per engine")
+    parser.add_argument("--engines", nargs="+", default=[str(s) for s in STAGES])
     args = parser.parse_args()
     env = setup("cpu")
     rows = []
-    for stage in STAGES:
+    for stage in [int(e) if e.isdigit() else e for e in args.engines]:
         psi, measured = run_stage(stage, args, env)
         per_rank = env.gather(measured)
         expected = formula(psi, env.world_size, stage)
@@ -209,9 +230,16 @@ def main() -> int:
             "bound it)"
         )
         for stage, _, per_rank, _ in rows:
-            totals = [sum(v for k, v in r.items() if k != "other") for r in per_rank]
+            totals = [sum(r[k] for k in ("parameters", "gradients", "optimizer")) for r in per_rank]
             if max(totals) > 1.01 * min(totals):
                 print(f"note: stage {stage} ranks differ:", per_rank)
+        print(f"\nTime per step ({args.rows} x {args.width} tokens a rank, {args.steps} steps)\n")
+        print("| engine | s per step (slowest rank) | peak RSS MiB (largest rank, cumulative) |")
+        print("| --- | ---: | ---: |")
+        for stage, _, per_rank, _ in rows:
+            step_s = max(r["step_s"] for r in per_rank)
+            peak = max(r["peak_rss"] for r in per_rank) / 2**20
+            print(f"| {stage} | {step_s:.3f} | {peak:.0f} |")
     dist.barrier()
     dist.destroy_process_group()
     return 0

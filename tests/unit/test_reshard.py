@@ -15,6 +15,7 @@ from aiayn.engine import state as engine_state
 from aiayn.engine.ddp_engine import LocalEngine
 from aiayn.engine.deepspeed_engine import DeepSpeedEngine
 from aiayn.engine.registry import build_engine
+from aiayn.engine.state import MOMENTS
 from aiayn.errors import CheckpointError
 from aiayn.model import build_model
 
@@ -142,6 +143,58 @@ def test_a_stored_tensor_is_read_by_rows(tmp_path):
             rows = engine_state.Rows(fh, key)
             for start, end in [(0, t.numel()), (3, 4), (6, 20), (t.numel() - 2, t.numel())]:
                 assert torch.equal(rows.read(start, end), t.flatten()[start:end])
+
+
+@pytest.mark.parametrize("old", [1, 3, 8])
+@pytest.mark.parametrize("new", [1, 2, 5])
+def test_fsdp_rank_files_read_back_whole_and_a_new_rank_opens_only_its_rows_files(
+    tmp_path, monkeypatch, old, new
+):
+    """FSDP2's rank files (each old rank its rows of weights and moments, torch.chunk's cut)
+    read by element range give the whole tensors; a new rank opens the files its rows are in:
+    rank 0's (for the names) and those that overlap, not all `old` of them."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from aiayn.engine import fsdp_engine
+
+    torch.manual_seed(old * 10 + new)
+    shapes = {"a": torch.Size([30, 5]), "b": torch.Size([77]), "c": torch.Size([5, 8])}
+    full = {(n, k): torch.randn(s) for n, s in shapes.items() for k in ("weight", *MOMENTS)}
+    (tmp_path / "fsdp").mkdir()
+    for r in range(old):
+        rows = {}
+        for (name, key), t in full.items():
+            a, b = fsdp_engine.rows_of(t.shape, r, old)
+            rows[name if key == "weight" else f"{name}/{key}"] = t[a:b].contiguous()
+        path = tmp_path / "fsdp" / f"rank_{r:05d}.safetensors"
+        save_file(rows, path, metadata={fsdp_engine.STEP_KEY: "7"})
+    opened = []
+
+    def counted(path, **kwargs):
+        opened.append(path)
+        return safe_open(path, **kwargs)
+
+    monkeypatch.setattr(fsdp_engine, "safe_open", counted)
+    trainer = {"engine": {"scheduler": {}, "skipped_steps": 0}}
+    for rank in range(new):
+        opened.clear()
+        with fsdp_engine.read(tmp_path, trainer, shapes) as state:
+            assert state.step == 7
+            for (name, key), t in full.items():
+                a, b = fsdp_engine.elements_of(t.shape, rank, new)
+                assert torch.equal(state.read(name, key, a, b), t.flatten()[a:b]), (name, key)
+        holding = {
+            r
+            for shape in shapes.values()
+            for r in range(old)
+            if max(fsdp_engine.rows_of(shape, r, old)[0], fsdp_engine.rows_of(shape, rank, new)[0])
+            < min(fsdp_engine.rows_of(shape, r, old)[1], fsdp_engine.rows_of(shape, rank, new)[1])
+        }
+        assert len(opened) == len(holding | {0})
+        assert len(opened) < old or old < 8 or new == 1
+    with fsdp_engine.read(tmp_path, trainer, shapes) as state:  # the whole tensors, for DDP
+        assert all(torch.equal(state.whole(n, k), t) for (n, k), t in full.items())
 
 
 def test_partitions_of_another_model_are_refused():

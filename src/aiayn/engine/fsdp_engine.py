@@ -316,22 +316,37 @@ class FSDPEngine:
                 self.optimizer.state[p] = adam
 
 
-class _Joined:
-    """A parameter's flattened tensor, read by element range from its rows in every rank's
-    file in turn."""
+class _Files:
+    """The rank files of a checkpoint, each opened when a read first needs its rows: a rank
+    of a new topology opens the few whose rows overlap its own, not all W of them."""
 
-    def __init__(self, parts: list[Rows]):
-        self.parts = parts
-        self.numel = sum(p.numel for p in parts)
-        self.itemsize = parts[0].itemsize if parts else 4
+    def __init__(self, paths: list[Path], opened: contextlib.ExitStack):
+        self.paths, self.opened, self.handles = paths, opened, {}
+
+    def __getitem__(self, rank: int):
+        if rank not in self.handles:
+            path = str(self.paths[rank])
+            self.handles[rank] = self.opened.enter_context(safe_open(path, framework="pt"))
+        return self.handles[rank]
+
+
+class _Joined:
+    """A parameter's flattened tensor, read by element range from the rows of the ranks that
+    hold them (`elements_of` on the world size that wrote the files)."""
+
+    itemsize = 4  # the rank files hold fp32 rows
+
+    def __init__(self, files: _Files, key: str, shape: torch.Size):
+        self.files, self.key, self.shape = files, key, shape
+        self.numel = math.prod(shape)
 
     def read(self, start: int, end: int) -> torch.Tensor:
-        out, at = [], 0
-        for part in self.parts:
-            lo, hi = max(start - at, 0), min(end - at, part.numel)
+        world, out = len(self.files.paths), []
+        for rank in range(world):
+            a, b = elements_of(self.shape, rank, world)
+            lo, hi = max(start, a), min(end, b)
             if lo < hi:
-                out.append(part.read(lo, hi))
-            at += part.numel
+                out.append(Rows(self.files[rank], self.key).read(lo - a, hi - a))
         return torch.cat(out) if out else torch.zeros(0)
 
 
@@ -343,9 +358,9 @@ def read(ckpt: Path, trainer_state: dict[str, Any], shapes: dict) -> Iterator[Po
     if not paths or [shard_rank(f"{FOLDER}/{p.name}") for p in paths] != list(range(len(paths))):
         raise CheckpointError(f"{folder}: the rank files are missing or incomplete")
     engine = trainer_state["engine"]
-    with contextlib.ExitStack() as files:
-        handles = [files.enter_context(safe_open(str(p), framework="pt")) for p in paths]
-        keys = set(handles[0].keys())
+    with contextlib.ExitStack() as opened:
+        files = _Files(paths, opened)
+        keys = set(files[0].keys())  # every rank's file holds every parameter's rows
         missing = [name for name in shapes if name not in keys]
         if missing:
             raise CheckpointError(
@@ -353,12 +368,12 @@ def read(ckpt: Path, trainer_state: dict[str, Any], shapes: dict) -> Iterator[Po
                 "was written by another model; use its config, or a new run_dir"
             )
         tensors = {}
-        for name in shapes:
+        for name, shape in shapes.items():
             for key in (WEIGHT, *MOMENTS):
                 stored = name if key == WEIGHT else f"{name}/{key}"
                 if stored in keys:
-                    tensors[name, key] = _Joined([Rows(h, stored) for h in handles])
-        step = int((handles[0].metadata() or {}).get(STEP_KEY, 0))
+                    tensors[name, key] = _Joined(files, stored, torch.Size(shape))
+        step = int((files[0].metadata() or {}).get(STEP_KEY, 0))
         yield Portable(dict(shapes), tensors, step, engine["scheduler"], engine["skipped_steps"])
 
 
