@@ -17,11 +17,12 @@ from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 def stream_loader(
     cfg: DataConfig, split: str, tok, *, kind: str, max_tokens: int, seed: int, train: bool,
-    rank: int = 0, world_size: int = 1, pin_memory: bool = False,
+    rank: int = 0, world_size: int = 1, pin_memory: bool = False, per_round: int | None = None,
 ) -> Loader:  # fmt: skip
     """The loader of one streamed split, from its data config alone."""
     settings = Settings(cfg, tok, kind, max_tokens, seed, train, rank)
-    return Loader(StreamRows(settings, split), max_tokens, rank, world_size, pin_memory)
+    rows = StreamRows(settings, split)
+    return Loader(rows, max_tokens, rank, world_size, pin_memory, per_round)
 
 
 def take(it, n: int) -> list[Batch]:

@@ -678,6 +678,42 @@ def test_every_rank_knows_each_rounds_targets_from_the_plan(tmp_path, corpus, lm
     assert len(epochs) > 1, "no epoch boundary fell in the rounds: the test saw one epoch"
 
 
+def test_a_step_takes_its_batches_on_any_world_size_up_to_its_micro_batches(tmp_path, corpus, tok):
+    """train.tokens_per_step of 8 micro-batches, on 1, 3, 4 and 8 ranks (3 does not divide 8:
+    ranks 0 and 1 take 3, rank 2 takes 2): each step's batches on all ranks together are one
+    process's, every rank knows the step's targets, and a position saved on 3 ranks resumes on
+    4 at the next step."""
+    cfg = s2s(tmp_path, corpus / "train")
+    cfg.train.tokens_per_step = 8 * cfg.train.max_tokens
+    single = take(iter(cached(cfg, tok)), 8 * 10)
+
+    def steps(loader, n: int) -> list[list]:
+        taken, out = loader.taken(), []
+        for _ in range(n):
+            step = [next(taken)]
+            while not step[-1].ends_round:
+                step.append(next(taken))
+            out.append(step)
+        return out
+
+    for world in (1, 3, 4, 8):
+        ranks = [steps(cached(cfg, tok, rank=r, world_size=world), 6) for r in range(world)]
+        for k in range(6):
+            mine = [ranks[r][k] for r in range(world)]
+            assert [len(m) for m in mine] == [len(range(r, 8, world)) for r in range(world)]
+            want = single[8 * k : 8 * k + 8]
+            for r, m in enumerate(mine):
+                assert all(same(t.batch, b) for t, b in zip(m, want[r::world], strict=True))
+            targets = {t.round_targets for m in mine for t in m}
+            assert targets == {sum(b.n_tokens for b in want)}, (world, k)
+    three = cached(cfg, tok, rank=2, world_size=3)
+    steps(three, 5)
+    four = cached(cfg, tok, rank=1, world_size=4)
+    four.load_state_dict(roundtrip(three.state_dict()))
+    (step,) = steps(four, 1)
+    assert all(same(t.batch, b) for t, b in zip(step, single[41:48:4], strict=True))
+
+
 @pytest.mark.parametrize("kind, world", [("seq2seq", 1), ("seq2seq", 3), ("seq2seq", 8), ("lm", 3)])
 def test_plans_kept_beside_the_cache_equal_todays_bit_for_bit(
     tmp_path, corpus, lm_corpus, tok, kind, world

@@ -245,9 +245,10 @@ def test_config_check_accepts_a_good_config_and_reports_every_problem_of_a_bad_o
     config = _config(tmp_path, max_tokens=1000, tokens_per_step=4000)
     assert main(["config", "check", "--config", str(config), "--world-size", "2"]) == 0
     out = capsys.readouterr().out
-    assert "2 rank(s) x 2 micro-batch(es)" in out and "a start would accept it" in out
+    assert "x 2 accumulated x 2 ranks per step = 4000 tokens a step" in out
+    assert "a start would accept it" in out
     # Four problems at once: a missing corpus, a tokenizer other than the one the run's
-    # checkpoint recorded, an option of another engine, and 3 ranks for 4 micro-batches.
+    # checkpoint recorded, an option of another engine, and 5 ranks for 4 micro-batches.
     (tmp_path / "valid.de").unlink()
     tok_path = tmp_path / "run" / "tokenizer" / "spm.model"
     _tokenizer(tok_path)
@@ -255,7 +256,7 @@ def test_config_check_accepts_a_good_config_and_reports_every_problem_of_a_bad_o
     step.mkdir(parents=True)
     contract = {"sha256": "0" * 64, "vocab_size": 99}
     (step / "manifest.json").write_text(json.dumps({"tokenizer": contract, "files": {}}))
-    argv = ["config", "check", "--config", str(config), "--world-size", "3", "--json"]
+    argv = ["config", "check", "--config", str(config), "--world-size", "5", "--json"]
     assert main([*argv, "distributed.zero_stage=2"]) == 2
     captured = capsys.readouterr()
     problems = json.loads(captured.out)["problems"]
@@ -263,7 +264,7 @@ def test_config_check_accepts_a_good_config_and_reports_every_problem_of_a_bad_o
     assert "valid.de" in problems[0]
     assert "not the one" in problems[1] and "vocab_size: recorded 99" in problems[1]
     assert "distributed.zero_stage need distributed.backend=deepspeed" in problems[2]
-    assert "3 ranks cannot share" in problems[3]
+    assert "fewer than the 5 ranks: run on at most 4 ranks" in problems[3]
     assert "aiayn config: error: 4 problem(s) a start would stop on" in captured.err
 
 

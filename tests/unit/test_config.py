@@ -350,15 +350,18 @@ def test_tokens_per_step_fixes_the_batch_over_all_ranks_and_derives_each_ranks_s
         None, ["data.train=x", "train.tokens_per_step=24576", "train.max_tokens=3072"]
     )
     assert [cfg.train.accumulation(w) for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
-    assert {cfg.train.step_tokens(w) for w in (1, 2, 4, 8)} == {24576}
-    # A world size that cannot share the 8 micro-batches: the sizes that can, and the
-    # micro-batch that would fit this one (never a silently rounded batch).
+    assert {cfg.train.step_tokens(w) for w in range(1, 9)} == {24576}
+    # A world size that does not divide them: the larger share, and its idle forwards.
+    assert [cfg.train.accumulation(w) for w in (3, 5, 7)] == [3, 2, 2]
+    assert [round(cfg.train.idle(w), 3) for w in (2, 3, 5, 7)] == [0, 0.111, 0.2, 0.429]
+    # More ranks than micro-batches: the most that can, and the micro-batch that would fit
+    # this one (never a silently rounded batch).
     with pytest.raises(ConfigError) as refused:
         cfg.train.accumulation(16)
-    assert "run on 1, 2, 4, 8 ranks" in str(refused.value)
+    assert "fewer than the 16 ranks: run on at most 8 ranks" in str(refused.value)
     assert "on 16 ranks, train.max_tokens=1536 (1 a step on each rank)" in str(refused.value)
-    with pytest.raises(ConfigError, match=r"run on 1, 2, 4, 8 ranks\. Another max_tokens"):
-        cfg.train.accumulation(5)  # 24576 is no multiple of 5 ranks' tokens: no max_tokens fits
+    with pytest.raises(ConfigError, match=r"run on at most 8 ranks\. Another max_tokens"):
+        cfg.train.accumulation(9)  # 24576 is no multiple of 9 ranks' tokens: no max_tokens fits
     # grad_accum alone: the batch grows with the ranks, as before.
     old = load_config(None, ["data.train=x", "train.grad_accum=3", "train.max_tokens=100"])
     assert [old.train.step_tokens(w) for w in (1, 2)] == [300, 600]

@@ -652,8 +652,8 @@ def test_sentence_sample_is_bounded_deterministic_and_has_both_sides(corpus):
 def test_a_step_refused_at_the_epoch_limit_gives_its_batches_back(corpus, tok):
     cfg = s2s_cfg(corpus / "train")
     ref = take(iter(loader(cfg, tok, seed=5)), 200)
-    ld = loader(cfg, tok, seed=5)
-    with StepBatches(ld, per_step=3, max_epochs=1) as steps:
+    ld = loader(cfg, tok, seed=5, per_round=3)
+    with StepBatches(ld, max_epochs=1) as steps:
         trained, past = [], False
         while not past:
             fetched = steps.next()

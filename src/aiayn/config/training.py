@@ -92,10 +92,11 @@ class TrainConfig(Section):
     paper's ~25,000): tokens_per_step / max_tokens micro-batches a step, shared out among the
     ranks, each rank accumulating its share. The batch, and so what the schedule's steps mean,
     is the same on any number of GPUs, and a run resumed on another world size keeps it. It
-    must be a whole number of micro-batches, and the world size must divide that number: a
-    run that cannot is refused at start with the world sizes that can and the max_tokens that
-    would fit (never rounded: a rounded batch is another optimisation). Step k takes the same
-    examples at every such world size. None: train.grad_accum decides."""
+    must be a whole number of micro-batches (never rounded: a rounded batch is another
+    optimisation), and any world size up to that number shares them: where it does not divide
+    them, some ranks take one more and the others idle for it (the start-up line says how
+    much). Step k takes the same examples at every world size. None: train.grad_accum
+    decides."""
     grad_accum: int | None = bounded(None, low=1)
     """Micro-batches each rank accumulates per optimizer step (None: 1, or derived from
     train.tokens_per_step); the schedule steps once per optimizer step. The batch then grows
@@ -210,19 +211,47 @@ class TrainConfig(Section):
     out-of-memory error comes in the first minute rather than hours in; it logs the peak
     memory. auto: on CUDA only (always: on CPU too). Training is the same with it or without."""
 
-    def accumulation(self, world_size: int) -> int:
-        """Micro-batches each of `world_size` ranks takes per optimizer step; a ConfigError
-        where tokens_per_step's micro-batches cannot be shared out evenly."""
+    def step_batches(self, world_size: int) -> int:
+        """The optimizer step's micro-batches over all `world_size` ranks."""
         if self.tokens_per_step is None:
-            return self.grad_accum or 1
-        micro = self.tokens_per_step // self.max_tokens  # a whole number: validate()
-        if micro % world_size:
+            return (self.grad_accum or 1) * world_size
+        return self.tokens_per_step // self.max_tokens  # a whole number: validate()
+
+    def accumulation(self, world_size: int) -> int:
+        """Forwards each of `world_size` ranks runs per optimizer step: its share of the step's
+        micro-batches, the larger share where the world size does not divide them (a rank with
+        one fewer repeats its last with weight 0: every rank runs the same collectives). A
+        ConfigError where there are fewer micro-batches than ranks."""
+        batches = self.step_batches(world_size)
+        if batches < world_size:
             raise ConfigError(_unshared(self.tokens_per_step, self.max_tokens, world_size))
-        return micro // world_size
+        return -(-batches // world_size)
+
+    def idle(self, world_size: int) -> float:
+        """The share of the ranks' forwards a step that repeat a batch with weight 0."""
+        return 1 - self.step_batches(world_size) / (self.accumulation(world_size) * world_size)
+
+    def sharing(self, world_size: int) -> str:
+        """How the ranks share a step's micro-batches: "2 accumulated x 4 ranks per step", or
+        where the world size does not divide them "8 shared by 3 ranks (2 take 3, 1 takes 2;
+        11% of the ranks' forwards idle)"."""
+        batches, most = self.step_batches(world_size), self.accumulation(world_size)
+        if batches == most * world_size:
+            return f"{most} accumulated x {world_size} ranks per step"
+        more = batches - (most - 1) * world_size  # the ranks that take `most`
+
+        def take(n: int) -> str:
+            return "takes" if n == 1 else "take"
+
+        fewer = world_size - more
+        return (
+            f"{batches} shared by {world_size} ranks ({more} {take(more)} {most}, {fewer} "
+            f"{take(fewer)} {most - 1}; {self.idle(world_size):.0%} of the ranks' forwards idle)"
+        )
 
     def step_tokens(self, world_size: int) -> int:
         """The optimizer step's token budget over `world_size` ranks."""
-        return self.max_tokens * self.accumulation(world_size) * world_size
+        return self.max_tokens * self.step_batches(world_size)
 
     def validate(self) -> list[str]:
         problems = []
@@ -272,7 +301,6 @@ def _divisors_up_to(total: int, limit: int, n: int) -> list[int]:
 def _unshared(per_step: int, max_tokens: int, world_size: int) -> str:
     """Why `world_size` ranks cannot share tokens_per_step's micro-batches, and what can."""
     micro = per_step // max_tokens
-    sizes = [w for w in range(1, micro + 1) if micro % w == 0]
     hint = ""
     if per_step % world_size == 0:
         (t,) = _divisors_up_to(per_step // world_size, max_tokens, 1)
@@ -280,8 +308,7 @@ def _unshared(per_step: int, max_tokens: int, world_size: int) -> str:
         hint = f"; or, on {world_size} ranks, train.max_tokens={t} ({each} a step on each rank)"
     return (
         f"train.tokens_per_step ({per_step}) is {micro} micro-batches of train.max_tokens "
-        f"({max_tokens}), which {world_size} ranks cannot share evenly: run on "
-        + ", ".join(map(str, sizes))
-        + f" ranks{hint}. Another max_tokens is another batch plan: a new run, not a resume "
-        "of this one (docs/distributed.md#the-global-batch)"
+        f"({max_tokens}), fewer than the {world_size} ranks: run on at most {micro} ranks"
+        f"{hint}. Another max_tokens is another batch plan: a new run, not a resume of this one "
+        "(docs/distributed.md#the-global-batch)"
     )

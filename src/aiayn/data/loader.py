@@ -2,10 +2,12 @@
 
 A row source (cache_rows.py: a token cache's epochs; stream_rows.py: a stream's chunks; either
 one source or a mixture's) hands out segments (segment.py), each planned whole. Every rank
-walks the same global batches, segment after segment, in rounds of W (the world size): rank r
-takes the round's batch r and makes only that one, a few of its next ones read ahead together.
-A round's target tokens come from the segments' cumulative sums, so the training loop learns
-the step's total over all ranks without a collective, and that work does not grow with W.
+walks the same global batches, segment after segment, in rounds: an optimizer step's
+micro-batches when training (`per_round`), W (the world size) otherwise. Rank r takes the
+round's batches r, r + W, ... and makes only those, a few read ahead together; where W does
+not divide the round, ranks r < round % W take one more. A round's target tokens come from
+the segments' cumulative sums, so the training loop learns the step's total over all ranks
+without a collective, and that work does not grow with W.
 
 Position: where the segment of the current round starts (its `anchor`: the epoch, and for a
 stream the chunk and the reader's state) and the global batches the group has consumed from
@@ -35,13 +37,15 @@ STATE_VERSION = 1
 
 @dataclass(frozen=True)
 class Taken:
-    """A batch as the training loop takes it: its epoch, and its round's target tokens (the W
-    batches the ranks take together) and the epoch of the round's last batch."""
+    """A batch as the training loop takes it: its epoch, its round's target tokens (the
+    batches the ranks take together) and the epoch of the round's last batch, and whether it is
+    this rank's last of the round."""
 
     batch: Batch
     epoch: int
     round_targets: int
     round_epoch: int
+    ends_round: bool
 
 
 class Rows(Protocol):
@@ -62,13 +66,21 @@ class Loader:
     """Batches of one split for one rank. `iter(loader)` gives batches, `taken()` the same
     with their epochs and rounds; each `for` continues where the last one stopped when
     training (epoch after epoch, forever), and starts a new pass otherwise, unless a state was
-    just loaded. pin_memory=True hands out batches in page-locked memory (needs CUDA)."""
+    just loaded. pin_memory=True hands out batches in page-locked memory (needs CUDA).
+    per_round: the global batches of a round (an optimizer step's), at least W; None: W."""
 
     def __init__(
-        self, rows: Rows, max_tokens: int, rank: int = 0, world_size: int = 1, pin_memory=False
+        self,
+        rows: Rows,
+        max_tokens: int,
+        rank: int = 0,
+        world_size: int = 1,
+        pin_memory=False,
+        per_round: int | None = None,
     ):
         check_loader_args(max_tokens, rank, world_size)
         self.rows, self.rank, self.world_size, self.pin_memory = rows, rank, world_size, pin_memory
+        self.per_round = max(per_round or world_size, world_size)
         self.train = rows.train
         self._pos = {**rows.start(), "done": 0}
         self._epoch = 0
@@ -145,7 +157,7 @@ class Loader:
         """This rank's batches from `pos` on, each with the group's position after its round.
         `held` keeps the segments from the round's first on (a round may cross into the next
         ones); `i` is the round's first batch in held[0]."""
-        W, segments = self.world_size, self.rows.segments(pos)
+        G, segments = self.per_round, self.rows.segments(pos)
         held: deque[Segment] = deque()
         i = pos["done"]
         try:
@@ -156,22 +168,24 @@ class Loader:
                     if not held and not _pull(segments, held):
                         return  # an evaluation pass is over
                 targets, last_epoch, mine = self._round(held, i, segments)
-                if mine is None:  # an evaluation pass that ends inside a round, before this rank
+                if not mine:  # an evaluation pass that ends inside a round, before this rank
                     return
-                seg, k = mine
-                batch = seg.lm_batch(k) if isinstance(seg.plan, LmPlan) else self._batch(seg, k)
-                batch = batch.pin_memory() if self.pin_memory else batch
-                after = {**held[0].anchor, "done": i + W}  # the group's position
-                yield Taken(batch, seg.epoch, targets, last_epoch), after
-                i += W
+                after = {**held[0].anchor, "done": i + G}  # the group's position
+                for j, (seg, k) in enumerate(mine):
+                    lm = isinstance(seg.plan, LmPlan)
+                    batch = seg.lm_batch(k) if lm else self._batch(seg, k)
+                    batch = batch.pin_memory() if self.pin_memory else batch
+                    ends = j == len(mine) - 1
+                    yield Taken(batch, seg.epoch, targets, last_epoch, ends), after
+                i += G
         finally:
             segments.close()
 
-    def _round(self, held: deque, i: int, segments) -> tuple[int, int, tuple | None]:
-        """The round of W global batches from batch i of held[0]: its target tokens, the epoch
-        of its last batch, and this rank's (segment, batch index), None where an evaluation
-        pass ends first (its last round may be short)."""
-        left, targets, mine, at, n = self.world_size, 0, None, i, 0
+    def _round(self, held: deque, i: int, segments) -> tuple[int, int, list[tuple]]:
+        """The round of `per_round` global batches from batch i of held[0]: its target tokens,
+        the epoch of its last batch, and this rank's (segment, batch index) pairs, fewer where
+        an evaluation pass ends first (its last round may be short)."""
+        left, targets, mine, at, n = self.per_round, 0, [], i, 0
         last = held[0].epoch
         while left:
             if n == len(held) and not _pull(segments, held):
@@ -179,9 +193,9 @@ class Loader:
             seg = held[n]
             take = min(left, len(seg) - at)
             targets += int(seg.sums[at + take] - seg.sums[at])
-            offset = self.rank - (self.world_size - left)  # this rank's, in this stretch
-            if mine is None and 0 <= offset < take:
-                mine = (seg, at + offset)
+            first = self.per_round - left  # the round's index of this stretch's first batch
+            offset = (self.rank - first) % self.world_size  # this rank's first in the stretch
+            mine += [(seg, at + k) for k in range(offset, take, self.world_size)]
             left, at, n, last = left - take, 0, n + 1, seg.epoch
         return targets, last, mine
 

@@ -45,4 +45,6 @@ def make_loader(
         # A Hub training split is streamed from its local copy where prepare_data made one.
         local = local_parts(cfg) if train and split == cfg.data.train else None
         rows = StreamRows(settings, split, local, cfg)
-    return Loader(rows, cfg.train.max_tokens, rank, world_size, pin_memory)
+    # Training: a round is an optimizer step's micro-batches, shared out among the ranks.
+    per_round = cfg.train.step_batches(world_size) if train else None
+    return Loader(rows, cfg.train.max_tokens, rank, world_size, pin_memory, per_round)

@@ -19,8 +19,8 @@ from aiayn.data.loader import Loader, Taken
 class StepBatches:
     """Use as a context manager: leaving it stops the loader's read-ahead thread."""
 
-    def __init__(self, loader: Loader, per_step: int, max_epochs: int | None):
-        self.loader, self.per_step, self.max_epochs = loader, per_step, max_epochs
+    def __init__(self, loader: Loader, max_epochs: int | None):
+        self.loader, self.max_epochs = loader, max_epochs
         self._taken: Iterator[Taken] | None = None
         self._before: dict | None = None
         self._last: list[Taken] = []
@@ -33,20 +33,24 @@ class StepBatches:
         self._taken.close()
 
     def next(self) -> list[Taken]:
-        """The next step's micro-batches, as taken (each with its epoch and round)."""
+        """The next step's micro-batches on this rank (a round of the loader's), as taken."""
         # Only a limited run can refuse a step; the position is a few numbers (a stream's adds
         # its source's small state), so keeping it costs nothing per step.
         limited = self.max_epochs is not None
         self._before = self.loader.state_dict() if limited else None
-        self._last = [next(self._taken) for _ in range(self.per_step)]
+        self._last = [next(self._taken)]
+        while not self._last[-1].ends_round:
+            self._last.append(next(self._taken))
         return self._last
 
     def group_totals(self) -> tuple[int, bool]:
-        """The last step's target tokens on all ranks (its rounds'), and whether any rank's
+        """The last step's target tokens on all ranks (its round's), and whether any rank's
         step reached train.max_epochs (the epochs of a round grow: its last is the largest)."""
-        tokens = sum(t.round_targets for t in self._last)
-        past = self.max_epochs is not None and self._last[-1].round_epoch >= self.max_epochs
-        return tokens, past
+        last = self._last[-1]
+        return (
+            last.round_targets,
+            self.max_epochs is not None and last.round_epoch >= self.max_epochs,
+        )
 
     def give_back(self) -> None:
         """Return the last step's batches: the loader continues from before them."""

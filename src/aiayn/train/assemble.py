@@ -189,18 +189,16 @@ def _log_start(
     progress: Progress,
 ) -> None:
     train, world = cfg.train, env.world_size
-    accumulation = train.accumulation(world)
     log.info(
         "%s model, %s parameters, vocab %d | %s tokens a step over all ranks = %s-token "
-        "micro-batches x %d accumulated x %d ranks per step (%s) | %s, %s on %s | peak %.3g "
+        "micro-batches x %s (%s) | %s, %s on %s | peak %.3g "
         "TFLOP/s | %s schedule, warmup %d, cooldown %d of %d steps | %s",
         cfg.model.kind,
         f"{n_params:,}",
         tok.vocab_size,
         f"{train.step_tokens(world):,}",
         f"{train.max_tokens:,}",
-        accumulation,
-        world,
+        train.sharing(world),
         "train.tokens_per_step" if train.tokens_per_step else "train.grad_accum: grows with ranks",
         engines.topology(cfg, world),
         cfg.train.precision,

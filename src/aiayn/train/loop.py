@@ -61,8 +61,7 @@ def train(cfg: Config, explicit: frozenset[str] | None = None) -> dict[str, floa
 
 def _loop(run: Run) -> dict[str, float]:
     cfg = run.cfg
-    per_step = cfg.train.accumulation(run.env.world_size)
-    with StepBatches(run.loader, per_step, cfg.train.max_epochs) as steps:
+    with StepBatches(run.loader, cfg.train.max_epochs) as steps:
         try:
             return _train_until_done(run, steps)
         except RuntimeError as exc:
@@ -137,18 +136,26 @@ def _train_step(run: Run, micro: list, window: Window, n_tokens: int) -> torch.T
     (Window)."""
     cfg, engine = run.cfg, run.engine
     engine.train()
-    for i, batch in enumerate(micro):
-        window.flops += training_flops(cfg.model, run.tok.vocab_size, batch)
+    # Where the world size does not divide the step's micro-batches, a rank with one fewer
+    # repeats its last with weight 0: every rank runs the same forwards, and so the same
+    # collectives (ZeRO-3 and FSDP2 gather each layer in each forward).
+    forwards = cfg.train.accumulation(run.env.world_size)
+    for i in range(forwards):
+        real = i < len(micro)
+        batch = micro[min(i, len(micro) - 1)]
+        if real:
+            window.flops += training_flops(cfg.model, run.tok.vocab_size, batch)
         batch = batch.to(run.env.device)
-        with engine.accumulating(last=i == len(micro) - 1):
+        with engine.accumulating(last=i == forwards - 1):
             with engine.autocast():
                 loss, correct = batch_loss(
                     engine.model, batch, cfg.model.kind, cfg.train.label_smoothing, run.tok.pad_id
                 )
             # Dividing by the step's tokens on all ranks, not the micro-batch's, makes
             # accumulation and data parallelism compute the same update as one big batch.
-            engine.backward(loss / max(n_tokens, 1))
-        window.add(loss, correct, batch.n_tokens)
+            engine.backward(loss / max(n_tokens, 1) if real else loss * 0)
+        if real:
+            window.add(loss, correct, batch.n_tokens)
     run.ckpts.before_update()  # an async save may still be copying the weights it changes
     grad_norm = engine.step()
     run.progress.step += 1
