@@ -333,6 +333,12 @@ def test_a_preemption_or_an_error_to_fix_is_not_restarted(setup, kind, code, act
     assert got == code, out[-4000:]
     assert starts(run_dir) == 1, out[-4000:]
     assert {f["action"] for f in faults(run_dir)} == {action}, faults(run_dir)
+    if kind == "user":
+        # One line, from the launcher (the worker prints none), and no failure report.
+        message = "error (rank 1): injected error a person must fix, at step 7"
+        assert out.count("injected error a person must fix") == 1, out[-4000:]
+        assert f"aiayn.distributed.run: {message}" in out, out[-4000:]
+        assert "Traceback" not in out and "FAILED" not in out, out[-4000:]
     if kind == "sigusr1":
         # Signalled during step 7: step 8 starts the vote that carries it (StopVote), step 9
         # reads it, and both ranks stop after step 9 and save.

@@ -1,5 +1,5 @@
 """Resuming on another topology, with real processes: ZeRO-3 on 2 ranks -> DDP on 1 -> ZeRO-3 ->
-ZeRO-2 -> ZeRO-0 -> DDP, ZeRO-3 on 2 -> 4 -> 2 ranks, and ZeRO-3 on 2 -> FSDP2 on 3 -> DDP on 3
+ZeRO-2 -> ZeRO-0 -> DDP, ZeRO-3 on 2 -> 4 -> 2 ranks, and ZeRO-3 on 2 -> DDP on 3 -> FSDP2 on 3
 -> DDP on 1 -> ZeRO-3 on 3, each against an uninterrupted run.
 
 Every run fixes the step's batch over all ranks (train.tokens_per_step), so one process
@@ -148,7 +148,7 @@ def assert_continues(run_dir: Path, reference: Path, weights_atol: float, loss_r
         ["zero3x2acc2", "zero3x4", "zero3x2acc2"],
         # A world size that does not divide the step's micro-batches, on every engine; FSDP2
         # reads and is read by the others at another world size.
-        ["zero3x2acc2", "fsdpx3", "ddpx3", "ddp1acc4", "zero3x3"],
+        ["zero3x2acc2", "ddpx3", "fsdpx3", "ddp1acc4", "zero3x3"],
     ],
     ids="_to_".join,
 )

@@ -15,6 +15,7 @@ from aiayn.distributed.run import (
     _message,
     _train_arguments,
     exit_code,
+    largest_world,
     restart_join_timeout,
     run_dir_of,
     shorten_join_timeout,
@@ -91,6 +92,25 @@ def test_the_launcher_refuses_a_negative_restart_count_in_one_line(capsys):
     assert "--max-restarts=-2" in err and "0 or more" in err and "Traceback" not in err
 
 
+def test_the_launcher_refuses_more_ranks_than_micro_batches_in_one_line(tmp_path, capsys):
+    """The batch is checked against the most ranks --nnodes and --nproc-per-node start, before
+    any worker: the message once, exit 2, no traceback; an elastic range is checked at its
+    largest."""
+    config = tmp_path / "run.yaml"
+    config.write_text("data: {train: corpus}\ntrain: {max_tokens: 600, tokens_per_step: 1200}\n")
+    train = ["-m", "aiayn", "train", "--config", str(config)]
+    for nodes in ("1", "1:3"):
+        argv = ["--standalone", f"--nnodes={nodes}", "--nproc-per-node=2", *train]
+        if nodes == "1":
+            argv[2] = "--nproc-per-node=3"
+        assert run_main(argv) == faults.USER_ERROR_EXIT_CODE
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert err.startswith("aiayn.distributed.run: error: train.tokens_per_step (1200) is 2")
+        assert "run on at most 2 ranks" in err
+    assert largest_world("2", "gpu") is None and largest_world("1:4", "8") == 32
+
+
 def test_a_restarts_rendezvous_gives_up_on_a_lost_node_after_restart_join_timeout():
     """torch's c10d rendezvous, for real: the first start's join_timeout is 600 s; once the
     launcher has shortened it (as it does after the first start meets), a rendezvous whose
@@ -125,28 +145,41 @@ def test_the_restart_join_timeout_comes_from_the_rendezvous_conf():
 
 
 def test_a_ranks_error_file_is_whole_or_absent_for_the_agent(tmp_path, monkeypatch):
-    """The message a failed rank leaves torchrun's agent parses, and a rank killed while it
-    writes leaves no file at all: an empty one made the agent raise instead of restarting the
-    group (CI: JSONDecodeError in ProcessFailure, tests/distributed/test_restarts.py)."""
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
+    """The message a failed rank leaves torchrun's agent parses, with the traceback for a fault
+    and the message alone for an error a person must fix; and a rank killed while it writes
+    leaves no file at all: an empty one made the agent raise instead of restarting the group
+    (CI: JSONDecodeError in ProcessFailure, tests/distributed/test_restarts.py)."""
+    import types
 
-    from aiayn.cli.training import record_for_the_launcher
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from aiayn.cli import training
+    from aiayn.errors import ConfigError
 
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
-    record_for_the_launcher(ValueError("corpus gone"))
-    assert ProcessFailure(0, 1, 1, str(error_file)).message["message"] == "ValueError: corpus gone"
+    try:
+        raise ValueError("corpus gone")
+    except ValueError as exc:
+        training.record_for_the_launcher(exc)
+    failure = ProcessFailure(0, 1, 1, str(error_file))
+    assert failure.message["message"] == "ValueError: corpus gone"
+    assert "Traceback" in failure.message["extraInfo"]["py_callstack"]
     assert [p.name for p in tmp_path.iterdir()] == ["error.json"]
+    training.record_for_the_launcher(ConfigError("train.max_tokens: not a number"))
+    failure = ProcessFailure(0, 1, 2, str(error_file))
+    assert failure.message["extraInfo"]["py_callstack"] == (
+        "ConfigError: train.max_tokens: not a number"
+    )
 
     error_file.unlink()
 
-    def killed_while_writing(self, exc):
-        with open(self._get_error_file_path(), "w") as fh:
-            fh.write('{"mess')  # then SIGKILL: nothing after this runs
+    def killed_while_writing(data, fh):
+        fh.write('{"mess')  # then SIGKILL: nothing after this runs
         raise SystemExit(-9)
 
-    monkeypatch.setattr(ErrorHandler, "record_exception", killed_while_writing)
+    monkeypatch.setattr(training, "json", types.SimpleNamespace(dump=killed_while_writing))
     with pytest.raises(SystemExit):
-        record_for_the_launcher(ValueError("corpus gone"))
+        training.record_for_the_launcher(ValueError("corpus gone"))
     assert not error_file.exists()  # the agent then reports the exit code alone
     assert ProcessFailure(0, 1, -9, str(error_file)).exitcode == -9

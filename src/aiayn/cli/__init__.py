@@ -22,7 +22,7 @@ import aiayn
 from aiayn.cli import checkpoints, completion, config_commands, inference, training
 from aiayn.cli.common import HelpFormatter, finish_args
 from aiayn.distributed.parent_death import end_with_launcher
-from aiayn.errors import AiaynError
+from aiayn.errors import AiaynError, ConfigError
 from aiayn.runtime import startup
 
 PIPE_CLOSED = 141  # 128 + SIGPIPE: what a tool the signal ended would report
@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args) or 0
     except AiaynError as exc:
-        print(f"aiayn {args.command}: error: {exc}", file=sys.stderr)
+        # A config error is every rank's alike: under a launcher, rank 0 says it.
+        if not isinstance(exc, ConfigError) or os.environ.get("RANK", "0") == "0":
+            print(f"aiayn {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except BrokenPipeError:
         # The reader went away (`aiayn config show | head`): nothing to report. Python would

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+import traceback
 from pathlib import Path
 
 from aiayn.cli.common import add_config, add_json, add_output, command, group
@@ -120,8 +122,10 @@ def add_parsers(sub) -> None:
 
 def cmd_train(args) -> int:
     from aiayn.config import keys_set, load_config
+    from aiayn.distributed.faults import LAUNCHER_ENV
     from aiayn.distributed.launcher import accelerate_overrides
     from aiayn.distributed.preemption import REQUEUE_EXIT_CODE, Preempted
+    from aiayn.errors import AiaynError
     from aiayn.train import train
 
     launcher = accelerate_overrides(os.environ)
@@ -136,6 +140,8 @@ def cmd_train(args) -> int:
     except Exception as exc:
         if "TORCHELASTIC_ERROR_FILE" in os.environ:
             record_for_the_launcher(exc)
+            if isinstance(exc, AiaynError) and os.environ.get(LAUNCHER_ENV):
+                return exc.exit_code  # aiayn.distributed.run prints it, once for all ranks
         raise
     return 0
 
@@ -146,17 +152,19 @@ def record_for_the_launcher(exc: Exception) -> None:
     whole or not at all: a rank that fails because another did is often SIGKILLed by the agent
     while it writes, and the agent, finding the file empty, raises instead of restarting the
     group (torch's ProcessFailure parses it unguarded; pytorch/pytorch#56739 would have made
-    that non-fatal and was closed). So ErrorHandler writes a file beside it, renamed into place."""
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    that non-fatal and was closed). So it is written beside it and renamed into place."""
+    from aiayn.errors import AiaynError
 
     final = os.environ["TORCHELASTIC_ERROR_FILE"]
-    os.environ["TORCHELASTIC_ERROR_FILE"] = part = f"{final}.{os.getpid()}.part"
-    try:
-        ErrorHandler().record_exception(exc)
-    finally:
-        os.environ["TORCHELASTIC_ERROR_FILE"] = final
-    if os.path.isfile(part):
-        os.replace(part, final)
+    part = f"{final}.{os.getpid()}.part"
+    # torch's error-file format (ErrorHandler.record_exception's), with the traceback where the
+    # exception has one to show: an error a person must fix is its message alone.
+    what = f"{type(exc).__name__}: {exc}"
+    callstack = what if isinstance(exc, AiaynError) else traceback.format_exc()
+    info = {"py_callstack": callstack, "timestamp": str(int(time.time()))}
+    with open(part, "w") as fh:
+        json.dump({"message": {"message": what, "extraInfo": info}}, fh)
+    os.replace(part, final)
 
 
 def cmd_tokenizer(args) -> int:

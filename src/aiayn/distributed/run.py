@@ -62,6 +62,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 from torch.distributed.launcher import api as launcher_api
 
+from aiayn.config import Config
 from aiayn.distributed import faults
 from aiayn.distributed.preemption import REQUEUE_EXIT_CODE
 from aiayn.errors import AiaynError, ConfigError
@@ -109,15 +110,21 @@ class RestartPolicyAgent(LocalElasticAgent):
             action = "preempted"
         else:
             action = "restart" if left > 0 else "stop"
+        failed = {r: f for r, f in sorted(failures.items()) if f.local_rank not in self._stopped}
         found = [
             faults.Fault(rank, f.exitcode, action, _message(f.message), attempt)
-            for rank, f in sorted(failures.items())
-            if f.local_rank not in self._stopped
+            for rank, f in failed.items()
         ]
+        to_fix = _to_fix(failed)
         for fault in found:
-            print(f"{PREFIX}: {_describe(fault, left)}", file=sys.stderr, flush=True)
+            if fault.rank not in to_fix:
+                print(f"{PREFIX}: {_describe(fault, left)}", file=sys.stderr, flush=True)
+        # An error a person must fix is the worker's message (it printed none), once.
+        for message in dict.fromkeys(to_fix.values()):
+            ranks = ", ".join(str(r) for r, m in to_fix.items() if m == message)
+            print(f"{PREFIX}: error (rank {ranks}): {message}", file=sys.stderr, flush=True)
         stopped = sorted(r for r, f in failures.items() if f.local_rank in self._stopped)
-        if stopped:
+        if stopped and len(to_fix) < len(found):
             print(
                 f"{PREFIX}: stopped rank(s) {', '.join(map(str, stopped))} of the group with "
                 "SIGKILL" + (" after --shutdown-timeout" if action == "preempted" else " at once"),
@@ -241,6 +248,17 @@ def _message(message: str | dict) -> str:
     return text.splitlines()[0][:1000]
 
 
+def _to_fix(failures: dict[int, ProcessFailure]) -> dict[int, str]:
+    """The ranks that ended with an error a person must fix and left its message (aiayn's
+    CLI writes it whole in the error file), by rank: the message without its error type."""
+    out = {}
+    for rank, f in failures.items():
+        message = f.message.get("message", "") if isinstance(f.message, dict) else ""
+        if f.exitcode == faults.USER_ERROR_EXIT_CODE and message:
+            out[rank] = message.split(": ", 1)[-1]
+    return out
+
+
 def _describe(fault: faults.Fault, left: int) -> str:
     what = f"rank {fault.rank} on {fault.node} ended with {fault.how}"
     if fault.error:
@@ -253,12 +271,12 @@ def _describe(fault: faults.Fault, left: int) -> str:
             f"({left - 1} restarts left after this one)"
         )
     if fault.exitcode == faults.USER_ERROR_EXIT_CODE:
-        return f"{what}: an error a restart would repeat; not restarted (see the message above)"
+        return f"{what}: an error a restart would repeat; not restarted"
     return f"{what}: no restarts left (--max-restarts); stopping"
 
 
-def run_dir_of(command: list[str]) -> Path | None:
-    """The run directory of an `aiayn train` command: torchrun's `-m aiayn train --config C
+def training_config(command: list[str]) -> Config | None:
+    """The run config of an `aiayn train` command: torchrun's `-m aiayn train --config C
     [overrides]`, or a script that wraps aiayn's CLI and passes it arguments ending in
     `train --config C [overrides]`; None for another command."""
     from aiayn.config import load_config
@@ -268,7 +286,22 @@ def run_dir_of(command: list[str]) -> Path | None:
     if not starts:
         return None
     args = _train_arguments().parse_args(command[starts[0] + 1 :])
-    return Path(load_config(args.config, accelerate_overrides(os.environ) + args.overrides).run_dir)
+    return load_config(args.config, accelerate_overrides(os.environ) + args.overrides)
+
+
+def run_dir_of(command: list[str]) -> Path | None:
+    """The run directory of an `aiayn train` command (`training_config`)."""
+    cfg = training_config(command)
+    return None if cfg is None else Path(cfg.run_dir)
+
+
+def largest_world(nnodes: str, nproc_per_node: str) -> int | None:
+    """The most ranks torchrun's --nnodes (N or MIN:MAX) and --nproc-per-node start; None where
+    the node's devices decide (auto, gpu)."""
+    try:
+        return int(nnodes.split(":")[-1]) * int(nproc_per_node)
+    except ValueError:
+        return None
 
 
 def _train_arguments() -> argparse.ArgumentParser:
@@ -320,7 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         return faults.USER_ERROR_EXIT_CODE
     command = [args.training_script, *args.training_script_args]
     try:
-        RestartPolicyAgent.run_dir = run_dir_of(command)
+        cfg = training_config(command)
+        if cfg is not None and (world := largest_world(args.nnodes, args.nproc_per_node)):
+            cfg.train.accumulation(world)  # the batch must be shared by the most ranks
+        RestartPolicyAgent.run_dir = None if cfg is None else Path(cfg.run_dir)
         RestartPolicyAgent.restart_join_timeout = restart_join_timeout(args.rdzv_conf)
     except AiaynError as exc:  # a bad config fails here once, not in every worker
         print(f"{PREFIX}: error: {exc}", file=sys.stderr)
@@ -341,8 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         torchrun.run(args)
     except ChildFailedError as exc:
-        print(exc.format_msg(), file=sys.stderr)
-        return exit_code(exc.failures)
+        code = exit_code(exc.failures)
+        if code != faults.USER_ERROR_EXIT_CODE:  # else the agent printed its one line
+            print(exc.format_msg(), file=sys.stderr)
+        return code
     except SignalException as exc:  # the workers did not save (RestartPolicyAgent.run)
         print(f"{PREFIX}: got {exc.sigval.name}; the workers stopped unsaved", file=sys.stderr)
         return 128 + exc.sigval
