@@ -75,6 +75,12 @@ def make_corpus(root: Path, pairs: int, n_files: int) -> Path:
     return corpus
 
 
+def engine_name(args) -> str:
+    if args.fsdp:
+        return "FSDP2"
+    return "DDP" if args.zero is None else f"DeepSpeed ZeRO-{args.zero}"
+
+
 def make_config(root: Path, corpus: Path, args) -> Path:
     from aiayn.config import load_config
     from aiayn.data import sample_sentences
@@ -100,7 +106,9 @@ logging: {{every_steps: 1, peak_tflops: 1}}
 checkpoint: {{every_steps: 2, async_save: false}}
 """
         + (
-            ""
+            "distributed: {backend: fsdp}\n"
+            if args.fsdp
+            else ""
             if zero is None
             else f"distributed: {{backend: deepspeed, zero_stage: {zero}"
             + (f", deepspeed_config: {args.deepspeed_config}" if args.deepspeed_config else "")
@@ -159,7 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--files", type=int, default=8)
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--zero", type=int, choices=[1, 2, 3], help="DeepSpeed ZeRO (default: DDP)")
+    engine = p.add_mutually_exclusive_group()
+    engine.add_argument("--zero", type=int, choices=[1, 2, 3], help="DeepSpeed ZeRO (default: DDP)")
+    engine.add_argument("--fsdp", action="store_true", help="FSDP2 (default: DDP)")
     p.add_argument("--preset", help="a model preset (transformer_big) instead of --d-model")
     p.add_argument(
         "--deepspeed-config",
@@ -190,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"Corpus: {args.pairs:,} pairs in {args.files} file pairs, {mib(corpus_bytes)} MiB; "
         f"model {args.preset or f'd_model {args.d_model}, N {args.layers}'}; "
-        f"{'DDP' if args.zero is None else f'DeepSpeed ZeRO-{args.zero}'}, "
+        f"{engine_name(args)}, "
         f"{'NCCL, one GPU per rank, bf16' if args.device == 'cuda' else 'gloo on CPU, fp32'}, "
         "one thread per rank\n"
     )
