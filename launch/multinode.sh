@@ -5,6 +5,9 @@
 # MAX_RESTARTS (default 3) times (aiayn.distributed.run; docs/distributed.md). The first start
 # waits JOIN_TIMEOUT s (default 600) for every node; a restart RESTART_JOIN_TIMEOUT s (default
 # 45), after which a node that has not come back is taken for lost and the launcher exits 1.
+# NNODES=MIN:MAX (e.g. 3:4) makes the job elastic: a lost node's peers restart without it once
+# MIN nodes meet, with the same global batch (train.tokens_per_step; docs/distributed.md); keep
+# MASTER on a machine that outlives the nodes, since the rendezvous store lives there.
 # The rendezvous id (RDZV_ID to set it) is this run's, the same on every node without their
 # talking: inside a Slurm job its id, and a checksum of what every node is given (MASTER, NNODES,
 # CONFIG and the overrides), so a launch never joins another run's rendezvous at the same

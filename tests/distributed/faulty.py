@@ -7,11 +7,12 @@ KINDS and STEPS are comma-separated lists of the same length: on the group's i-t
 STEPS[i]. sigkill, sigstop and sigusr1 (a preemption) send the signal to itself;
 sigterm-launcher sends SIGTERM to its launcher (a scheduler's preemption, which the launcher
 forwards); sigstop-node stops its launcher and itself (a node that vanished: its sockets stay
-open, its heartbeats stop); raise raises a RuntimeError, oom a torch.OutOfMemoryError, user
-an AiaynError (exit 2: not restartable). A start past the last fault trains without one.
-Several faults in one job let one launch check several kinds of restart, each from the
-checkpoint the previous one left.
-Each fault is logged with its time (time.time()) to run_dir/injected.jsonl just before."""
+open, its heartbeats stop); sigkill-node kills its launcher and itself (a node that died);
+raise raises a RuntimeError, oom a torch.OutOfMemoryError, user an AiaynError (exit 2: not
+restartable). A start past the last fault trains without one. Several faults in one job let
+one launch check several kinds of restart, each from the checkpoint the previous one left.
+Each fault is logged with its time (time.time()) to run_dir/injected.jsonl just before, and
+fault i fires only after i faults are logged there."""
 
 import json
 import os
@@ -27,14 +28,18 @@ from aiayn.errors import TrainingError
 from aiayn.train import loop
 
 
-def inject(kind: str, step: int) -> None:
+def inject(kind: str, step: int, index: int) -> None:
     original = loop._train_step
 
     def faulty_step(run, micro, window, n_tokens):
-        if run.progress.step + 1 == step:
+        log = Path(run.cfg.run_dir) / "injected.jsonl"
+        # Fault `index` once: after an elastic membership change a node keeps its restart
+        # count, so a start can be the index-th on one node and a later one on another.
+        done = len(log.read_text().splitlines()) if log.exists() else 0
+        if run.progress.step + 1 == step and done == index:
             print(f"faulty.py: {kind} on rank {run.env.rank} at step {step}", flush=True)
             row = {"kind": kind, "rank": run.env.rank, "step": step, "time": time.time()}
-            with open(Path(run.cfg.run_dir) / "injected.jsonl", "a") as fh:
+            with open(log, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
             if kind in ("sigkill", "sigstop", "sigusr1"):
                 os.kill(os.getpid(), getattr(signal, kind.upper()))
@@ -43,6 +48,9 @@ def inject(kind: str, step: int) -> None:
             elif kind == "sigstop-node":
                 os.kill(os.getppid(), signal.SIGSTOP)
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif kind == "sigkill-node":
+                os.kill(os.getppid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
             elif kind == "raise":
                 raise RuntimeError(f"injected fault at step {step}")
             elif kind == "oom":
@@ -59,5 +67,5 @@ if __name__ == "__main__":
     faults = list(zip(kinds.split(","), map(int, steps.split(",")), strict=True))
     start = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if start < len(faults) and os.environ.get("RANK", "0") == rank:
-        inject(*faults[start])
+        inject(*faults[start], start)
     sys.exit(cli.main(argv))

@@ -222,6 +222,22 @@ def test_a_fault_on_one_node_restarts_the_group_on_both(setup, uninterrupted):
     assert_bitwise(final_state(run_dir, "ddp"), final_state(uninterrupted("ddp"), "ddp"))
 
 
+def node_launch(nnodes: str, run_id: str, conf: str) -> tuple[torch.distributed.TCPStore, list]:
+    """A rendezvous store in this process, not in a launcher that may be the one to vanish,
+    and the options of a launcher of one rank that meets there (at most one restart)."""
+    port = helpers.free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    return store, [
+        f"--nnodes={nnodes}",
+        "--nproc-per-node=1",
+        "--max-restarts=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={run_id}",
+        f"--rdzv-conf=is_host=0,{conf}",
+    ]
+
+
 def test_a_lost_node_is_given_up_after_the_timeout_and_the_restart_join_timeout(setup):
     """Two launchers ("nodes") of one rank each; rank 1's node vanishes (its launcher and its
     worker SIGSTOPped: sockets open, heartbeats stopped). Rank 0 times out (6 s), its launcher
@@ -230,18 +246,9 @@ def test_a_lost_node_is_given_up_after_the_timeout_and_the_restart_join_timeout(
     root, config = setup
     run_dir = root / "lost_node"
     timeout_s, join_s = 6, 3
-    port = helpers.free_port()
-    # The rendezvous store lives here, not in a launcher that may be the one to vanish.
-    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    rendezvous = [
-        "--nnodes=2",
-        "--nproc-per-node=1",
-        "--max-restarts=1",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        "--rdzv-id=lost-node",
-        f"--rdzv-conf=is_host=0,join_timeout=600,restart_join_timeout={join_s}",
-    ]
+    store, rendezvous = node_launch(
+        "2", "lost-node", f"join_timeout=600,restart_join_timeout={join_s}"
+    )
     overrides = [f"distributed.timeout_minutes={timeout_s / 60}"]
     cmd = [sys.executable, "-m", "aiayn.distributed.run", *rendezvous]
     cmd += faulty(config, run_dir, ["sigstop-node"], [3], *overrides)
@@ -269,6 +276,55 @@ def test_a_lost_node_is_given_up_after_the_timeout_and_the_restart_join_timeout(
     (peer,) = faults(run_dir)
     assert (peer["rank"], peer["action"]) == (0, "restart"), peer
     assert "timed out" in peer["error"].lower(), peer
+
+
+def test_an_elastic_group_that_loses_a_node_goes_on_without_it_with_the_same_batch(setup):
+    """--nnodes=2:3: three launchers ("nodes") of one rank each share a step's 4 micro-batches
+    (2, 1, 1); rank 1's node dies at step 8 (its launcher and its worker SIGKILLed). The
+    others' workers fail at their next collective, and their launchers restart the group on
+    the nodes that are left: 2 ranks, 2 micro-batches each, from step 5's checkpoint with the
+    same global batch (train.tokens_per_step), to the end. Steps 6 and 7, trained again, take
+    the examples the three ranks took in them before."""
+    root, config = setup
+    run_dir = root / "elastic_lost_node"
+    # A lost node is declared dead after keep_alive_max_attempt missed heartbeats, and a round
+    # of fewer than the most nodes closes last_call_timeout after the least have joined.
+    quick = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1"
+    store, rendezvous = node_launch("2:3", "elastic", quick)
+    batch = ["train.tokens_per_step=2400", "logging.record_ids=true"]
+    cmd = [sys.executable, "-m", "aiayn.distributed.run", *rendezvous]
+    cmd += faulty(config, run_dir, ["sigkill-node"], [8], *batch)
+    nodes = [
+        subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=procs.ENV
+        )
+        for _ in range(3)
+    ]
+    try:
+        outs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            kill_tree(node)
+        del store
+    codes = sorted(node.returncode for node in nodes)
+    assert codes == [-9, 0, 0], "\n".join(o[-3000:] for o in outs)
+    log = (run_dir / "train.log").read_text()
+    assert "4 shared by 3 ranks (1 takes 2, 2 take 1;" in log, log[-3000:]
+    assert "x 2 accumulated x 2 ranks per step" in log, log[-3000:]
+    assert "resumed from" in log and "training done at step 20" in log, log[-3000:]
+    first, again = [], []  # what the ranks took in the first start, and after the restart
+    for path in sorted((run_dir / "consumed").glob("rank_*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        steps = [x["step"] for x in rows]
+        cut = next((i for i in range(1, len(rows)) if steps[i] < steps[i - 1]), len(rows))
+        first, again = first + rows[:cut], again + rows[cut:]
+
+    def ids(records: list[dict], step: int) -> list[list[int]]:
+        return sorted(sorted(x["ids"]) for x in records if x["step"] == step)
+
+    for step in (6, 7):
+        assert ids(again, step) == ids(first, step) and len(ids(again, step)) == 4, step
+    assert max(x["step"] for x in again) == 20
 
 
 def first_to_exit(launchers: list[subprocess.Popen], timeout: float) -> subprocess.Popen:
