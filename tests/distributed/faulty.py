@@ -9,8 +9,10 @@ sigterm-launcher sends SIGTERM to its launcher (a scheduler's preemption, which 
 forwards); sigstop-node stops its launcher and itself (a node that vanished: its sockets stay
 open, its heartbeats stop); sigkill-node kills its launcher and itself (a node that died);
 raise raises a RuntimeError, oom a torch.OutOfMemoryError, user an AiaynError (exit 2: not
-restartable). A start past the last fault trains without one. Several faults in one job let
-one launch check several kinds of restart, each from the checkpoint the previous one left.
+restartable); hold-save stops the rank inside the save of step STEPS[i] (0: its first save),
+its part written, until it is killed. A start past the last fault trains without one.
+Several faults in one job let one launch check several kinds of restart, each from the
+checkpoint the previous one left.
 Each fault is logged with its time (time.time()) to run_dir/injected.jsonl just before, and
 fault i fires only after i faults are logged there."""
 
@@ -29,6 +31,8 @@ from aiayn.train import loop
 
 
 def inject(kind: str, step: int, index: int) -> None:
+    if kind == "hold-save":  # in the save of `step`, not as the step begins
+        return hold_save(step, index)
     original = loop._train_step
 
     def faulty_step(run, micro, window, n_tokens):
@@ -60,6 +64,28 @@ def inject(kind: str, step: int, index: int) -> None:
         return original(run, micro, window, n_tokens)
 
     loop._train_step = faulty_step
+
+
+def hold_save(step: int, index: int) -> None:
+    """In the save of `step`, once this rank's part is written: log the fault and wait to be
+    killed, so that a test kills the job inside a save, every time."""
+    from aiayn.checkpoint import writer
+
+    original = writer.Writer._write
+
+    def held(self, saved, tmp, *args):
+        log = tmp.parent.parent / "injected.jsonl"
+        done = len(log.read_text().splitlines()) if log.exists() else 0
+        if (step and saved != step) or done != index:
+            return original(self, saved, tmp, *args)
+        shares = args[0]
+        for name, (slices, lo, hi) in shares.items():  # this rank's ranges, as _write does
+            writer.write_slices(tmp / name, slices, lo, hi)
+        with open(log, "a") as fh:
+            fh.write(json.dumps({"kind": "hold-save", "step": step, "time": time.time()}) + "\n")
+        time.sleep(3600)
+
+    writer.Writer._write = held
 
 
 if __name__ == "__main__":

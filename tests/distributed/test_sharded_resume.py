@@ -12,6 +12,7 @@ from processes import kill_tree, logged, wait_until  # tests/processes.py
 from procs import ENV, aiayn, assert_close, run
 
 pytestmark = pytest.mark.distributed
+FAULTY = str(Path(__file__).with_name("faulty.py"))
 ENGINES = {
     "zero3": ("distributed.backend=deepspeed", "distributed.zero_stage=3"),
     "fsdp": ("distributed.backend=fsdp",),
@@ -60,21 +61,16 @@ def test_a_killed_sharded_run_resumes_bitwise(setup, engine):
         wait_until(job, logged(log, "train step 12 |"), 300, "training step 12")
     finally:
         kill_tree(job)
-    during_save = None
-    for _ in range(5):  # a save can finish before the kill lands: then try the next one
-        stale = saves_in_progress(killed)
-        job = start(torchrun(2) + aiayn(config, killed, *options))
-        try:
-            # A save lasts ~0.1 s: poll often, but leave the ranks their cores.
-            wait_until(
-                job, lambda s=stale: saves_in_progress(killed) - s, 300, "save", interval=0.001
-            )
-        finally:
-            kill_tree(job)
-        if caught := saves_in_progress(killed) - stale:
-            during_save = caught
-            break
-    assert during_save, "no kill landed inside a save in 5 tries"
+    # Rank 1 stops inside its first save, its part written (faulty.py's hold-save), and the
+    # whole job is killed there: a kill that lands inside a save, every time.
+    stale = saves_in_progress(killed)
+    held = killed / "injected.jsonl"
+    job = start(torchrun(2) + [FAULTY, "hold-save", "1", "0"] + aiayn(config, killed, *options)[2:])
+    try:
+        wait_until(job, held.exists, 300, "the held save")
+    finally:
+        kill_tree(job)
+    assert len(saves_in_progress(killed) - stale) == 1, saves_in_progress(killed)
     assert not (killed / "checkpoints" / f"step_{steps:08d}").exists()
     run(torchrun(2) + aiayn(config, killed, *options))
     assert log.read_text().count("resuming from") >= 2
