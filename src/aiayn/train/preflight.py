@@ -81,9 +81,9 @@ def _engine(cfg: Config, world_size: int) -> list[str]:
 
 
 def _batch(cfg: Config, world_size: int) -> list[str]:
-    cfg.train.accumulation(world_size)  # ConfigError when the ranks cannot share
+    shares = cfg.train.sharing(world_size)  # ConfigError when the ranks cannot share
     tokens = cfg.train.step_tokens(world_size)
     return [
-        f"batch: micro-batches of train.max_tokens {cfg.train.max_tokens} x "
-        f"{cfg.train.sharing(world_size)} = {tokens} tokens a step"
+        f"batch: micro-batches of train.max_tokens {cfg.train.max_tokens} x {shares} = "
+        f"{tokens} tokens a step"
     ]
