@@ -17,8 +17,8 @@ from aiayn.distributed.run import (
     exit_code,
     largest_world,
     restart_join_timeout,
-    run_dir_of,
     shorten_join_timeout,
+    training_config,
 )
 from aiayn.distributed.run import main as run_main
 from aiayn.errors import ConfigError
@@ -68,11 +68,11 @@ def test_the_run_dir_comes_from_the_training_command(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("run_dir: runs/a\ndata: {train: corpus/train}\n")
     train = ["train", "--config", str(config)]
-    assert run_dir_of(["aiayn", *train]).as_posix() == "runs/a"
-    assert run_dir_of(["faulty.py", "raise", "1", "3", *train, "run_dir=b"]).as_posix() == "b"
-    assert run_dir_of(["other.py", "--config", str(config)]) is None
+    assert training_config(["aiayn", *train]).run_dir == "runs/a"
+    assert training_config(["faulty.py", "raise", "1", "3", *train, "run_dir=b"]).run_dir == "b"
+    assert training_config(["other.py", "--config", str(config)]) is None
     with pytest.raises(ConfigError, match="not found"):
-        run_dir_of(["aiayn", "train", "--config", str(tmp_path / "missing.yaml")])
+        training_config(["aiayn", "train", "--config", str(tmp_path / "missing.yaml")])
 
 
 @pytest.mark.parametrize(

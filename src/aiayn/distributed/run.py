@@ -289,12 +289,6 @@ def training_config(command: list[str]) -> Config | None:
     return load_config(args.config, accelerate_overrides(os.environ) + args.overrides)
 
 
-def run_dir_of(command: list[str]) -> Path | None:
-    """The run directory of an `aiayn train` command (`training_config`)."""
-    cfg = training_config(command)
-    return None if cfg is None else Path(cfg.run_dir)
-
-
 def largest_world(nnodes: str, nproc_per_node: str) -> int | None:
     """The most ranks torchrun's --nnodes (N or MIN:MAX) and --nproc-per-node start; None where
     the node's devices decide (auto, gpu)."""
