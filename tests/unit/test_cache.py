@@ -3,6 +3,7 @@ resume, and the errors a stale or damaged cache gives."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -248,8 +249,12 @@ def test_the_other_loaders_position_or_other_settings_are_refused(tmp_path, corp
     with pytest.raises(DataError, match="token cache's: resume with data.cache=true"):
         make_loader(cfg, cfg.data.train, tok, train=True).load_state_dict(ld.state_dict())
     cfg.train.max_tokens = 300
-    with pytest.raises(DataError, match="max_tokens: checkpoint 200, now 300"):
+    # Another max_tokens without train.unit_tokens is another plan: refused, with the setting
+    # that keeps the plan and takes forwards of the new size.
+    with pytest.raises(DataError, match=r"max_tokens\): checkpoint 200, now 300.*unit_tokens=200"):
         cached(cfg, tok).load_state_dict(ld.state_dict())
+    cfg.train.unit_tokens, cfg.train.tokens_per_step = 200, 1000
+    cached(cfg, tok).load_state_dict(ld.state_dict())
 
 
 def test_a_corpus_moved_elsewhere_resumes_and_changed_text_is_refused(tmp_path, corpus, tok):
@@ -712,6 +717,81 @@ def test_a_step_takes_its_batches_on_any_world_size_up_to_its_micro_batches(tmp_
     four.load_state_dict(roundtrip(three.state_dict()))
     (step,) = steps(four, 1)
     assert all(same(t.batch, b) for t, b in zip(step, single[41:48:4], strict=True))
+
+
+def rows_by_id(batch) -> dict[int, tuple]:
+    """Each example of a batch by its id: its tokens on every side, padding dropped."""
+    sides = [t for t in (batch.src, batch.tgt_in, batch.tgt_out) if t is not None]
+    return {
+        int(i): tuple(tuple(t[r][t[r] != PAD_ID].tolist()) for t in sides)
+        for r, i in enumerate(batch.ids)
+    }
+
+
+@pytest.mark.parametrize("kind", ["seq2seq", "lm"])
+def test_units_fused_into_forwards_train_the_same_examples_on_any_world_size(
+    tmp_path, corpus, lm_corpus, tok, kind
+):
+    """train.unit_tokens: a step of 12 units, fused into forwards of up to 4 units' tokens.
+    On 1, 5 and 12 ranks each step trains exactly the examples of the plan's 12 units (as one
+    process takes them, a unit a forward), every forward within max_tokens, every rank knows
+    the step's targets and the most forwards a rank runs, and one rank alone fuses. A position
+    saved on 5 ranks resumes on 3 with another max_tokens at the next step."""
+    base = s2s(tmp_path, corpus / "train") if kind == "seq2seq" else lm(tmp_path, lm_corpus)
+    unit = base.train.max_tokens // 2
+
+    def config(max_tokens: int) -> Config:
+        train = dataclasses.replace(
+            base.train, unit_tokens=unit, tokens_per_step=12 * unit, max_tokens=max_tokens
+        )
+        return dataclasses.replace(base, train=train)
+
+    units = take(iter(cached(config(unit), tok)), 12 * 6)  # one forward a unit: no fusing
+    fused, extra = config(4 * unit), int(kind == "lm")  # a block is one token wider than tgt_in
+    assert fused.train.fuses() and not config(unit).train.fuses()
+
+    def steps(loader, n: int) -> list[list]:
+        taken, out = loader.taken(), []
+        for _ in range(n):
+            step = [next(taken)]
+            while not step[-1].ends_round:
+                step.append(next(taken))
+            out.append(step)
+        return out
+
+    for world in (1, 5, 12):
+        ranks = [steps(cached(fused, tok, rank=r, world_size=world), 6) for r in range(world)]
+        for k in range(6):
+            want = {}
+            for b in units[12 * k : 12 * k + 12]:
+                want.update(rows_by_id(b))
+            mine = [ranks[r][k] for r in range(world)]
+            got = {}
+            for t in (t for m in mine for t in m):
+                rows = t.batch.ids.numel()
+                width = max(x.shape[1] for x in (t.batch.src, t.batch.tgt_in) if x is not None)
+                assert rows * (width + extra) <= fused.train.max_tokens, (world, k)
+                assert not set(got) & set(rows_by_id(t.batch))
+                got.update(rows_by_id(t.batch))
+            assert got == want, (world, k)
+            assert {t.round_targets for m in mine for t in m} == {
+                sum(b.n_tokens for b in units[12 * k : 12 * k + 12])
+            }
+            assert {t.round_forwards for m in mine for t in m} == {max(map(len, mine))}
+        if world == 1:
+            assert max(len(step) for step in ranks[0]) < 12  # units fused
+    five = cached(fused, tok, rank=4, world_size=5)
+    steps(five, 3)
+    three = [cached(config(2 * unit), tok, rank=r, world_size=3) for r in range(3)]
+    got = {}
+    for loader in three:
+        loader.load_state_dict(roundtrip(five.state_dict()))
+        for t in steps(loader, 1)[0]:
+            got.update(rows_by_id(t.batch))
+    want = {}
+    for b in units[36:48]:
+        want.update(rows_by_id(b))
+    assert got == want
 
 
 @pytest.mark.parametrize("kind, world", [("seq2seq", 1), ("seq2seq", 3), ("seq2seq", 8), ("lm", 3)])

@@ -162,7 +162,7 @@ def test_the_ranges_are_declared_on_the_fields():
         "decode.sampling.top_p",
         "decode.noise.swap",
     } <= declared
-    assert len(declared) == 64  # every numeric field with a bound
+    assert len(declared) == 65  # every numeric field with a bound
 
 
 SHAKESPEARE = Path(__file__).parents[2] / "configs" / "tinyshakespeare_lm.yaml"
@@ -389,11 +389,56 @@ def test_tokens_per_step_refuses_what_it_cannot_mean(overrides, message):
         load_config(None, ["data.train=x", *overrides])
 
 
-def test_the_paper_configs_take_the_papers_batch_on_1_to_8_gpus(project_root):
+def test_the_paper_configs_take_the_papers_batch_on_1_to_64_gpus(project_root):
     for name in ("base", "big"):
         cfg = load_config(Path(project_root) / f"configs/wmt14_en_de_{name}.yaml")
-        assert {cfg.train.step_tokens(w) for w in (1, 2, 4, 8)} == {24576}
-        assert cfg.train.grad_accum is None
+        assert {cfg.train.step_tokens(w) for w in range(1, 65)} == {24576}
+        assert [cfg.train.accumulation(w) for w in (1, 8, 12, 64)] == [64, 8, 6, 1]
+        assert cfg.train.idle(64) == 0 and round(cfg.train.idle(12), 3) == 0.111
+        assert cfg.train.grad_accum is None and cfg.train.fuses()
+        with pytest.raises(ConfigError, match="run on at most 64 ranks"):
+            cfg.train.accumulation(65)
+
+
+def test_unit_tokens_plans_the_step_in_units_that_ranks_fuse_into_forwards():
+    cfg = load_config(
+        None,
+        ["data.train=x", "train.tokens_per_step=24576", "train.unit_tokens=384"]
+        + ["train.max_tokens=3072"],
+    )
+    assert cfg.train.unit() == 384 and cfg.train.step_units(5) == 64
+    assert cfg.train.sharing(8) == (
+        "64 units shared by 8 ranks (8 each), fused into forwards of up to 3,072 tokens"
+    )
+    assert cfg.train.sharing(3) == (
+        "64 units shared by 3 ranks (1 takes 22, 2 take 21; 3% of the ranks' units idle), "
+        "fused into forwards of up to 3,072 tokens"
+    )
+    # A unit as large as the forward: each unit one forward, as without unit_tokens.
+    one = ["data.train=x", "train.tokens_per_step=6144", "train.unit_tokens=2048"]
+    same = load_config(None, [*one, "train.max_tokens=3072"])
+    assert not same.train.fuses() and same.train.sharing(3) == "1 accumulated x 3 ranks per step"
+    with pytest.raises(ConfigError, match=r"3 units of train.unit_tokens \(2048\), fewer than "):
+        same.train.accumulation(4)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.unit_tokens=384"], r"tokens_per_step is not set.*train.unit_tokens=null"),
+        (
+            ["train.tokens_per_step=24576", "train.unit_tokens=500"],
+            r"49\.15 units of train.unit_tokens \(500\).*or unit_tokens to a divisor",
+        ),
+        (
+            ["train.tokens_per_step=24576", "train.unit_tokens=8192", "train.max_tokens=4096"],
+            r"unit_tokens \(8192\) is larger than train.max_tokens \(4096\)",
+        ),
+    ],
+)
+def test_unit_tokens_refuses_what_it_cannot_mean(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["data.train=x", *overrides])
 
 
 def test_decode_sampling_noise_and_n_best_are_checked_together():

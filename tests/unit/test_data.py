@@ -253,7 +253,7 @@ def test_loading_a_position_from_other_settings_is_refused(corpus, tok):
     other = loader(s2s_cfg(corpus / "train", max_len=32), tok, max_tokens=300)
     with pytest.raises(DataError) as err:
         other.load_state_dict(ld.state_dict())
-    assert "max_tokens: checkpoint 200, now 300" in str(err.value)
+    assert "max_tokens): checkpoint 200, now 300" in str(err.value)
     assert "max_len: checkpoint 64, now 32" in str(err.value)
 
 

@@ -86,17 +86,30 @@ class TrainConfig(Section):
     seed: int = 1
     """Seeds parameters, dropout and data order."""
     max_tokens: int = bounded(4096, low=1)
-    """Tokens per micro-batch (padding included), like fairseq --max-tokens."""
+    """Tokens of the largest forward (padding included), like fairseq --max-tokens: what a
+    rank's memory allows. Without train.unit_tokens it is also the batch plan's unit: each
+    planned batch is one forward."""
     tokens_per_step: int | None = bounded(None, low=1)
     """The optimizer step's token budget over all ranks, counted as max_tokens counts (the
-    paper's ~25,000): tokens_per_step / max_tokens micro-batches a step, shared out among the
-    ranks, each rank accumulating its share. The batch, and so what the schedule's steps mean,
-    is the same on any number of GPUs, and a run resumed on another world size keeps it. It
-    must be a whole number of micro-batches (never rounded: a rounded batch is another
+    paper's ~25,000): tokens_per_step / unit_tokens planned batches (units) a step, shared out
+    among the ranks, each rank accumulating its share. The batch, and so what the schedule's
+    steps mean, is the same on any number of GPUs, and a run resumed on another world size
+    keeps it. It must be a whole number of units (never rounded: a rounded batch is another
     optimisation), and any world size up to that number shares them: where it does not divide
     them, some ranks take one more and the others idle for it (the start-up line says how
     much). Step k takes the same examples at every world size. None: train.grad_accum
     decides."""
+    unit_tokens: int | None = bounded(None, low=1)
+    """The batch plan's unit (needs train.tokens_per_step): the data is planned in batches of
+    at most this many tokens, a step is tokens_per_step / unit_tokens of them, and a rank
+    fuses the units it takes into forwards of up to train.max_tokens (where max_tokens is at
+    least twice the unit: units of similar widths together, the fewest forwards that fit). The
+    plan then depends on neither the world size nor max_tokens: any world size up to the
+    step's units trains the same examples in step k, and max_tokens (the forward, what memory
+    allows) may change at a resume. Choose it so that the GPU counts you use divide the step's
+    units (the WMT configs: 24,576 / 384 = 64, for 1 to 64 GPUs), and no smaller than a long
+    example's width. None: max_tokens (each unit one forward; the plan changes with
+    max_tokens)."""
     grad_accum: int | None = bounded(None, low=1)
     """Micro-batches each rank accumulates per optimizer step (None: 1, or derived from
     train.tokens_per_step); the schedule steps once per optimizer step. The batch then grows
@@ -211,47 +224,68 @@ class TrainConfig(Section):
     out-of-memory error comes in the first minute rather than hours in; it logs the peak
     memory. auto: on CUDA only (always: on CPU too). Training is the same with it or without."""
 
-    def step_batches(self, world_size: int) -> int:
-        """The optimizer step's micro-batches over all `world_size` ranks."""
+    def unit(self) -> int:
+        """The batch plan's unit in tokens: train.unit_tokens, else train.max_tokens."""
+        return self.unit_tokens or self.max_tokens
+
+    def fuses(self) -> bool:
+        """Whether a rank fuses the units it takes into larger forwards: where a forward holds
+        two units or more. Else each unit is one forward, in the order the plan deals them."""
+        return self.max_tokens >= 2 * self.unit()
+
+    def step_units(self, world_size: int) -> int:
+        """The optimizer step's planned batches (units) over all `world_size` ranks."""
         if self.tokens_per_step is None:
             return (self.grad_accum or 1) * world_size
-        return self.tokens_per_step // self.max_tokens  # a whole number: validate()
+        return self.tokens_per_step // self.unit()  # a whole number: validate()
 
     def accumulation(self, world_size: int) -> int:
-        """Forwards each of `world_size` ranks runs per optimizer step: its share of the step's
-        micro-batches, the larger share where the world size does not divide them (a rank with
-        one fewer repeats its last with weight 0: every rank runs the same collectives). A
-        ConfigError where there are fewer micro-batches than ranks."""
-        batches = self.step_batches(world_size)
-        if batches < world_size:
-            raise ConfigError(_unshared(self.tokens_per_step, self.max_tokens, world_size))
-        return -(-batches // world_size)
+        """The most units one of `world_size` ranks takes per optimizer step: its share of the
+        step's, the larger share where the world size does not divide them (a rank with fewer
+        repeats its last forward with weight 0: every rank runs the same collectives). Without
+        fusing, each rank's forwards a step. A ConfigError where there are fewer units than
+        ranks."""
+        units = self.step_units(world_size)
+        if units < world_size:
+            raise ConfigError(
+                _unshared(self.tokens_per_step, self.unit(), world_size, self.unit_tokens)
+            )
+        return -(-units // world_size)
 
     def idle(self, world_size: int) -> float:
-        """The share of the ranks' forwards a step that repeat a batch with weight 0."""
-        return 1 - self.step_batches(world_size) / (self.accumulation(world_size) * world_size)
+        """The share of the ranks' units a step that are a repeat with weight 0."""
+        return 1 - self.step_units(world_size) / (self.accumulation(world_size) * world_size)
 
     def sharing(self, world_size: int) -> str:
-        """How the ranks share a step's micro-batches: "2 accumulated x 4 ranks per step", or
-        where the world size does not divide them "8 shared by 3 ranks (2 take 3, 1 takes 2;
-        11% of the ranks' forwards idle)"."""
-        batches, most = self.step_batches(world_size), self.accumulation(world_size)
-        if batches == most * world_size:
+        """How the ranks share a step's units: "2 accumulated x 4 ranks per step", or where the
+        world size does not divide them "8 shared by 3 ranks (2 take 3, 1 takes 2; 11% of the
+        ranks' forwards idle)"; fusing, "64 units shared by 8 ranks (8 each), fused into
+        forwards of up to 3,072 tokens"."""
+        units, most = self.step_units(world_size), self.accumulation(world_size)
+        fused = f", fused into forwards of up to {self.max_tokens:,} tokens"
+        if units == most * world_size:
+            if self.fuses():
+                return f"{units} units shared by {world_size} ranks ({most} each){fused}"
             return f"{most} accumulated x {world_size} ranks per step"
-        more = batches - (most - 1) * world_size  # the ranks that take `most`
+        more = units - (most - 1) * world_size  # the ranks that take `most`
 
         def take(n: int) -> str:
             return "takes" if n == 1 else "take"
 
-        fewer = world_size - more
+        fewer, idle = world_size - more, f"{self.idle(world_size):.0%}"
+        if self.fuses():
+            return (
+                f"{units} units shared by {world_size} ranks ({more} {take(more)} {most}, "
+                f"{fewer} {take(fewer)} {most - 1}; {idle} of the ranks' units idle){fused}"
+            )
         return (
-            f"{batches} shared by {world_size} ranks ({more} {take(more)} {most}, {fewer} "
-            f"{take(fewer)} {most - 1}; {self.idle(world_size):.0%} of the ranks' forwards idle)"
+            f"{units} shared by {world_size} ranks ({more} {take(more)} {most}, {fewer} "
+            f"{take(fewer)} {most - 1}; {idle} of the ranks' forwards idle)"
         )
 
     def step_tokens(self, world_size: int) -> int:
         """The optimizer step's token budget over `world_size` ranks."""
-        return self.max_tokens * self.step_batches(world_size)
+        return self.unit() * self.step_units(world_size)
 
     def validate(self) -> list[str]:
         problems = []
@@ -266,7 +300,13 @@ class TrainConfig(Section):
     def _batch_problems(self) -> list[str]:
         per_step = self.tokens_per_step
         if per_step is None:
-            return []
+            if self.unit_tokens is None:
+                return []
+            return [
+                f"train.unit_tokens ({self.unit_tokens}) plans a step of train.tokens_per_step "
+                "in units, and tokens_per_step is not set: set it (the paper's batch: "
+                "train.tokens_per_step=24576), or train.unit_tokens=null"
+            ]
         if self.grad_accum is not None:
             return [
                 f"train.tokens_per_step ({per_step}) and train.grad_accum ({self.grad_accum}) "
@@ -274,15 +314,22 @@ class TrainConfig(Section):
                 "rank's accumulation from the world size; give one and set the other to null "
                 "(an override: train.grad_accum=null)"
             ]
-        if per_step % self.max_tokens:
-            micro = per_step / self.max_tokens
+        unit, name = self.unit(), "unit_tokens" if self.unit_tokens else "max_tokens"
+        if self.unit_tokens is not None and self.unit_tokens > self.max_tokens:
+            return [
+                f"train.unit_tokens ({self.unit_tokens}) is larger than train.max_tokens "
+                f"({self.max_tokens}), the largest forward: a unit must fit in one. Raise "
+                "max_tokens, or lower unit_tokens (a new plan: a new run, not a resume)"
+            ]
+        if per_step % unit:
+            what = "units" if self.unit_tokens else "micro-batches"
+            micro = per_step / unit
             below, above = max(1, math.floor(micro)), math.ceil(micro)
             return [
-                f"train.tokens_per_step ({per_step}) is {micro:.2f} micro-batches of "
-                f"train.max_tokens ({self.max_tokens}): it must be a whole number. Set "
-                f"tokens_per_step to {below * self.max_tokens} ({below}) or "
-                f"{above * self.max_tokens} ({above}), or max_tokens to a divisor of it: "
-                + ", ".join(map(str, _divisors_up_to(per_step, self.max_tokens, 3)))
+                f"train.tokens_per_step ({per_step}) is {micro:.2f} {what} of "
+                f"train.{name} ({unit}): it must be a whole number. Set tokens_per_step to "
+                f"{below * unit} ({below}) or {above * unit} ({above}), or {name} to a "
+                "divisor of it: " + ", ".join(map(str, _divisors_up_to(per_step, unit, 3)))
             ]
         return []
 
@@ -298,17 +345,19 @@ def _divisors_up_to(total: int, limit: int, n: int) -> list[int]:
     return found
 
 
-def _unshared(per_step: int, max_tokens: int, world_size: int) -> str:
-    """Why `world_size` ranks cannot share tokens_per_step's micro-batches, and what can."""
-    micro = per_step // max_tokens
+def _unshared(per_step: int, unit: int, world_size: int, unit_tokens: int | None) -> str:
+    """Why `world_size` ranks cannot share tokens_per_step's units, and what can."""
+    units = per_step // unit
+    name, what = ("unit_tokens", "units") if unit_tokens else ("max_tokens", "micro-batches")
     hint = ""
     if per_step % world_size == 0:
-        (t,) = _divisors_up_to(per_step // world_size, max_tokens, 1)
+        (t,) = _divisors_up_to(per_step // world_size, unit, 1)
         each = per_step // (t * world_size)
-        hint = f"; or, on {world_size} ranks, train.max_tokens={t} ({each} a step on each rank)"
+        hint = f"; or, on {world_size} ranks, train.{name}={t} ({each} a step on each rank)"
+    smaller = "" if unit_tokens else "; smaller train.unit_tokens let more ranks share a step"
     return (
-        f"train.tokens_per_step ({per_step}) is {micro} micro-batches of train.max_tokens "
-        f"({max_tokens}), fewer than the {world_size} ranks: run on at most {micro} ranks"
-        f"{hint}. Another max_tokens is another batch plan: a new run, not a resume of this one "
+        f"train.tokens_per_step ({per_step}) is {units} {what} of train.{name} ({unit}), "
+        f"fewer than the {world_size} ranks: run on at most {units} ranks{hint}. Another "
+        f"{name} is another batch plan: a new run, not a resume of this one{smaller} "
         "(docs/distributed.md#the-global-batch)"
     )

@@ -85,6 +85,7 @@ class CacheRows:
         s, cfg = self.settings, self.settings.cfg
         widths, tgt_lens, kept, self.too_long = [], [], [], 0
         self.base, self._source_of, self.mixture, self._tgt_len = None, None, None, None
+        self._width = None
         if s.kind == "lm":  # documents are cut into blocks: none is too long
             return
         for c, tag in zip(self.caches, self.tags, strict=True):
@@ -159,7 +160,7 @@ class CacheRows:
     def _segment(self, epoch: int, plan: Plan | LmPlan, sums: np.ndarray) -> Segment:
         return Segment(
             {"epoch": epoch}, epoch, plan, sums, self.tables, specials(self.settings),
-            self.tags, self._source_of, self.base,
+            self.tags, self._source_of, self.base, width=self._width,
         )  # fmt: skip
 
     def _nothing_left(self) -> DataError:

@@ -7,7 +7,9 @@ micro-batches when training (`per_round`), W (the world size) otherwise. Rank r 
 round's batches r, r + W, ... and makes only those, a few read ahead together; where W does
 not divide the round, ranks r < round % W take one more. A round's target tokens come from
 the segments' cumulative sums, so the training loop learns the step's total over all ranks
-without a collective, and that work does not grow with W.
+without a collective, and that work does not grow with W. With `fuse_to` (training with
+train.unit_tokens, forwards.py) a rank's batches of a round are fused into forwards of up to
+that many tokens, and every rank knows the most forwards any rank runs in it.
 
 Position: where the segment of the current round starts (its `anchor`: the epoch, and for a
 stream the chunk and the reader's state) and the global batches the group has consumed from
@@ -26,6 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from aiayn.data.batch import Batch
+from aiayn.data.forwards import fuse
 from aiayn.data.pad import RowsRead, read_count
 from aiayn.data.plan import LmPlan
 from aiayn.data.position import check_loader_args, saved_position, saved_state
@@ -38,14 +41,15 @@ STATE_VERSION = 1
 @dataclass(frozen=True)
 class Taken:
     """A batch as the training loop takes it: its epoch, its round's target tokens (the
-    batches the ranks take together) and the epoch of the round's last batch, and whether it is
-    this rank's last of the round."""
+    batches the ranks take together) and the epoch of the round's last batch, whether it is
+    this rank's last of the round, and the most forwards a rank runs in the round."""
 
     batch: Batch
     epoch: int
     round_targets: int
     round_epoch: int
     ends_round: bool
+    round_forwards: int
 
 
 class Rows(Protocol):
@@ -67,7 +71,9 @@ class Loader:
     with their epochs and rounds; each `for` continues where the last one stopped when
     training (epoch after epoch, forever), and starts a new pass otherwise, unless a state was
     just loaded. pin_memory=True hands out batches in page-locked memory (needs CUDA).
-    per_round: the global batches of a round (an optimizer step's), at least W; None: W."""
+    per_round: the global batches of a round (an optimizer step's), at least W; None: W.
+    fuse_to: fuse a rank's batches of a round into forwards of up to this many tokens (None:
+    each batch is a forward)."""
 
     def __init__(
         self,
@@ -77,10 +83,12 @@ class Loader:
         world_size: int = 1,
         pin_memory=False,
         per_round: int | None = None,
+        fuse_to: int | None = None,
     ):
         check_loader_args(max_tokens, rank, world_size)
         self.rows, self.rank, self.world_size, self.pin_memory = rows, rank, world_size, pin_memory
         self.per_round = max(per_round or world_size, world_size)
+        self.fuse_to = fuse_to
         self.train = rows.train
         self._pos = {**rows.start(), "done": 0}
         self._epoch = 0
@@ -167,26 +175,31 @@ class Loader:
                         i -= len(held.popleft())
                     if not held and not _pull(segments, held):
                         return  # an evaluation pass is over
-                targets, last_epoch, mine = self._round(held, i, segments)
+                targets, last_epoch, mine, most = self._round(held, i, segments)
                 if not mine:  # an evaluation pass that ends inside a round, before this rank
                     return
                 after = {**held[0].anchor, "done": i + G}  # the group's position
-                for j, (seg, k) in enumerate(mine):
-                    lm = isinstance(seg.plan, LmPlan)
-                    batch = seg.lm_batch(k) if lm else self._batch(seg, k)
+                for j, (seg, ks) in enumerate(mine):
+                    if self.fuse_to is not None:
+                        batch = seg.fused(np.asarray(ks))
+                    elif isinstance(seg.plan, LmPlan):
+                        batch = seg.lm_batch(ks[0])
+                    else:
+                        batch = self._batch(seg, ks[0])
                     batch = batch.pin_memory() if self.pin_memory else batch
                     ends = j == len(mine) - 1
-                    yield Taken(batch, seg.epoch, targets, last_epoch, ends), after
+                    yield Taken(batch, seg.epoch, targets, last_epoch, ends, most), after
                 i += G
         finally:
             segments.close()
 
-    def _round(self, held: deque, i: int, segments) -> tuple[int, int, list[tuple]]:
+    def _round(self, held: deque, i: int, segments) -> tuple[int, int, list[tuple], int]:
         """The round of `per_round` global batches from batch i of held[0]: its target tokens,
-        the epoch of its last batch, and this rank's (segment, batch index) pairs, fewer where
-        an evaluation pass ends first (its last round may be short)."""
+        the epoch of its last batch, this rank's forwards as (segment, its batch indices), and
+        the most forwards a rank runs in it. Fewer where an evaluation pass ends first (its
+        last round may be short)."""
         left, targets, mine, at, n = self.per_round, 0, [], i, 0
-        last = held[0].epoch
+        last, forwards = held[0].epoch, {}
         while left:
             if n == len(held) and not _pull(segments, held):
                 break
@@ -194,10 +207,20 @@ class Loader:
             take = min(left, len(seg) - at)
             targets += int(seg.sums[at + take] - seg.sums[at])
             first = self.per_round - left  # the round's index of this stretch's first batch
-            offset = (self.rank - first) % self.world_size  # this rank's first in the stretch
-            mine += [(seg, at + k) for k in range(offset, take, self.world_size)]
+            if self.fuse_to is None:
+                offset = (self.rank - first) % self.world_size  # this rank's first here
+                mine += [(seg, [at + k]) for k in range(offset, take, self.world_size)]
+            else:
+                units = np.arange(at, at + take)
+                owner = (first + np.arange(take)) % self.world_size
+                counts, groups = fuse(units, owner, *seg.shapes(units), self.fuse_to, self.rank)
+                for rank, count in counts.items():
+                    forwards[rank] = forwards.get(rank, 0) + count
+                mine += [(seg, ks) for ks in groups]
             left, at, n, last = left - take, 0, n + 1, seg.epoch
-        return targets, last, mine
+        if self.fuse_to is None:
+            return targets, last, mine, -(-self.per_round // self.world_size)
+        return targets, last, mine, max(forwards.values(), default=0)
 
     def _batch(self, seg: Segment, k: int) -> Batch:
         """Global batch k of a pair plan, from this rank's batches k, k + W, ... of the segment

@@ -31,9 +31,9 @@ def make_loader(
     else streamed and tokenised as it goes (a mixture's sources where data.sources is set).
     pin_memory where the batches go to a GPU; local_rank and local_world_size place the rank
     on its node, where a token cache's loader shares the epochs' plans (data/plan_files.py)."""
-    settings = Settings(
-        cfg.data, tokenizer, cfg.model.kind, cfg.train.max_tokens, cfg.train.seed, train, rank
-    )
+    # Training plans in units (train.unit_tokens, else max_tokens); a pass plans in forwards.
+    budget = cfg.train.unit() if train else cfg.train.max_tokens
+    settings = Settings(cfg.data, tokenizer, cfg.model.kind, budget, cfg.train.seed, train, rank)
     if cache is not None:
         caches = cache if isinstance(cache, list) else [cache]
         node = (
@@ -45,6 +45,8 @@ def make_loader(
         # A Hub training split is streamed from its local copy where prepare_data made one.
         local = local_parts(cfg) if train and split == cfg.data.train else None
         rows = StreamRows(settings, split, local, cfg)
-    # Training: a round is an optimizer step's micro-batches, shared out among the ranks.
-    per_round = cfg.train.step_batches(world_size) if train else None
-    return Loader(rows, cfg.train.max_tokens, rank, world_size, pin_memory, per_round)
+    # Training: a round is an optimizer step's units, shared out among the ranks, and fused
+    # into forwards of up to max_tokens where one holds several.
+    per_round = cfg.train.step_units(world_size) if train else None
+    fuse_to = cfg.train.max_tokens if train and cfg.train.fuses() else None
+    return Loader(rows, cfg.train.max_tokens, rank, world_size, pin_memory, per_round, fuse_to)

@@ -210,11 +210,15 @@ def one_batch(
 
 
 def lm_batch(
-    arrays: dict[str, np.ndarray], plan: LmPlan, k: int, special: Specials, first_id: int = 0
+    arrays: dict[str, np.ndarray],
+    plan: LmPlan,
+    blocks: np.ndarray,
+    special: Specials,
+    first_id: int = 0,
 ) -> Batch:
-    """Batch k of a language model's plan: blocks of the stream that joins the plan's documents
-    (rows of `arrays`), each followed by eos; a block's id is first_id + its index."""
-    blocks = plan.blocks(k)
+    """Blocks `blocks` of a language model's plan as a batch: stretches of the stream that
+    joins the plan's documents (rows of `arrays`), each followed by eos; a block's id is
+    first_id + its index."""
     pos = plan.offset + blocks[:, None] * plan.size + np.arange(plan.size)[None, :]
     inside = pos < plan.total
     j = np.minimum(np.searchsorted(plan.ends, pos, side="right"), len(plan.docs) - 1)

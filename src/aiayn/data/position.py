@@ -27,7 +27,7 @@ class Settings:
     cfg: DataConfig
     tok: Tokenizer
     kind: str
-    max_tokens: int
+    max_tokens: int  # the plan's budget: train.unit_tokens or max_tokens when training
     seed: int
     train: bool
     rank: int = 0
@@ -96,6 +96,13 @@ def saved_position(state: dict, version: int, fingerprint: dict, what: str) -> d
             continue  # what the data is: said by _mixture_diffs
         if key == "source":
             diffs += _source_diffs(saved.get(key, {}), value)
+        elif key == "max_tokens" and saved.get(key) != value:  # the plan's unit
+            diffs.append(
+                f"  - the batch plan's unit (train.unit_tokens, else train.max_tokens): "
+                f"checkpoint {saved.get(key)!r}, now {value!r}; to resume with forwards of "
+                f"another max_tokens (at least the unit), keep the plan: "
+                f"train.unit_tokens={saved.get(key)}"
+            )
         elif saved.get(key) != value:
             diffs.append(f"  - {key}: checkpoint {saved.get(key)!r}, now {value!r}")
     if diffs:

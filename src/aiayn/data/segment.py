@@ -8,7 +8,7 @@ from base[s] on; a streamed chunk's rows are its own, each with its source (`sou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,12 +31,48 @@ class Segment:
     source_of: np.ndarray | None = None  # each row's source (a mixture)
     base: np.ndarray | None = None  # each source's first row (a mixture of caches)
     first_id: int = 0  # a language model's block ids start here
+    width: np.ndarray | None = None  # each row's padded width (a pair plan's rows index it)
+    _widest: np.ndarray | None = field(default=None, init=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.plan)
 
     def read(self, ks: np.ndarray) -> RowsRead:
         """Global batches ks (equally spaced) of a pair plan, read and padded together."""
+        local, which, row_at = self._rows(ks)
+        arrays = read_batches(self.tables, local, row_at, self.special, which, self.tags)
+        step = int(ks[1] - ks[0]) if len(ks) > 1 else 1
+        return RowsRead(self.plan, int(ks[0]), step, len(ks), row_at, **arrays)
+
+    def fused(self, ks: np.ndarray) -> Batch:
+        """Global batches ks as one batch: their rows (blocks) together, padded once."""
+        if isinstance(self.plan, LmPlan):
+            blocks = np.concatenate([self.plan.blocks(int(k)) for k in ks])
+            return lm_batch(self.tables[0], self.plan, blocks, self.special, self.first_id)
+        local, which, row_at = self._rows(ks)
+        row_at = row_at[[0, -1]]
+        arrays = read_batches(self.tables, local, row_at, self.special, which, self.tags)
+        return RowsRead(None, 0, 1, 1, row_at, **arrays).batch(0)
+
+    def lm_batch(self, k: int) -> Batch:
+        blocks = self.plan.blocks(k)
+        return lm_batch(self.tables[0], self.plan, blocks, self.special, self.first_id)
+
+    def shapes(self, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, width) of global batches ks: their rows (blocks) and padded width, what a
+        batch of several of them costs (loader.py fuses them)."""
+        plan = self.plan
+        if isinstance(plan, LmPlan):
+            rows = np.minimum(plan.rows, plan.n_blocks - ks * plan.rows)
+            return rows, np.full(len(ks), plan.size)
+        if self._widest is None:  # each batch's widest row, computed once a segment
+            self._widest = np.maximum.reduceat(self.width[plan.rows], plan.bounds[:-1])
+        js = ks if plan.order is None else plan.order[ks]
+        return plan.bounds[js + 1] - plan.bounds[js], self._widest[js]
+
+    def _rows(self, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """The rows of global batches ks of a pair plan, in their sources' numbering: (local
+        row, source or None, where each batch's rows start)."""
         plan = self.plan
         js = ks if plan.order is None else plan.order[ks]
         first, sizes = plan.bounds[js], plan.bounds[js + 1] - plan.bounds[js]
@@ -44,13 +80,7 @@ class Segment:
         rows = plan.rows[cells].astype(np.intp)
         which = None if self.source_of is None else self.source_of[rows]
         local = rows if self.base is None else rows - self.base[which]
-        row_at = np.concatenate(([0], ends))
-        arrays = read_batches(self.tables, local, row_at, self.special, which, self.tags)
-        step = int(ks[1] - ks[0]) if len(ks) > 1 else 1
-        return RowsRead(plan, int(ks[0]), step, len(ks), row_at, **arrays)
-
-    def lm_batch(self, k: int) -> Batch:
-        return lm_batch(self.tables[0], self.plan, k, self.special, self.first_id)
+        return local, which, np.concatenate(([0], ends))
 
 
 def specials(s: Settings) -> Specials:

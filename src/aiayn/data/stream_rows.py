@@ -133,7 +133,7 @@ class StreamRows:
         if self.mixture is not None:
             self.mixture.record_shares(anchor, which, rows.get("tgt_lengths"))
         tables = [rows] * (1 if which is None else len(self.tags))
-        return self._made(anchor, plan, tables, which)
+        return self._made(anchor, plan, tables, which, width=width)
 
     def _table(self, examples: list[dict], ids: np.ndarray) -> dict[str, np.ndarray]:
         """The examples tokenised, with their ids (and labels): the chunk's rows."""
@@ -159,12 +159,12 @@ class StreamRows:
         self._stats["dropped_too_long"] += int(too_long.sum())
         return width, np.flatnonzero(~empty & ~too_long)
 
-    def _made(self, anchor, plan, tables, which=None, first_id=0) -> Segment:
+    def _made(self, anchor, plan, tables, which=None, first_id=0, width=None) -> Segment:
         sums = target_sums(plan, tables[0].get("tgt_lengths"))
         tags = None if which is None else self.tags
         return Segment(
             anchor, anchor["epoch"], plan, sums, tables, specials(self.settings), tags, which,
-            first_id=first_id,
+            first_id=first_id, width=width,
         )  # fmt: skip
 
     def largest_batches(self, anchor: dict) -> list[Batch]:

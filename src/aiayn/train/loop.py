@@ -96,7 +96,7 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
             break
         if cfg.logging.record_ids:
             record_ids(run, fetched)
-        grad_norm = _train_step(run, micro, window, n_tokens)
+        grad_norm = _train_step(run, micro, window, n_tokens, fetched[-1].round_forwards)
         if not run.startup.done:
             log_startup(run, window.data_seconds)
             use_timeout(cfg.distributed.timeout_minutes, run.env)  # a lost rank fails fast
@@ -128,18 +128,20 @@ def _train_until_done(run: Run, steps: StepBatches) -> dict[str, float]:
     return last_eval
 
 
-def _train_step(run: Run, micro: list, window: Window, n_tokens: int) -> torch.Tensor:
-    """One optimizer step over this rank's micro-batches, of `n_tokens` targets on all ranks;
-    returns the gradient norm. Nothing here waits for the device (but fp16's loss scaler, in
-    engine.step) or for the other ranks: the step's targets on all ranks come from the
-    loader's rounds (data/loader.py), and what it logs stays on the device until a log line
-    (Window)."""
+def _train_step(
+    run: Run, micro: list, window: Window, n_tokens: int, forwards: int
+) -> torch.Tensor:
+    """One optimizer step over this rank's micro-batches, of `n_tokens` targets on all ranks,
+    in `forwards` forwards (the most a rank runs this step); returns the gradient norm.
+    Nothing here waits for the device (but fp16's loss scaler, in engine.step) or for the
+    other ranks: the step's targets on all ranks and its forwards come from the loader's
+    rounds (data/loader.py), and what it logs stays on the device until a log line (Window)."""
     cfg, engine = run.cfg, run.engine
     engine.train()
-    # Where the world size does not divide the step's micro-batches, a rank with one fewer
-    # repeats its last with weight 0: every rank runs the same forwards, and so the same
-    # collectives (ZeRO-3 and FSDP2 gather each layer in each forward).
-    forwards = cfg.train.accumulation(run.env.world_size)
+    # Where the world size does not divide the step's units, or a rank fuses its own into
+    # fewer forwards, a rank with fewer repeats its last with weight 0: every rank runs the
+    # same forwards, and so the same collectives (ZeRO-3 and FSDP2 gather each layer in each
+    # forward).
     for i in range(forwards):
         real = i < len(micro)
         batch = micro[min(i, len(micro) - 1)]
