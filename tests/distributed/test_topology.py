@@ -1,13 +1,15 @@
 """Resuming on another topology, with real processes: ZeRO-3 -> ZeRO-2 on 2 ranks -> ZeRO-0 on
-1 -> DDP, ZeRO-3 on 2 -> 4 -> 2 ranks, and ZeRO-3 on 2 -> DDP on 3 -> FSDP2 on 3 -> DDP on 1 ->
-ZeRO-3 on 3, each against an uninterrupted run: every engine's files read back, every engine
-loading another's.
+1 -> DDP, ZeRO-3 on 2 -> 4 -> 2 ranks, and, in units (train.unit_tokens), DDP on 1 -> ZeRO-3 on
+4 -> DDP on 3 -> FSDP2 on 3 -> ZeRO-3 on 2 with another max_tokens, each against an
+uninterrupted run: every engine's files read back, every engine loading another's.
 
 Every run fixes the step's batch over all ranks (train.tokens_per_step), so one process
 accumulates 2 micro-batches where 2 ranks take 1 each (the loader hands a step's global batches
-r, r+W, ... to rank r), and 3 ranks share 4 (rank 0 takes 2, the others 1 and repeat it with
-weight 0): the resumed run must consume the same samples at the same steps and compute the
-same updates up to float rounding, with no setting changed between the runs of a chain. Each
+r, r+W, ... to rank r). In units, a step is 11 of them, which 4, 3 and 2 ranks share unevenly
+(3, 3, 3, 2 on 4), each rank fusing its own into forwards of up to max_tokens, and a rank with
+fewer forwards repeating its last with weight 0: the resumed run must consume the same samples
+at the same steps and compute the same updates up to float rounding, with no setting but
+max_tokens (the forward, not the plan) changed between the runs of a chain. Each
 keeps the moving average of the weights (train.ema), which continues across the change within
 the weights' tolerance: restarted from the resumed weights instead, it would be off by about
 0.9^10 of the EMA's distance from the weights at step 10, 4.7e-3 (measured), so 1.6e-3.
@@ -62,6 +64,7 @@ def zero(stage: int) -> tuple[str, ...]:
 
 
 TWO, FOUR = "train.tokens_per_step=1200", "train.tokens_per_step=2400"  # micro-batches of 600
+UNITS = ("train.tokens_per_step=2200", "train.unit_tokens=200")  # 11 units, up to 3 a forward
 FSDP = "distributed.backend=fsdp"
 TOPOLOGIES = {  # name -> (launcher, options, how train.log names it)
     "zero3x2": (lambda: torchrun(2), (*zero(3), TWO), "DeepSpeed ZeRO-3 on 2 rank(s)"),
@@ -71,11 +74,16 @@ TOPOLOGIES = {  # name -> (launcher, options, how train.log names it)
     "zero3x4": (lambda: torchrun(4), (*zero(3), FOUR), "DeepSpeed ZeRO-3 on 4 rank(s)"),
     "zero0x1": (lambda: [sys.executable], (*zero(0), TWO), "DeepSpeed ZeRO-0 on 1 rank(s)"),
     "ddp1": (lambda: [sys.executable], (TWO,), "DDP on 1 rank(s)"),
-    "ddp1acc4": (lambda: [sys.executable], (FOUR,), "DDP on 1 rank(s)"),
-    # Four micro-batches on 3 ranks: shares of 2, 1, 1.
-    "fsdpx3": (lambda: torchrun(3), (FSDP, FOUR), "FSDP2 on 3 rank(s)"),
-    "ddpx3": (lambda: torchrun(3), (FOUR,), "DDP on 3 rank(s)"),
-    "zero3x3": (lambda: torchrun(3), (*zero(3), FOUR), "DeepSpeed ZeRO-3 on 3 rank(s)"),
+    # Eleven units: shares of 3, 3, 3, 2 on 4 ranks, 4, 4, 3 on 3, and 6, 5 on 2.
+    "units_ddp1": (lambda: [sys.executable], UNITS, "DDP on 1 rank(s)"),
+    "units_zero3x4": (lambda: torchrun(4), (*zero(3), *UNITS), "DeepSpeed ZeRO-3 on 4 rank(s)"),
+    "units_ddpx3": (lambda: torchrun(3), UNITS, "DDP on 3 rank(s)"),
+    "units_fsdpx3": (lambda: torchrun(3), (FSDP, *UNITS), "FSDP2 on 3 rank(s)"),
+    "units_zero3x2_forward1000": (
+        lambda: torchrun(2),
+        (*zero(3), *UNITS, "train.max_tokens=1000"),
+        "DeepSpeed ZeRO-3 on 2 rank(s)",
+    ),
 }
 
 
@@ -146,9 +154,9 @@ def assert_continues(run_dir: Path, reference: Path, weights_atol: float, loss_r
         ["zero3x2", "zero2x2", "zero0x1", "ddp1"],
         # The world size changes, 2 -> 4 -> 2: each rank reads its partition only.
         ["zero3x2acc2", "zero3x4", "zero3x2acc2"],
-        # A world size that does not divide the step's micro-batches, on every engine; FSDP2
-        # reads and is read by the others at another world size.
-        ["zero3x2acc2", "ddpx3", "fsdpx3", "ddp1acc4", "zero3x3"],
+        # Units: world sizes that do not divide the step's, on every engine, and another
+        # max_tokens at the last resume; FSDP2 reads and is read by the others at another W.
+        ["units_ddp1", "units_zero3x4", "units_ddpx3", "units_fsdpx3", "units_zero3x2_forward1000"],
     ],
     ids="_to_".join,
 )
@@ -168,13 +176,16 @@ def test_resume_on_another_topology_continues_the_same_run(setup, straight, chai
         assert "checkpoint written by {}, resuming on {}".format(*names) in log
     assert "apply to another batch" not in log  # the world size changed, the batch did not
     assert_continues(run_dir, straight(chain[0]), WEIGHTS_ATOL, LOSS_RTOL)
-    if "fsdpx3" in chain:
+    if "units_fsdpx3" in chain:
         # An FSDP2 rank of 3 keeps a third of every parameter's rows and of its moments.
-        step = ends[chain.index("fsdpx3")]
+        step = ends[chain.index("units_fsdpx3")]
         files = sorted((run_dir / "checkpoints" / f"step_{step:08d}" / "fsdp").iterdir())
         sizes = [f.stat().st_size for f in files]
         assert len(sizes) == 3 and max(sizes) < 0.4 * sum(sizes), sizes
-        assert "4 shared by 3 ranks (1 takes 2, 2 take 1; 33% of the ranks' forwards idle)" in log
+        # The start-up lines: the shares, their idle units, and the forward that changed.
+        idle = "8% of the ranks' units idle), fused into forwards of up to"
+        assert f"units x 11 shared by 3 ranks (2 take 4, 1 takes 3; {idle} 600 tokens" in log
+        assert f"units x 11 shared by 2 ranks (1 takes 6, 1 takes 5; {idle} 1,000 tokens" in log
     elif chain[0] == "zero3x2acc2":
         # ZeRO-3 to ZeRO-3: the busiest rank read about 1/W_new of the weights and moments
         # (the whole of them per rank before: W_new x the state in all).

@@ -26,10 +26,12 @@ ROWS = re.compile(
 
 def tiny_config(project_root, path):
     """The base config with the batch a tiny model takes, fixed over all ranks as the config
-    fixes it (train.tokens_per_step): 1,600 tokens a step, 2 micro-batches of 800 accumulated."""
+    fixes it (train.tokens_per_step): 1,600 tokens a step, 8 units of 200 (train.unit_tokens, as
+    the config plans), fused into forwards of up to 800."""
     cfg = yaml.safe_load((Path(project_root) / "configs" / "wmt14_en_de_base.yaml").read_text())
     assert "grad_accum" not in cfg["train"]
-    cfg["train"].update(tokens_per_step=1600, max_tokens=800)
+    assert cfg["train"]["unit_tokens"] * 64 == cfg["train"]["tokens_per_step"]
+    cfg["train"].update(tokens_per_step=1600, unit_tokens=200, max_tokens=800)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
@@ -67,7 +69,10 @@ def test_the_wmt14_recipe_prepares_trains_averages_scores_both_ways_and_prints_i
     assert json.loads(copy.read_text())["rows"] == 2000
     log = (run_dir / "train.log").read_text()
     assert "built in" not in log
-    assert "1,600 tokens a step over all ranks = 800-token micro-batches x 2 accumulated" in log
+    assert (
+        "1,600 tokens a step over all ranks = 200-token units x 8 shared by 1 ranks (8 each), "
+        "fused into forwards of up to 800 tokens"
+    ) in log
     # aiayn finish averaged the paper's last 5 checkpoints (the config's train.finish).
     averaged = read_manifest(run_dir / "averaged")["averaged_from"]
     assert [s["step"] for s in averaged] == [2, 4, 6, 8, 10]

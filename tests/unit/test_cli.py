@@ -245,7 +245,7 @@ def test_config_check_accepts_a_good_config_and_reports_every_problem_of_a_bad_o
     config = _config(tmp_path, max_tokens=1000, tokens_per_step=4000)
     assert main(["config", "check", "--config", str(config), "--world-size", "2"]) == 0
     out = capsys.readouterr().out
-    assert "x 2 accumulated x 2 ranks per step = 4000 tokens a step" in out
+    assert "x 2 accumulated x 2 ranks per step = 4,000 tokens a step" in out
     assert "a start would accept it" in out
     # Four problems at once: a missing corpus, a tokenizer other than the one the run's
     # checkpoint recorded, an option of another engine, and 5 ranks for 4 micro-batches.

@@ -407,11 +407,11 @@ def test_unit_tokens_plans_the_step_in_units_that_ranks_fuse_into_forwards():
         + ["train.max_tokens=3072"],
     )
     assert cfg.train.unit() == 384 and cfg.train.step_units(5) == 64
-    assert cfg.train.sharing(8) == (
-        "64 units shared by 8 ranks (8 each), fused into forwards of up to 3,072 tokens"
+    assert cfg.train.batch(8) == (
+        "384-token units x 64 shared by 8 ranks (8 each), fused into forwards of up to 3,072 tokens"
     )
     assert cfg.train.sharing(3) == (
-        "64 units shared by 3 ranks (1 takes 22, 2 take 21; 3% of the ranks' units idle), "
+        "64 shared by 3 ranks (1 takes 22, 2 take 21; 3% of the ranks' units idle), "
         "fused into forwards of up to 3,072 tokens"
     )
     # A unit as large as the forward: each unit one forward, as without unit_tokens.

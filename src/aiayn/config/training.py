@@ -259,13 +259,13 @@ class TrainConfig(Section):
     def sharing(self, world_size: int) -> str:
         """How the ranks share a step's units: "2 accumulated x 4 ranks per step", or where the
         world size does not divide them "8 shared by 3 ranks (2 take 3, 1 takes 2; 11% of the
-        ranks' forwards idle)"; fusing, "64 units shared by 8 ranks (8 each), fused into
-        forwards of up to 3,072 tokens"."""
+        ranks' forwards idle)"; fusing, "64 shared by 8 ranks (8 each), fused into forwards of
+        up to 3,072 tokens"."""
         units, most = self.step_units(world_size), self.accumulation(world_size)
         fused = f", fused into forwards of up to {self.max_tokens:,} tokens"
         if units == most * world_size:
             if self.fuses():
-                return f"{units} units shared by {world_size} ranks ({most} each){fused}"
+                return f"{units} shared by {world_size} ranks ({most} each){fused}"
             return f"{most} accumulated x {world_size} ranks per step"
         more = units - (most - 1) * world_size  # the ranks that take `most`
 
@@ -275,13 +275,19 @@ class TrainConfig(Section):
         fewer, idle = world_size - more, f"{self.idle(world_size):.0%}"
         if self.fuses():
             return (
-                f"{units} units shared by {world_size} ranks ({more} {take(more)} {most}, "
+                f"{units} shared by {world_size} ranks ({more} {take(more)} {most}, "
                 f"{fewer} {take(fewer)} {most - 1}; {idle} of the ranks' units idle){fused}"
             )
         return (
             f"{units} shared by {world_size} ranks ({more} {take(more)} {most}, {fewer} "
             f"{take(fewer)} {most - 1}; {idle} of the ranks' forwards idle)"
         )
+
+    def batch(self, world_size: int) -> str:
+        """The step as the start-up line says it: "600-token micro-batches x 2 accumulated x 4
+        ranks per step", "384-token units x 64 shared by 8 ranks (8 each), fused into ..."."""
+        what = "units" if self.unit_tokens else "micro-batches"
+        return f"{self.unit():,}-token {what} x {self.sharing(world_size)}"
 
     def step_tokens(self, world_size: int) -> int:
         """The optimizer step's token budget over `world_size` ranks."""

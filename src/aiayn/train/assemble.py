@@ -190,15 +190,14 @@ def _log_start(
 ) -> None:
     train, world = cfg.train, env.world_size
     log.info(
-        "%s model, %s parameters, vocab %d | %s tokens a step over all ranks = %s-token "
-        "micro-batches x %s (%s) | %s, %s on %s | peak %.3g "
+        "%s model, %s parameters, vocab %d | %s tokens a step over all ranks = %s (%s) "
+        "| %s, %s on %s | peak %.3g "
         "TFLOP/s | %s schedule, warmup %d, cooldown %d of %d steps | %s",
         cfg.model.kind,
         f"{n_params:,}",
         tok.vocab_size,
         f"{train.step_tokens(world):,}",
-        f"{train.max_tokens:,}",
-        train.sharing(world),
+        train.batch(world),
         "train.tokens_per_step" if train.tokens_per_step else "train.grad_accum: grows with ranks",
         engines.topology(cfg, world),
         cfg.train.precision,

@@ -81,9 +81,5 @@ def _engine(cfg: Config, world_size: int) -> list[str]:
 
 
 def _batch(cfg: Config, world_size: int) -> list[str]:
-    shares = cfg.train.sharing(world_size)  # ConfigError when the ranks cannot share
-    tokens = cfg.train.step_tokens(world_size)
-    return [
-        f"batch: micro-batches of train.max_tokens {cfg.train.max_tokens} x {shares} = "
-        f"{tokens} tokens a step"
-    ]
+    shares = cfg.train.batch(world_size)  # ConfigError when the ranks cannot share
+    return [f"batch: {shares} = {cfg.train.step_tokens(world_size):,} tokens a step"]
