@@ -4,7 +4,7 @@
 #
 #   slurm/chain.sh N [sbatch options] slurm/train.sbatch CONFIG [key=value ...]
 #   e.g. slurm/chain.sh 4 -N 2 --gpus-per-node=8 --time=24:00:00 \
-#          slurm/train.sbatch configs/wmt14_en_de_base.yaml run_dir=runs/base train.max_tokens=1536
+#          slurm/train.sbatch configs/wmt14_en_de_base.yaml run_dir=runs/base
 #
 # Each job waits for the previous one to end in any state (--dependency=afterany), so a job
 # that ran out of time or was stopped still hands on. --no-requeue: a job that receives the

@@ -27,7 +27,7 @@ from aiayn.checkpoint.format import (
 )
 from aiayn.distributed.env import DistEnv
 from aiayn.engine.registry import shard_rank, topology
-from aiayn.engine.state import trainable
+from aiayn.engine.state import whole_shapes
 from aiayn.errors import CheckpointError
 from aiayn.runtime.durable import size_text
 from aiayn.runtime.seeding import load_rng_state, seed_everything
@@ -185,8 +185,7 @@ def _load_engine(run: Any, ckpt: Path, trainer_state: dict, manifest: dict) -> N
         engine.load_state_dict(read_stored(trainer_state["engine"], ckpt), ckpt)
     else:  # weights and optimizer state resharded by parameter name
         log.warning("checkpoint written by %s, resuming on %s: resharding its state", saved, here)
-        shapes = {name: p.shape for name, p in trainable(engine.module)}
-        with reshard.read(ckpt, trainer_state, saved, shapes) as state:
+        with reshard.read(ckpt, trainer_state, saved, whole_shapes(engine.module)) as state:
             engine.load_portable(state)
         # Each rank read its share of the state, not the whole of it (ZeRO): say so.
         busiest = env.max([float(state.bytes_read)])[0] if env.distributed else state.bytes_read

@@ -142,6 +142,13 @@ def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
+def whole_shapes(module: nn.Module) -> dict[str, torch.Size]:
+    """Each trainable parameter's whole shape, by name (`trainable`'s): a ZeRO-3 parameter
+    holds an empty tensor in place of its partition and keeps its shape as ds_shape; an
+    FSDP2 DTensor's shape is already the whole one."""
+    return {name: getattr(p, "ds_shape", p.shape) for name, p in trainable(module)}
+
+
 class Pieces:
     """Elements held as consecutive 1-D tensor views (a parameter's partitions in several ZeRO
     rank files, mapped from disk): `view` selects a range without reading it, `read` copies one
