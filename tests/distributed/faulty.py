@@ -35,7 +35,7 @@ def inject(kind: str, step: int, index: int) -> None:
         return hold_save(step, index)
     original = loop._train_step
 
-    def faulty_step(run, micro, window, n_tokens):
+    def faulty_step(run, *args):
         log = Path(run.cfg.run_dir) / "injected.jsonl"
         # Fault `index` once: after an elastic membership change a node keeps its restart
         # count, so a start can be the index-th on one node and a later one on another.
@@ -61,7 +61,7 @@ def inject(kind: str, step: int, index: int) -> None:
                 raise torch.OutOfMemoryError(f"injected out of memory at step {step}")
             elif kind == "user":
                 raise TrainingError(f"injected error a person must fix, at step {step}")
-        return original(run, micro, window, n_tokens)
+        return original(run, *args)
 
     loop._train_step = faulty_step
 

@@ -780,6 +780,16 @@ def test_units_fused_into_forwards_train_the_same_examples_on_any_world_size(
             assert {t.round_forwards for m in mine for t in m} == {max(map(len, mine))}
         if world == 1:
             assert max(len(step) for step in ranks[0]) < 12  # units fused
+    # The memory probe tries the widest units fused as a rank would fuse them: as wide as any
+    # forward, near the budget, never over it.
+    (probe,) = cached(fused, tok).largest_batches()
+    width = max(x.shape[1] for x in (probe.src, probe.tgt_in) if x is not None) + extra
+    assert width >= max(
+        max(x.shape[1] for x in (t.batch.src, t.batch.tgt_in) if x is not None) + extra
+        for step in ranks[0]
+        for t in step
+    )
+    assert fused.train.max_tokens / 2 < probe.ids.numel() * width <= fused.train.max_tokens
     five = cached(fused, tok, rank=4, world_size=5)
     steps(five, 3)
     three = [cached(config(2 * unit), tok, rank=r, world_size=3) for r in range(3)]

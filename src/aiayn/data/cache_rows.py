@@ -26,6 +26,7 @@ import numpy as np
 
 from aiayn.data.batch import Batch
 from aiayn.data.cache import TokenCache
+from aiayn.data.forwards import widest_fused
 from aiayn.data.mixture import Mixture, mixture_fingerprint, tag_ids
 from aiayn.data.pad import cache_arrays
 from aiayn.data.plan import LmPlan, Plan, epoch_rng, lm_plan, pair_plan
@@ -231,14 +232,17 @@ class CacheRows:
 
     # ---- what the loader asks besides -------------------------------------------------------
 
-    def largest_batches(self, anchor: dict) -> list[Batch]:
+    def largest_batches(self, anchor: dict, fuse_to: int | None) -> list[Batch]:
         """The batches of the anchor's epoch that need the most memory: the one of the most
-        padded tokens (rows x width) and the widest, made as the loop would make them."""
+        padded tokens (rows x width) and the widest, made as the loop would make them; where a
+        rank fuses units into forwards of up to `fuse_to` tokens, the widest units fused."""
         epoch = anchor["epoch"]
         plan, sums = self.plan(epoch)
         segment = self._segment(epoch, plan, sums)
         if len(plan) == 0:
             return []
+        if fuse_to is not None:
+            return [segment.fused(widest_fused(segment, fuse_to))]
         if self.settings.kind == "lm":  # every batch but the last has `rows` full blocks
             return [segment.lm_batch(0)]
         starts = plan.bounds[:-1]

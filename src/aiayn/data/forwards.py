@@ -44,3 +44,13 @@ def fuse(
         if rank == me:
             mine[-1].append(unit)
     return counts, mine
+
+
+def widest_fused(seg, budget: int) -> np.ndarray:
+    """The units of `seg` a forward of the widest ones holds: the widest first, then the next
+    widest while the forward stays within `budget` (what the memory probe tries)."""
+    units = np.arange(len(seg))
+    rows, width = seg.shapes(units)
+    order = np.argsort(-width, kind="stable")
+    fits = np.cumsum(rows[order]) * int(width[order[0]]) <= budget  # True, then False
+    return order[: max(1, int(fits.sum()))]

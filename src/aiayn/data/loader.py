@@ -62,7 +62,7 @@ class Rows(Protocol):
     def start(self) -> dict: ...
     def segments(self, anchor: dict) -> Iterator[Segment]: ...
     def stats(self) -> dict[str, int]: ...
-    def largest_batches(self, anchor: dict) -> list[Batch]: ...
+    def largest_batches(self, anchor: dict, fuse_to: int | None) -> list[Batch]: ...
     def mixture_scalars(self, position: dict) -> dict[str, float]: ...
 
 
@@ -135,9 +135,10 @@ class Loader:
         return self.rows.mixture_scalars(self._pos)
 
     def largest_batches(self) -> list[Batch]:
-        """The batches that need the most memory, to try before training; the position does
-        not move."""
-        return self.rows.largest_batches({k: v for k, v in self._pos.items() if k != "done"})
+        """The batches that need the most memory, to try before training (fusing, forwards
+        of the widest units fused up to the budget); the position does not move."""
+        anchor = {k: v for k, v in self._pos.items() if k != "done"}
+        return self.rows.largest_batches(anchor, self.fuse_to)
 
     # ---- iteration ----------------------------------------------------------------------------
 

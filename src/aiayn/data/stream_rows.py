@@ -167,19 +167,21 @@ class StreamRows:
             first_id=first_id, width=width,
         )  # fmt: skip
 
-    def largest_batches(self, anchor: dict) -> list[Batch]:
+    def largest_batches(self, anchor: dict, fuse_to: int | None) -> list[Batch]:
         """A batch of the widest rows the data allows (max_len + 1 tokens), as many as the
-        token budget holds: a stream has no plan to search, and no batch of it needs more
-        memory than this. To try before training; the position does not move."""
+        token budget holds (a forward's, `fuse_to`, where a rank fuses units): a stream has no
+        plan to search, and no batch of it needs more memory than this. To try before
+        training; the position does not move."""
         s = self.settings
+        budget = s.max_tokens if fuse_to is None else fuse_to
         width, fill, anchor = s.cfg.max_len + 1, s.tok.eos_id, self.start()
         if s.kind == "lm":
-            rows = max(1, s.max_tokens // s.cfg.max_len)
+            rows = max(1, budget // s.cfg.max_len)
             full = table([[fill] * s.cfg.max_len] * rows, None, np.arange(rows))
             ends = np.arange(1, rows + 1) * width  # each document a block: max_len + eos
             plan = LmPlan(np.arange(rows), ends, rows * width, width, rows)
             return [self._made(anchor, plan, [full]).lm_batch(0)]
-        rows = max(1, s.max_tokens // width)
+        rows = max(1, budget // width)
         full = [[fill] * s.cfg.max_len] * rows
         labels = np.zeros(rows, dtype=np.int64) if s.kind == "classifier" else None
         full = table(full, full if s.kind == "seq2seq" else None, np.arange(rows), labels)
