@@ -6,7 +6,9 @@
                             the same shape; rows of tables padded into a Batch (batch.py)
     plan.py                 which rows form each global batch: a cache's epoch or a chunk
     segment.py              a planned stretch (a table and its plan), the loader's unit
-    loader.py               Loader: this rank's batches, rounds of W, the saved position
+    loader.py               Loader: this rank's batches, rounds of a step's units (W when
+                            not training), the saved position
+    forwards.py             a rank's units of a step fused into forwards (train.unit_tokens)
     cache_rows.py           the row source of token caches: an epoch a segment
     stream_rows.py          the row source of a stream: a chunk a segment
                             (stream_mixture.py: which records a mixture's chunk takes)
@@ -21,7 +23,7 @@ What the reference path buys at scale, in modules named for it:
     prefetch.py             the next batches made on a thread while the step runs
     position.py             the saved position's fingerprint, and its checks on a resume
     mixture.py              a mixture's sources, weights, tags and epochs (data.sources)
-    steps.py                each optimizer step's micro-batches, up to train.max_epochs
+    steps.py                each optimizer step's forwards, up to train.max_epochs
     split_copies.py         the run's own copies of its dev and test splits
     hub_revision.py         a Hub dataset pinned to the commit the first start read
     hub_copy.py             a Hub training split copied once to local parquet files
