@@ -273,14 +273,10 @@ class TrainConfig(Section):
             return "takes" if n == 1 else "take"
 
         fewer, idle = world_size - more, f"{self.idle(world_size):.0%}"
-        if self.fuses():
-            return (
-                f"{units} shared by {world_size} ranks ({more} {take(more)} {most}, "
-                f"{fewer} {take(fewer)} {most - 1}; {idle} of the ranks' units idle){fused}"
-            )
+        what, after = ("units", fused) if self.fuses() else ("forwards", "")
         return (
             f"{units} shared by {world_size} ranks ({more} {take(more)} {most}, {fewer} "
-            f"{take(fewer)} {most - 1}; {idle} of the ranks' forwards idle)"
+            f"{take(fewer)} {most - 1}; {idle} of the ranks' {what} idle){after}"
         )
 
     def batch(self, world_size: int) -> str:

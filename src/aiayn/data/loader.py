@@ -3,7 +3,7 @@
 A row source (cache_rows.py: a token cache's epochs; stream_rows.py: a stream's chunks; either
 one source or a mixture's) hands out segments (segment.py), each planned whole. Every rank
 walks the same global batches, segment after segment, in rounds: an optimizer step's
-micro-batches when training (`per_round`), W (the world size) otherwise. Rank r takes the
+units (planned batches) when training (`per_round`), W (the world size) otherwise. Rank r takes the
 round's batches r, r + W, ... and makes only those, a few read ahead together; where W does
 not divide the round, ranks r < round % W take one more. A round's target tokens come from
 the segments' cumulative sums, so the training loop learns the step's total over all ranks
