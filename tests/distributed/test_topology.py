@@ -1,15 +1,16 @@
 """Resuming on another topology, with real processes: ZeRO-3 -> ZeRO-2 on 2 ranks -> ZeRO-0 on
-1 -> DDP, ZeRO-3 on 2 -> 4 -> 2 ranks, and, in units (train.unit_tokens), DDP on 1 -> ZeRO-3 on
-4 -> DDP on 3 -> FSDP2 on 3 -> ZeRO-3 on 2 with another max_tokens, each against an
-uninterrupted run: every engine's files read back, every engine loading another's.
+1 -> DDP, ZeRO-3 on 2 -> 4 -> 2 ranks, and DDP on 1 -> ZeRO-3 on 4 -> DDP on 3 -> FSDP2 on 3 ->
+ZeRO-3 on 2 with another max_tokens, each against an uninterrupted run: every engine's files
+read back, every engine loading another's.
 
-Every run fixes the step's batch over all ranks (train.tokens_per_step), so one process
-accumulates 2 micro-batches where 2 ranks take 1 each (the loader hands a step's global batches
-r, r+W, ... to rank r). In units, a step is 11 of them, which 4, 3 and 2 ranks share unevenly
-(3, 3, 3, 2 on 4), each rank fusing its own into forwards of up to max_tokens, and a rank with
-fewer forwards repeating its last with weight 0: the resumed run must consume the same samples
-at the same steps and compute the same updates up to float rounding, with no setting but
-max_tokens (the forward, not the plan) changed between the runs of a chain. Each
+Every run fixes the step's batch over all ranks (train.tokens_per_step), which the loader
+deals out, rank r taking the step's batches r, r + W, ...: in the first two chains 4
+micro-batches of max_tokens, each a forward (2 + 2 on 2 ranks, 1 each on 4, 4 accumulated on
+1: the same batches on every W); in the third 11 units of train.unit_tokens (3, 3, 3, 2 on 4;
+4, 4, 3 on 3; 6, 5 on 2), each rank fusing its own into forwards of up to max_tokens. A rank
+with fewer forwards repeats its last with weight 0. The resumed run must consume the same
+samples at the same steps and compute the same updates up to float rounding, with no setting
+but max_tokens (the forward, not the plan) changed between the runs of a chain. EachEach
 keeps the moving average of the weights (train.ema), which continues across the change within
 the weights' tolerance: restarted from the resumed weights instead, it would be off by about
 0.9^10 of the EMA's distance from the weights at step 10, 4.7e-3 (measured), so 1.6e-3.
@@ -63,17 +64,16 @@ def zero(stage: int) -> tuple[str, ...]:
     return ("distributed.backend=deepspeed", f"distributed.zero_stage={stage}")
 
 
-TWO, FOUR = "train.tokens_per_step=1200", "train.tokens_per_step=2400"  # micro-batches of 600
+# Four micro-batches of 300, each a forward: the same batches on 1, 2 and 4 ranks.
+FOUR = ("train.tokens_per_step=1200", "train.max_tokens=300")
 UNITS = ("train.tokens_per_step=2200", "train.unit_tokens=200")  # 11 units, up to 3 a forward
 FSDP = "distributed.backend=fsdp"
 TOPOLOGIES = {  # name -> (launcher, options, how train.log names it)
-    "zero3x2": (lambda: torchrun(2), (*zero(3), TWO), "DeepSpeed ZeRO-3 on 2 rank(s)"),
-    "zero2x2": (lambda: torchrun(2), (*zero(2), TWO), "DeepSpeed ZeRO-2 on 2 rank(s)"),
-    # Four micro-batches a step on 2 and on 4 ranks: the same global batches.
-    "zero3x2acc2": (lambda: torchrun(2), (*zero(3), FOUR), "DeepSpeed ZeRO-3 on 2 rank(s)"),
-    "zero3x4": (lambda: torchrun(4), (*zero(3), FOUR), "DeepSpeed ZeRO-3 on 4 rank(s)"),
-    "zero0x1": (lambda: [sys.executable], (*zero(0), TWO), "DeepSpeed ZeRO-0 on 1 rank(s)"),
-    "ddp1": (lambda: [sys.executable], (TWO,), "DDP on 1 rank(s)"),
+    "zero3x2": (lambda: torchrun(2), (*zero(3), *FOUR), "DeepSpeed ZeRO-3 on 2 rank(s)"),
+    "zero2x2": (lambda: torchrun(2), (*zero(2), *FOUR), "DeepSpeed ZeRO-2 on 2 rank(s)"),
+    "zero3x4": (lambda: torchrun(4), (*zero(3), *FOUR), "DeepSpeed ZeRO-3 on 4 rank(s)"),
+    "zero0x1": (lambda: [sys.executable], (*zero(0), *FOUR), "DeepSpeed ZeRO-0 on 1 rank(s)"),
+    "ddp1": (lambda: [sys.executable], FOUR, "DDP on 1 rank(s)"),
     # Eleven units: shares of 3, 3, 3, 2 on 4 ranks, 4, 4, 3 on 3, and 6, 5 on 2.
     "units_ddp1": (lambda: [sys.executable], UNITS, "DDP on 1 rank(s)"),
     "units_zero3x4": (lambda: torchrun(4), (*zero(3), *UNITS), "DeepSpeed ZeRO-3 on 4 rank(s)"),
@@ -126,8 +126,8 @@ def cut_back(reference: Path, run_dir: Path, step: int) -> None:
 
 
 def assert_continues(run_dir: Path, reference: Path, weights_atol: float, loss_rtol: float):
-    """Same samples at the same steps, none twice within an epoch (the 4-micro-batch chain
-    passes into a second); the same schedule; loss and weights close."""
+    """Same samples at the same steps, none twice within an epoch (a chain may pass into a
+    second); the same schedule; loss and weights close."""
     got, ref = consumed(run_dir), consumed(reference)
     assert sorted(got) == list(range(1, STEPS + 1)) == sorted(ref)
     assert all(sorted(got[s]) == sorted(ref[s]) for s in ref)
@@ -152,8 +152,9 @@ def assert_continues(run_dir: Path, reference: Path, weights_atol: float, loss_r
         # The stage changes, then DDP. One chain of launches: each change costs one launch,
         # not a launch and a reference run (ZeRO-3 <-> DDP: the third chain).
         ["zero3x2", "zero2x2", "zero0x1", "ddp1"],
-        # The world size changes, 2 -> 4 -> 2: each rank reads its partition only.
-        ["zero3x2acc2", "zero3x4", "zero3x2acc2"],
+        # The world size changes, 2 -> 4 -> 2: each rank reads its partition only. From the
+        # first chain's uninterrupted run.
+        ["zero3x2", "zero3x4", "zero3x2"],
         # Units: world sizes that do not divide the step's, on every engine, and another
         # max_tokens at the last resume; FSDP2 reads and is read by the others at another W.
         ["units_ddp1", "units_zero3x4", "units_ddpx3", "units_fsdpx3", "units_zero3x2_forward1000"],
@@ -186,7 +187,7 @@ def test_resume_on_another_topology_continues_the_same_run(setup, straight, chai
         idle = "8% of the ranks' units idle), fused into forwards of up to"
         assert f"units x 11 shared by 3 ranks (2 take 4, 1 takes 3; {idle} 600 tokens" in log
         assert f"units x 11 shared by 2 ranks (1 takes 6, 1 takes 5; {idle} 1,000 tokens" in log
-    elif chain[0] == "zero3x2acc2":
+    elif "zero3x4" in chain:
         # ZeRO-3 to ZeRO-3: the busiest rank read about 1/W_new of the weights and moments
         # (the whole of them per rank before: W_new x the state in all).
         shares = [kib(read) / kib(stored) for read, stored in READS.findall(log)]
