@@ -18,7 +18,7 @@ from batch_checks import check_pair_rows, check_plans_kept, lines, roundtrip, sa
 
 from aiayn.config import Config, DataConfig, ModelConfig, TokenizerConfig, TrainConfig
 from aiayn.corpora.demo import write_classify
-from aiayn.data import Loader, ensure_cache, make_loader, plan
+from aiayn.data import Loader, StepBatches, ensure_cache, make_loader, plan
 from aiayn.data.cache import MANIFEST, cache_dir, open_cache
 from aiayn.data.plan import budget_bounds, pair_plan, sorted_bounds
 from aiayn.errors import DataError
@@ -53,6 +53,12 @@ def cached(cfg: Config, tok, train=True, rank=0, world_size=1) -> Loader:
     return make_loader(
         cfg, cfg.data.train, tok, train=train, rank=rank, world_size=world_size, cache=cache
     )
+
+
+def steps(loader: Loader, n: int) -> list[list]:
+    """The loader's next `n` optimizer steps on its rank, as the training loop takes them."""
+    with StepBatches(loader, None) as batches:
+        return [batches.next() for _ in range(n)]
 
 
 def cache_bytes(root: Path) -> dict[str, bytes]:
@@ -692,15 +698,6 @@ def test_a_step_takes_its_batches_on_any_world_size_up_to_its_micro_batches(tmp_
     cfg.train.tokens_per_step = 8 * cfg.train.max_tokens
     single = take(iter(cached(cfg, tok)), 8 * 10)
 
-    def steps(loader, n: int) -> list[list]:
-        taken, out = loader.taken(), []
-        for _ in range(n):
-            step = [next(taken)]
-            while not step[-1].ends_round:
-                step.append(next(taken))
-            out.append(step)
-        return out
-
     for world in (1, 3, 4, 8):
         ranks = [steps(cached(cfg, tok, rank=r, world_size=world), 6) for r in range(world)]
         for k in range(6):
@@ -749,15 +746,6 @@ def test_units_fused_into_forwards_train_the_same_examples_on_any_world_size(
     units = take(iter(cached(config(unit), tok)), 12 * 6)  # one forward a unit: no fusing
     fused, extra = config(4 * unit), int(kind == "lm")  # a block is one token wider than tgt_in
     assert fused.train.fuses() and not config(unit).train.fuses()
-
-    def steps(loader, n: int) -> list[list]:
-        taken, out = loader.taken(), []
-        for _ in range(n):
-            step = [next(taken)]
-            while not step[-1].ends_round:
-                step.append(next(taken))
-            out.append(step)
-        return out
 
     for world in (1, 5, 12):
         ranks = [steps(cached(fused, tok, rank=r, world_size=world), 6) for r in range(world)]
