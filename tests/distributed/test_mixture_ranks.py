@@ -1,7 +1,7 @@
 """A mixture of sources (data.sources) trained by real processes, on the token cache and
-streamed: a run SIGKILLed mid-epoch and resumed on another world size (1 -> 2, 2 -> 1) takes the
-same (source, example) pairs at every step as a run that was never interrupted, across a pass
-boundary of a small source and an epoch boundary.
+streamed: a run SIGKILLed mid-epoch and resumed on another world size, twice (1 -> 2 -> 1), takes
+the same (source, example) pairs at every step as a run that was never interrupted, across a
+pass boundary of a small source and an epoch boundary.
 
 One process with train.grad_accum=2 takes the same global batches per step as 2 ranks with 1
 (rank r takes global batches r, r + W, ...), so the runs are compared step by step."""
@@ -22,7 +22,10 @@ from procs import ENV, run  # tests/distributed/procs.py
 
 pytestmark = pytest.mark.distributed
 FAULTY = str(Path(__file__).with_name("faulty.py"))
-STEPS, SAVED, KILLED = 12, 8, 10  # the kill comes after the save at 8: steps 9, 10 are redone
+STEPS = 12
+# Killed on 1 rank at step 6 (resumed from the save at 4), on 2 at step 10 (from the save at 8):
+# steps 5, 6 and 9, 10 are redone.
+KILLS = ((1, 6, 4), (2, 10, 8))  # (world size, killed at, resumed from)
 SIZES = {"big": 300, "bt": 120, "small": 40}
 EPOCH = 200  # examples: big 100, bt 50, small 50 (1.25 passes)
 
@@ -127,33 +130,42 @@ def test_the_uninterrupted_run_crosses_an_epoch_and_passes_of_the_small_source(s
     rows = straight(path)
     steps = by_step(rows)
     epoch_at = {r["step"]: r["epoch"] for r in rows}
-    assert epoch_at[SAVED] == epoch_at[SAVED + 1]  # the resume point is inside an epoch
-    assert epoch_at[STEPS] > epoch_at[SAVED + 1]  # and the resumed steps reach the next
+    last = KILLS[-1][2]
+    assert epoch_at[last] == epoch_at[last + 1]  # the last resume point is inside an epoch
+    assert epoch_at[STEPS] > epoch_at[last + 1]  # and the resumed steps reach the next
     small = sum(src == 2 for s in range(1, STEPS + 1) for src, _ in steps[s])
-    before = sum(src == 2 for s in range(1, SAVED + 1) for src, _ in steps[s])
+    before = sum(src == 2 for s in range(1, last + 1) for src, _ in steps[s])
     # The small source's 40 examples are passed over again after the resume point.
     assert before // 40 < small // 40
 
 
-@pytest.mark.parametrize("worlds", [(1, 2), (2, 1)], ids=lambda w: f"{w[0]}_to_{w[1]}")
 @pytest.mark.parametrize("path", list(PATHS))
 def test_a_run_killed_mid_epoch_resumes_on_another_world_size_with_the_same_pairs(
-    config, straight, tmp_path, worlds, path
+    config, straight, tmp_path, path
 ):
-    before, after = worlds
-    run_dir = tmp_path / "run"
-    train(config, run_dir, before, path, kill_at=KILLED)
-    done = {p.name: len(p.read_text().splitlines()) for p in (run_dir / "consumed").iterdir()}
-    first = by_step(records(run_dir))
-    train(config, run_dir, after, path)
-    resumed = by_step(records(run_dir, skip=done))
-    ref = by_step(straight(path))
-    assert sorted(resumed) == list(range(SAVED + 1, STEPS + 1))  # from the save at SAVED
-    assert all(first[s] == ref[s] for s in range(1, SAVED + 1))
-    assert all(resumed[s] == ref[s] for s in resumed)
+    """Killed on 1 rank, resumed on 2 and killed again, resumed on 1 to the end."""
+    run_dir, ref = tmp_path / "run", by_step(straight(path))
+    taken: dict[int, list] = {}  # step -> the pairs of its last run
+    first = 1
+    for world, killed_at, resumed_from in KILLS:
+        done = {p.name: len(p.read_text().splitlines()) for p in run_dir.glob("consumed/*")}
+        train(config, run_dir, world, path, kill_at=killed_at)
+        (run_dir / "injected.jsonl").unlink()  # faulty.py: the next launch's fault is its first
+        steps = by_step(records(run_dir, skip=done))
+        # a step's examples are recorded as it begins, where faulty.py kills it
+        assert sorted(steps) == list(range(first, killed_at + 1)), sorted(steps)
+        taken, first = taken | steps, resumed_from + 1
+    done = {p.name: len(p.read_text().splitlines()) for p in run_dir.glob("consumed/*")}
+    train(config, run_dir, 1, path)
+    last = by_step(records(run_dir, skip=done))
+    assert sorted(last) == list(range(first, STEPS + 1))
+    taken |= last
+    assert sorted(taken) == list(range(1, STEPS + 1))
+    assert all(taken[s] == ref[s] for s in ref)
     log = (run_dir / "train.log").read_text()
-    assert f"resuming from {run_dir}/checkpoints/step_{SAVED:08d}" in log
-    assert STARTUP[path] in log  # a line per source at each start
+    for _, _, resumed_from in KILLS:
+        assert f"resuming from {run_dir}/checkpoints/step_{resumed_from:08d}" in log
+    assert log.count(STARTUP[path]) == 3  # a line per source at each start
 
 
 STARTUP = {
