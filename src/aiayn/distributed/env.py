@@ -137,14 +137,6 @@ class DistEnv:
         thread."""
         return self._gather_to_main(obj, self.save_group) if self.distributed else [obj]
 
-    def save_sum(self, values: list[float]) -> list[float]:
-        """DistEnv.sum over save_group: safe from a writer thread."""
-        if not self.distributed:
-            return values
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, group=self.save_group)
-        return t.tolist()
-
     def _gather(self, obj, size: int, group: dist.ProcessGroup | None) -> list:
         out = [None] * size
         dist.all_gather_object(out, obj, group=group)
