@@ -84,6 +84,18 @@ def aiayn(config: Path, run_dir: Path, *overrides: str) -> list[str]:
     return ["-m", "aiayn", "train", "--config", str(config), f"run_dir={run_dir}", *overrides]
 
 
+TRAIN_RUNS = str(Path(__file__).with_name("train_runs.py"))
+
+
+def train_runs(config: Path, runs: dict[Path, tuple[str, ...]]) -> list[str]:
+    """The arguments of one launch of several `aiayn train` runs (train_runs.py), run_dir ->
+    its overrides, in order: after the launcher (python or torchrun)."""
+    args = [TRAIN_RUNS, str(config)]
+    for i, (run_dir, overrides) in enumerate(runs.items()):
+        args += ["--"] * bool(i) + [str(run_dir), *overrides]
+    return args
+
+
 def assert_close(a: dict, b: dict, atol: float) -> None:
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)

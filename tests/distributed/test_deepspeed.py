@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from helpers import scalars, torchrun, weights_at  # tests/helpers.py
-from procs import ENV, STEPS, accelerate_launch, aiayn, assert_close, run
+from procs import ENV, STEPS, accelerate_launch, aiayn, assert_close, run, train_runs
 
 pytestmark = pytest.mark.distributed
 DS = ("distributed.backend=deepspeed",)
@@ -36,22 +36,41 @@ def assert_same_curve(
     assert ref[steps] < drop * ref[1]  # and the curve is one of learning
 
 
-@pytest.mark.parametrize(
-    "name, options",
-    [
-        # Plain ZeRO 0 to 3 compute DDP's update in test_step_collectives.py's launch (5 steps
-        # each, in one process group); plain ZeRO-3 follows the curve in
-        # test_accelerate_launch_use_deepspeed, launched by accelerate. Here the stages with
-        # options, over 20 steps.
-        ("zero2_offload", ["distributed.zero_stage=2", "distributed.offload_optimizer=true"]),
-        ("zero3_ckpt", ["distributed.zero_stage=3", "distributed.activation_checkpointing=true"]),
-    ],
+# bf16 sized for CPUs without native bf16, where it is emulated and several times slower than
+# fp32: 8 steps of half-size batches, no validation, and no measured matmul peak (it only
+# feeds MFU, and a bf16 one takes minutes where bf16 is emulated).
+BF16 = (
+    "train.precision=bf16",
+    "train.max_steps=8",
+    "train.max_tokens=300",
+    "train.eval_every=0",
+    "checkpoint.every_steps=8",
+    "logging.peak_tflops=1",
 )
-def test_zero_stage_follows_the_ddp_loss_curve(setup, ddp_run, name, options):
+# Plain ZeRO 0 to 3 compute DDP's update in test_step_collectives.py's launch (5 steps each, in
+# one process group); plain ZeRO-3 follows the curve in test_accelerate_launch_use_deepspeed,
+# launched by accelerate. Here the stages with options, over 20 steps, and the bf16 pair: one
+# launch of 2 ranks, the runs one after another (train_runs.py).
+RUNS = {
+    "zero2_offload": (*DS, "distributed.zero_stage=2", "distributed.offload_optimizer=true"),
+    "zero3_ckpt": (*DS, "distributed.zero_stage=3", "distributed.activation_checkpointing=true"),
+    "ddp_bf16": BF16,
+    "zero2_bf16": (*DS, "distributed.zero_stage=2", *BF16),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(setup) -> dict[str, Path]:
     root, config = setup
-    run_dir = root / name
-    run(torchrun(2) + aiayn(config, run_dir, *DS, *options), timeout=900)
-    stage = options[0].split("=")[1]
+    dirs = {name: root / name for name in RUNS}
+    run(torchrun(2) + train_runs(config, {dirs[n]: RUNS[n] for n in RUNS}), timeout=900)
+    return dirs
+
+
+@pytest.mark.parametrize("name", ["zero2_offload", "zero3_ckpt"])
+def test_zero_stage_follows_the_ddp_loss_curve(runs, ddp_run, name):
+    run_dir = runs[name]
+    stage = RUNS[name][1].split("=")[1]
     log = (run_dir / "train.log").read_text()
     assert f"DeepSpeed ZeRO-{stage} on 2 rank(s)" in log
     size = re.search(r"seq2seq model, [\d,]+ parameters", log).group()
@@ -64,6 +83,10 @@ def test_zero_stage_follows_the_ddp_loss_curve(setup, ddp_run, name, options):
     assert sorted(norms) == sorted(ref)
     worst = max(abs(norms[s] - ref[s]) / ref[s] for s in ref)
     assert worst <= 1e-3, f"gradient norms differ from DDP's by {worst:.3g} (relative)"
+
+
+def test_bf16_autocast_follows_ddp_bf16(runs):
+    assert_same_curve(runs["zero2_bf16"], runs["ddp_bf16"], rtol=1e-3, steps=8, drop=0.9)
 
 
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
@@ -79,25 +102,6 @@ def test_one_process_accumulating_two_equals_two_ranks(setup, ddp_run, launcher)
     run(start + aiayn(config, run_dir, *options), timeout=300)
     assert_same_curve(run_dir, ddp_run, rtol=1e-4)
     assert_close(weights_at(run_dir, STEPS), weights_at(ddp_run, STEPS), atol=5e-3)
-
-
-def test_bf16_autocast_follows_ddp_bf16(setup):
-    """Sized for CPUs without native bf16, where it is emulated and several times slower than
-    fp32: 8 steps of half-size batches, no validation, and no measured matmul peak (it only
-    feeds MFU, and a bf16 one takes minutes where bf16 is emulated)."""
-    root, config = setup
-    ddp, zero = root / "ddp_bf16", root / "zero2_bf16"
-    short = (
-        "train.precision=bf16",
-        "train.max_steps=8",
-        "train.max_tokens=300",
-        "train.eval_every=0",
-        "checkpoint.every_steps=8",
-        "logging.peak_tflops=1",
-    )
-    run(torchrun(2) + aiayn(config, ddp, *short))
-    run(torchrun(2) + aiayn(config, zero, *DS, "distributed.zero_stage=2", *short))
-    assert_same_curve(zero, ddp, rtol=1e-3, steps=8, drop=0.9)
 
 
 def test_deepspeed_builds_torch_fused_adam_for_cuda_and_reduces_bf16_runs_in_fp32():

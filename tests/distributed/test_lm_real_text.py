@@ -18,7 +18,7 @@ from aiayn.data import sample_sentences
 from aiayn.tokenizer import train_tokenizer
 
 from helpers import SMALL_MODEL, events, model_overrides, scalars, torchrun  # tests/helpers.py
-from procs import aiayn, run
+from procs import aiayn, run, train_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt.gz"
@@ -66,20 +66,11 @@ def setup(tmp_path_factory):
 
 def test_ddp_and_zero3_follow_one_process_on_tiny_shakespeare(setup):
     root, config, overrides = setup
-    runs = {
-        "one": [sys.executable] + aiayn(config, root / "one", *overrides, "train.grad_accum=2"),
-        "ddp": torchrun(2) + aiayn(config, root / "ddp", *overrides),
-        "zero3": torchrun(2)
-        + aiayn(
-            config,
-            root / "zero3",
-            *overrides,
-            "distributed.backend=deepspeed",
-            "distributed.zero_stage=3",
-        ),  # fmt: skip
-    }
-    for cmd in runs.values():
-        run(cmd, timeout=900)
+    zero3 = ("distributed.backend=deepspeed", "distributed.zero_stage=3")
+    run([sys.executable] + aiayn(config, root / "one", *overrides, "train.grad_accum=2"))
+    # DDP, then ZeRO-3: one launch of 2 ranks, one run after the other (train_runs.py)
+    two = {root / "ddp": tuple(overrides), root / "zero3": (*overrides, *zero3)}
+    run(torchrun(2) + train_runs(config, two), timeout=900)
     ref = scalars(root / "one", "train/loss")
     assert sorted(ref) == list(range(1, STEPS + 1))
     assert ref[STEPS] < 0.85 * ref[1]  # it learns (7.0 -> 5.6 nats per BPE token seen)

@@ -91,10 +91,10 @@ SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmUser=root
 SlurmdUser=root
-# Our own munged; cred_expire=10: a requeued job may start again after 10 s instead of ~120 s.
+# Our own munged; cred_expire=5: a requeued job may start again after 5 s instead of ~120 s.
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={r}/munge.socket,cred_expire=10
+AuthInfo=socket={r}/munge.socket,cred_expire=5
 # Listen on 127.0.0.1 only.
 CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
 # No systemd, no cgroups: track processes through /proc, bind nothing.
