@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from helpers import scalars, torchrun, weights_at  # tests/helpers.py
-from procs import aiayn, assert_close, run
+from procs import assert_close, run, train_runs
 
 pytestmark = pytest.mark.distributed
 TUNE = ("train.max_steps=1", "train.eval_every=0")
@@ -17,17 +17,18 @@ ZERO3 = ("distributed.backend=deepspeed", "distributed.zero_stage=3")
 
 @pytest.fixture(scope="module")
 def tuned(setup, ddp_run) -> dict:
-    """One step from the 20-step 2-rank DDP run, four ways (four launches for both tests):
+    """One step from the 20-step 2-rank DDP run, four ways, in two launches (train_runs.py):
     one process accumulating 2 micro-batches with fresh Adam moments ("one") and with the
-    source's ("keep_one"), 2 DDP ranks with fresh moments, 2 ZeRO-3 ranks with the source's."""
+    source's ("keep_one"), then 2 DDP ranks with fresh moments and 2 ZeRO-3 ranks with the
+    source's."""
     root, config = setup
     source = (f"init.source={ddp_run}", *TUNE)
     keep = "init.optimizer=keep"
     runs = {name: root / f"init_{name}" for name in ("one", "keep_one", "ddp", "keep_zero3")}
-    run([sys.executable] + aiayn(config, runs["one"], *source, "train.grad_accum=2"))
-    run([sys.executable] + aiayn(config, runs["keep_one"], *source, keep, "train.grad_accum=2"))
-    run(torchrun(2) + aiayn(config, runs["ddp"], *source))
-    run(torchrun(2) + aiayn(config, runs["keep_zero3"], *source, keep, *ZERO3), timeout=900)
+    one = (*source, "train.grad_accum=2")
+    run([sys.executable] + train_runs(config, {runs["one"]: one, runs["keep_one"]: (*one, keep)}))
+    two = {runs["ddp"]: source, runs["keep_zero3"]: (*source, keep, *ZERO3)}
+    run(torchrun(2) + train_runs(config, two), timeout=900)
     return runs
 
 
