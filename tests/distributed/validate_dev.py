@@ -3,9 +3,10 @@ runs it, of a model initialised from seed 0 (the same untrained model on every r
 distributed tests' dev set, with the engine the config names (DDP, DeepSpeed ZeRO-3). Each
 rank writes OUT/rank_<r>.json: the dev sentences it translated, the metrics it got back,
 whether its engine's model is partitioned, and (ZeRO-3) the largest share of the model it held
-gathered at once.
+gathered at once. Several validations, each with its own run_dir, out and overrides, share one
+launch and process group (start-up is most of a launch's cost).
 
-usage: validate_dev.py CONFIG RUN_DIR OUT [KEY=VALUE ...]
+usage: validate_dev.py CONFIG RUN_DIR OUT [KEY=VALUE ...] [-- RUN_DIR OUT [KEY=VALUE ...]] ...
 """
 
 import json
@@ -40,8 +41,7 @@ def watch_gathered(module: torch.nn.Module) -> list[float]:
     return seen
 
 
-def main(config: str, run_dir: str, out: str, *overrides: str) -> None:
-    env = setup("cpu")
+def validate(env, config: str, run_dir: str, out: str, *overrides: str) -> None:
     cfg = load_config(config, [f"run_dir={run_dir}", "train.eval_bleu=null", *overrides])
     tok = Tokenizer(cfg.tokenizer_path)
     torch.manual_seed(0)
@@ -54,6 +54,17 @@ def main(config: str, run_dir: str, out: str, *overrides: str) -> None:
     got = {"translated": translated, "result": result, "partitioned": engine.partitioned}
     got["most_gathered"] = max(whole, default=None)  # None: the partitioned layers never ran
     Path(out, f"rank_{env.rank}.json").write_text(json.dumps(got))
+
+
+def main(config: str, *args: str) -> None:
+    env = setup("cpu")
+    run: list[str] = []
+    for arg in (*args, "--"):
+        if arg != "--":
+            run.append(arg)
+        elif run:
+            validate(env, config, *run)
+            run = []
     teardown()
 
 
