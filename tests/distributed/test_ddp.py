@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,6 @@ from aiayn.data import ensure_cache, make_loader
 from aiayn.tokenizer import Tokenizer
 
 from helpers import consumed, free_port, torchrun, weights_at  # tests/helpers.py
-from processes import logged, wait_until  # tests/processes.py
 from procs import ENV, LAUNCH, STEPS, aiayn, assert_close, launch_wrapper, run
 
 pytestmark = pytest.mark.distributed
@@ -202,43 +200,3 @@ def test_uneven_shards_finish_and_every_example_is_seen_once_per_epoch(setup):
         assert len(rows) == steps  # one batch per step on each rank: they stayed in step
         seen += [i for row in rows if row["epoch"] == 0 for i in row["ids"]]
     assert sorted(seen) == list(range(3000))  # every example once, none twice
-
-
-def test_a_signal_to_one_rank_stops_all_ranks_after_the_same_step(setup):
-    """SIGUSR1 to rank 1 only: the flag is reduced with the step's token count, so both ranks
-    stop after the same step and the checkpoint is written. (That a checkpoint saved on a
-    signal resumes, bit for bit: tests/e2e/test_preemption.py, and on two nodes the Slurm
-    preemption test.)"""
-    psutil = pytest.importorskip("psutil")
-    root, config = setup
-    run_dir = root / "preempted"
-    cmd = torchrun() + aiayn(
-        config,
-        run_dir,
-        "train.max_steps=100000",
-        "logging.every_steps=1",
-        "train.eval_every=0",
-        "checkpoint.every_steps=100000",
-    )
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
-    )
-    log = run_dir / "train.log"
-    try:
-        wait_until(proc, logged(log, "train step 4 |"), 120, "training step 4", interval=0.05)
-        workers = [
-            p
-            for p in psutil.Process(proc.pid).children(recursive=True)
-            if "aiayn" in " ".join(p.cmdline())
-        ]
-        rank1 = [p for p in workers if p.environ().get("RANK") == "1"]
-        assert len(rank1) == 1, workers
-        rank1[0].send_signal(signal.SIGUSR1)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    saved = sorted((run_dir / "checkpoints").glob("step_*"))
-    assert len(saved) == 1, out[-3000:]
-    step = int(saved[0].name.split("_")[1])
-    assert f"stop requested: saved step {step} (signal on another rank)" in log.read_text()
-    assert f"aiayn train: preempted: checkpoint of step {step} saved" in out  # rank 1 said so

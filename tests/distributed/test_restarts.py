@@ -398,8 +398,12 @@ def test_a_preemption_or_an_error_to_fix_is_not_restarted(setup, kind, code, act
         assert "Traceback" not in out and "FAILED" not in out, out[-4000:]
     if kind == "sigusr1":
         # Signalled during step 7: step 8 starts the vote that carries it (StopVote), step 9
-        # reads it, and both ranks stop after step 9 and save.
+        # reads it, and both ranks stop after step 9 and save: rank 0, which got no signal,
+        # learned it from the vote (the flag is reduced with the step's token count).
         assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000009"
+        log = (run_dir / "train.log").read_text()
+        assert "stop requested: saved step 9 (signal on another rank)" in log, log[-3000:]
+        assert "aiayn train: preempted: checkpoint of step 9 saved" in out  # rank 1 said so
     if code == 75:
         assert "not restarted, exiting 75" in out
         assert {f["exitcode"] for f in faults(run_dir)} == {75}, faults(run_dir)
