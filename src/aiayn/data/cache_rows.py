@@ -245,12 +245,12 @@ class CacheRows:
             return [segment.fused(widest_fused(segment, fuse_to))]
         if self.settings.kind == "lm":  # every batch but the last has `rows` full blocks
             return [segment.lm_batch(0)]
-        starts = plan.bounds[:-1]
-        widest = np.maximum.reduceat(self._width[plan.rows], starts)
-        tokens = widest.astype(np.int64) * np.diff(plan.bounds)
-        picks = dict.fromkeys((int(np.argmax(tokens)), int(np.argmax(widest))))
-        where = np.arange(len(plan)) if plan.order is None else np.argsort(plan.order)
-        return [segment.read(np.array([int(where[j])])).batch(int(where[j])) for j in picks]
+        # Every batch, in the plan's storage order (the first of equals is picked, as always).
+        ks = np.arange(len(plan)) if plan.order is None else np.argsort(plan.order)
+        rows, widest = segment.shapes(ks)
+        tokens = widest.astype(np.int64) * rows
+        picks = dict.fromkeys(int(ks[np.argmax(a)]) for a in (tokens, widest))
+        return [segment.read(np.array([k])).batch(k) for k in picks]
 
     def mixture_scalars(self, position: dict) -> dict[str, float]:
         """What the whole group has taken of each source up to the position (the same on every
