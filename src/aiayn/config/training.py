@@ -228,6 +228,10 @@ class TrainConfig(Section):
         """The batch plan's unit in tokens: train.unit_tokens, else train.max_tokens."""
         return self.unit_tokens or self.max_tokens
 
+    def unit_names(self) -> tuple[str, str]:
+        """The setting that gives the unit, and what messages call its batches."""
+        return ("unit_tokens", "units") if self.unit_tokens else ("max_tokens", "micro-batches")
+
     def fuses(self) -> bool:
         """Whether a rank fuses the units it takes into larger forwards: where a forward holds
         two units or more. Else each unit is one forward, in the order the plan deals them."""
@@ -248,7 +252,7 @@ class TrainConfig(Section):
         units = self.step_units(world_size)
         if units < world_size:
             raise ConfigError(
-                _unshared(self.tokens_per_step, self.unit(), world_size, self.unit_tokens)
+                _unshared(self.tokens_per_step, self.unit(), world_size, self.unit_names())
             )
         return -(-units // world_size)
 
@@ -282,8 +286,7 @@ class TrainConfig(Section):
     def batch(self, world_size: int) -> str:
         """The step as the start-up line says it: "600-token micro-batches x 2 accumulated x 4
         ranks per step", "384-token units x 64 shared by 8 ranks (8 each), fused into ..."."""
-        what = "units" if self.unit_tokens else "micro-batches"
-        return f"{self.unit():,}-token {what} x {self.sharing(world_size)}"
+        return f"{self.unit():,}-token {self.unit_names()[1]} x {self.sharing(world_size)}"
 
     def step_tokens(self, world_size: int) -> int:
         """The optimizer step's token budget over `world_size` ranks."""
@@ -316,7 +319,7 @@ class TrainConfig(Section):
                 "rank's accumulation from the world size; give one and set the other to null "
                 "(an override: train.grad_accum=null)"
             ]
-        unit, name = self.unit(), "unit_tokens" if self.unit_tokens else "max_tokens"
+        unit, (name, what) = self.unit(), self.unit_names()
         if self.unit_tokens is not None and self.unit_tokens > self.max_tokens:
             return [
                 f"train.unit_tokens ({self.unit_tokens}) is larger than train.max_tokens "
@@ -324,7 +327,6 @@ class TrainConfig(Section):
                 "max_tokens, or lower unit_tokens (a new plan: a new run, not a resume)"
             ]
         if per_step % unit:
-            what = "units" if self.unit_tokens else "micro-batches"
             micro = per_step / unit
             below, above = max(1, math.floor(micro)), math.ceil(micro)
             return [
@@ -347,16 +349,18 @@ def _divisors_up_to(total: int, limit: int, n: int) -> list[int]:
     return found
 
 
-def _unshared(per_step: int, unit: int, world_size: int, unit_tokens: int | None) -> str:
-    """Why `world_size` ranks cannot share tokens_per_step's units, and what can."""
-    units = per_step // unit
-    name, what = ("unit_tokens", "units") if unit_tokens else ("max_tokens", "micro-batches")
+def _unshared(per_step: int, unit: int, world_size: int, names: tuple[str, str]) -> str:
+    """Why `world_size` ranks cannot share tokens_per_step's units (of the setting and the
+    word `names`: TrainConfig.unit_names), and what can."""
+    units, (name, what) = per_step // unit, names
     hint = ""
     if per_step % world_size == 0:
         (t,) = _divisors_up_to(per_step // world_size, unit, 1)
         each = per_step // (t * world_size)
         hint = f"; or, on {world_size} ranks, train.{name}={t} ({each} a step on each rank)"
-    smaller = "" if unit_tokens else "; smaller train.unit_tokens let more ranks share a step"
+    smaller = (
+        "" if name == "unit_tokens" else "; smaller train.unit_tokens let more ranks share a step"
+    )
     return (
         f"train.tokens_per_step ({per_step}) is {units} {what} of train.{name} ({unit}), "
         f"fewer than the {world_size} ranks: run on at most {units} ranks{hint}. Another "
