@@ -87,13 +87,16 @@ def aiayn(config: Path, run_dir: Path, *overrides: str) -> list[str]:
 TRAIN_RUNS = str(Path(__file__).with_name("train_runs.py"))
 
 
+def one_launch(runs: list[list[str]]) -> list[str]:
+    """Several runs' arguments for one launch, "--" between them (train_runs.runs_of splits
+    them again)."""
+    return [arg for i, run in enumerate(runs) for arg in ["--"] * bool(i) + run]
+
+
 def train_runs(config: Path, runs: dict[Path, tuple[str, ...]]) -> list[str]:
     """The arguments of one launch of several `aiayn train` runs (train_runs.py), run_dir ->
     its overrides, in order: after the launcher (python or torchrun)."""
-    args = [TRAIN_RUNS, str(config)]
-    for i, (run_dir, overrides) in enumerate(runs.items()):
-        args += ["--"] * bool(i) + [str(run_dir), *overrides]
-    return args
+    return [TRAIN_RUNS, str(config), *one_launch([[str(d), *o] for d, o in runs.items()])]
 
 
 def assert_close(a: dict, b: dict, atol: float) -> None:

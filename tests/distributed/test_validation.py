@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import torchrun  # tests/helpers.py
-from procs import run
+from procs import one_launch, run
 
 pytestmark = pytest.mark.distributed
 WORKER = str(Path(__file__).with_name("validate_dev.py"))
@@ -35,13 +35,11 @@ def validate(setup, launcher: list[str], runs: dict[str, tuple[str, ...]]) -> di
     """Each named validation (its overrides) in one launch: name -> (run_dir, each rank's
     report)."""
     root, config = setup
-    args, dirs = [], {}
-    for name, overrides in runs.items():
-        dirs[name] = root / f"valid_{name}", root / f"valid_{name}_out"
-        dirs[name][1].mkdir()
-        args += ["--"] * bool(args) + [str(d) for d in dirs[name]] + ["decode.batch_size=8"]
-        args += overrides
-    run(launcher + [WORKER, str(config), *args])
+    dirs = {name: (root / f"valid_{name}", root / f"valid_{name}_out") for name in runs}
+    for _, out in dirs.values():
+        out.mkdir()
+    args = [[*map(str, dirs[name]), "decode.batch_size=8", *runs[name]] for name in runs]
+    run(launcher + [WORKER, str(config), *one_launch(args)])
     ranks = {n: [json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"))]
              for n, (_, out) in dirs.items()}  # fmt: skip
     return {name: (dirs[name][0], ranks[name]) for name in runs}

@@ -14,13 +14,19 @@ from aiayn import cli
 from aiayn.train import loop
 
 
-def main(config: str, *args: str) -> int:
-    runs, run = [], []
-    for arg in (*args, "--"):
+def runs_of(args: tuple[str, ...]) -> list[list[str]]:
+    """Each run's arguments from ARGS [-- ARGS] ... (procs.one_launch joins them)."""
+    runs: list[list[str]] = [[]]
+    for arg in args:
         if arg == "--":
-            runs, run = runs + [run], []
+            runs.append([])
         else:
-            run.append(arg)
+            runs[-1].append(arg)
+    return runs
+
+
+def main(config: str, *args: str) -> int:
+    runs = runs_of(args)
     # The runs share the process group (and DeepSpeed's groups made from it): torn down once,
     # after the last.
     teardown, loop.teardown = loop.teardown, lambda: None

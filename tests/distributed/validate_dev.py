@@ -24,6 +24,8 @@ from aiayn.model import build_model
 from aiayn.tokenizer import Tokenizer
 from aiayn.train.monitor import Metrics
 
+from train_runs import runs_of  # beside this file
+
 
 def watch_gathered(module: torch.nn.Module) -> list[float]:
     """ZeRO-3: the share of the model's parameters gathered whole on this rank, sampled as each
@@ -58,13 +60,8 @@ def validate(env, config: str, run_dir: str, out: str, *overrides: str) -> None:
 
 def main(config: str, *args: str) -> None:
     env = setup("cpu")
-    run: list[str] = []
-    for arg in (*args, "--"):
-        if arg != "--":
-            run.append(arg)
-        elif run:
-            validate(env, config, *run)
-            run = []
+    for run in runs_of(args):
+        validate(env, config, *run)
     teardown()
 
 
