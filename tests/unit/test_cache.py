@@ -725,6 +725,15 @@ def rows_by_id(batch) -> dict[int, tuple]:
     }
 
 
+def examples(batches) -> dict[int, tuple]:
+    """rows_by_id over several batches."""
+    return {i: row for b in batches for i, row in rows_by_id(b).items()}
+
+
+def padded_width(batch) -> int:
+    return max(x.shape[1] for x in (batch.src, batch.tgt_in) if x is not None)
+
+
 @pytest.mark.parametrize("kind", ["seq2seq", "lm"])
 def test_units_fused_into_forwards_train_the_same_examples_on_any_world_size(
     tmp_path, corpus, lm_corpus, tok, kind
@@ -750,14 +759,11 @@ def test_units_fused_into_forwards_train_the_same_examples_on_any_world_size(
     for world in (1, 5, 12):
         ranks = [steps(cached(fused, tok, rank=r, world_size=world), 6) for r in range(world)]
         for k in range(6):
-            want = {}
-            for b in units[12 * k : 12 * k + 12]:
-                want.update(rows_by_id(b))
+            want = examples(units[12 * k : 12 * k + 12])
             mine = [ranks[r][k] for r in range(world)]
             got = {}
             for t in (t for m in mine for t in m):
-                rows = t.batch.ids.numel()
-                width = max(x.shape[1] for x in (t.batch.src, t.batch.tgt_in) if x is not None)
+                rows, width = t.batch.ids.numel(), padded_width(t.batch)
                 assert rows * (width + extra) <= fused.train.max_tokens, (world, k)
                 assert not set(got) & set(rows_by_id(t.batch))
                 got.update(rows_by_id(t.batch))
@@ -771,25 +777,16 @@ def test_units_fused_into_forwards_train_the_same_examples_on_any_world_size(
     # The memory probe tries the widest units fused as a rank would fuse them: as wide as any
     # forward, near the budget, never over it.
     (probe,) = cached(fused, tok).largest_batches()
-    width = max(x.shape[1] for x in (probe.src, probe.tgt_in) if x is not None) + extra
-    assert width >= max(
-        max(x.shape[1] for x in (t.batch.src, t.batch.tgt_in) if x is not None) + extra
-        for step in ranks[0]
-        for t in step
-    )
+    width = padded_width(probe) + extra
+    assert width >= max(padded_width(t.batch) + extra for step in ranks[0] for t in step)
     assert fused.train.max_tokens / 2 < probe.ids.numel() * width <= fused.train.max_tokens
     five = cached(fused, tok, rank=4, world_size=5)
     steps(five, 3)
     three = [cached(config(2 * unit), tok, rank=r, world_size=3) for r in range(3)]
-    got = {}
     for loader in three:
         loader.load_state_dict(roundtrip(five.state_dict()))
-        for t in steps(loader, 1)[0]:
-            got.update(rows_by_id(t.batch))
-    want = {}
-    for b in units[36:48]:
-        want.update(rows_by_id(b))
-    assert got == want
+    got = examples(t.batch for loader in three for t in steps(loader, 1)[0])
+    assert got == examples(units[36:48])
 
 
 @pytest.mark.parametrize("kind, world", [("seq2seq", 1), ("seq2seq", 3), ("seq2seq", 8), ("lm", 3)])
