@@ -147,19 +147,16 @@ def test_a_run_killed_mid_epoch_resumes_on_another_world_size_with_the_same_pair
     run_dir, ref = tmp_path / "run", by_step(straight(path))
     taken: dict[int, list] = {}  # step -> the pairs of its last run
     first = 1
-    for world, killed_at, resumed_from in KILLS:
+    for world, killed_at, resumed_from in (*KILLS, (1, None, None)):  # then to the end
         done = {p.name: len(p.read_text().splitlines()) for p in run_dir.glob("consumed/*")}
         train(config, run_dir, world, path, kill_at=killed_at)
-        (run_dir / "injected.jsonl").unlink()  # faulty.py: the next launch's fault is its first
         steps = by_step(records(run_dir, skip=done))
         # a step's examples are recorded as it begins, where faulty.py kills it
-        assert sorted(steps) == list(range(first, killed_at + 1)), sorted(steps)
-        taken, first = taken | steps, resumed_from + 1
-    done = {p.name: len(p.read_text().splitlines()) for p in run_dir.glob("consumed/*")}
-    train(config, run_dir, 1, path)
-    last = by_step(records(run_dir, skip=done))
-    assert sorted(last) == list(range(first, STEPS + 1))
-    taken |= last
+        assert sorted(steps) == list(range(first, (killed_at or STEPS) + 1)), sorted(steps)
+        taken |= steps
+        if killed_at is not None:
+            (run_dir / "injected.jsonl").unlink()  # faulty.py: the next launch's fault is its first
+            first = resumed_from + 1
     assert sorted(taken) == list(range(1, STEPS + 1))
     assert all(taken[s] == ref[s] for s in ref)
     log = (run_dir / "train.log").read_text()
