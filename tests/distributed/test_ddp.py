@@ -1,8 +1,8 @@
-"""Data parallelism with real processes on CPU (gloo): torchrun, two 'nodes', accelerate."""
+"""Data parallelism with real processes on CPU (gloo): torchrun and accelerate. Two "nodes" on
+localhost, each with its own disk for the token cache: test_restarts.py's two-node fault."""
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +14,7 @@ from aiayn.data import ensure_cache, make_loader
 from aiayn.tokenizer import Tokenizer
 
 from helpers import consumed, free_port, torchrun, weights_at  # tests/helpers.py
-from procs import ENV, LAUNCH, STEPS, aiayn, assert_close, launch_wrapper, run
+from procs import LAUNCH, STEPS, aiayn, assert_close, launch_wrapper, run
 
 pytestmark = pytest.mark.distributed
 FIXED_BATCH = ("train.tokens_per_step=1200", "logging.record_ids=true")
@@ -105,50 +105,6 @@ def test_compiled_layers_under_ddp_follow_the_eager_ranks(setup, ddp_run):
     assert "x 2 ranks per step" in log
     assert "differ between data-parallel ranks" not in log and log.count("saved ") == 2
     assert_close(weights_at(run_dir, STEPS), weights_at(ddp_run, STEPS), atol=1e-5)  # 4e-7 seen
-
-
-def test_two_nodes_on_localhost_with_c10d_rendezvous(setup, ddp_run):
-    """Two nodes, each with its own disk for the token cache (data.cache_scope=node, the
-    directory named by a variable each node sets, as $SLURM_TMPDIR is): each node builds its
-    copy, the copies hold the same tokens, and training equals the one-node run."""
-    root, config = setup
-    run_dir = root / "nodes2"
-    endpoint = f"127.0.0.1:{free_port()}"
-    disks = [root / f"node{rank}_disk" for rank in (0, 1)]
-    nodes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                "--nproc_per_node=1",
-                f"--node_rank={rank}",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={endpoint}",
-                "--rdzv-id=aiayn-test",
-                *aiayn(
-                    config,
-                    run_dir,
-                    "data.cache_scope=node",
-                    "data.cache_dir=${AIAYN_NODE_DISK}/cache",
-                ),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**ENV, "AIAYN_NODE_DISK": str(disks[rank])},
-        )
-        for rank in (0, 1)
-    ]
-    for node in nodes:
-        out, _ = node.communicate(timeout=300)
-        assert node.returncode == 0, out[-3000:]
-    copies = [
-        {p.name: p.read_bytes() for p in (disk / "cache" / "train").glob("*.npy")} for disk in disks
-    ]
-    assert len(copies[0]) >= 5 and copies[0] == copies[1]
-    assert_close(weights_at(run_dir, STEPS), weights_at(ddp_run, STEPS), atol=1e-6)
 
 
 def test_accelerate_launch_multi_process(setup, ddp_run, tmp_path):

@@ -181,7 +181,10 @@ def test_faults_on_one_rank_restart_the_group_which_ends_bitwise(
 
 def test_a_fault_on_one_node_restarts_the_group_on_both(setup, uninterrupted):
     """Two launchers ("nodes") of one process each, c10d rendezvous: rank 1's node restarts
-    for the fault, rank 0's for the lost peer, and they meet again in a new store."""
+    for the fault, rank 0's for the lost peer, and they meet again in a new store. Each node
+    has its own disk for the token cache (data.cache_scope=node, the directory named by a
+    variable each node sets, as $SLURM_TMPDIR is): each builds its copy, and the copies hold
+    the same tokens."""
     root, config = setup
     step = random.randint(2, STEPS)
     print(f"sigkill on rank 1 (node 1) at step {step}")
@@ -194,14 +197,16 @@ def test_a_fault_on_one_node_restarts_the_group_on_both(setup, uninterrupted):
         f"--rdzv-endpoint=127.0.0.1:{helpers.free_port()}",
         "--rdzv-id=two-nodes",
     ]
+    disks = [root / f"two_nodes_disk{node}" for node in (0, 1)]
+    node_cache = ("data.cache_scope=node", "data.cache_dir=${AIAYN_NODE_DISK}/cache")
     nodes = [
         subprocess.Popen(
             [sys.executable, "-m", "aiayn.distributed.run", f"--node-rank={node}", *rendezvous]
-            + faulty(config, run_dir, ["sigkill"], [step]),
+            + faulty(config, run_dir, ["sigkill"], [step], *node_cache),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=procs.ENV,
+            env={**procs.ENV, "AIAYN_NODE_DISK": str(disks[node])},
         )
         for node in (0, 1)
     ]
@@ -219,6 +224,10 @@ def test_a_fault_on_one_node_restarts_the_group_on_both(setup, uninterrupted):
     # Both nodes back within seconds: rank 0's node stopped its worker at once when rank 1's
     # asked for a new round, and the restart's rendezvous met at once.
     assert restart_gaps(run_dir)[0] < RESTART_GAP_S
+    copies = [
+        {p.name: p.read_bytes() for p in (disk / "cache" / "train").glob("*.npy")} for disk in disks
+    ]
+    assert len(copies[0]) >= 5 and copies[0] == copies[1]
     assert_bitwise(final_state(run_dir, "ddp"), final_state(uninterrupted("ddp"), "ddp"))
 
 
