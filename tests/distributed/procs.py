@@ -9,8 +9,8 @@ from pathlib import Path
 
 from aiayn.config import load_config
 from aiayn.corpora import demo
-from aiayn.data import sample_sentences
-from aiayn.tokenizer import train_tokenizer
+from aiayn.data import ensure_cache, sample_sentences
+from aiayn.tokenizer import Tokenizer, train_tokenizer
 
 from helpers import SMALL_MODEL, free_port, model_yaml  # tests/helpers.py
 
@@ -23,10 +23,11 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def make_setup(root: Path) -> tuple[Path, Path]:
-    """A corpus, a tokenizer trained once (so no run races to write it) and a config file.
+    """A corpus, a tokenizer and the token cache, made once (so that no two runs race to write
+    them), and a config file.
 
-    Every run reads one token cache, built by the first (the build, by one rank and by two, and
-    killed: test_prepare.py), and is given a peak instead of measuring one (MFU:
+    Every run reads that one token cache (the build, by one rank and by two, and killed:
+    test_prepare.py), and is given a peak instead of measuring one (MFU:
     tests/unit/test_flops.py): each saves a rank 0.6 s of start-up, in some 60 launches."""
     corpus = demo.write_numbers(root / "numbers", n_train=EXAMPLES, n_valid=100, n_test=50)
     config = root / "run.yaml"
@@ -46,6 +47,7 @@ checkpoint: {{every_steps: 10}}
     train_tokenizer(
         cfg.tokenizer, sample_sentences(cfg.data, "seq2seq", 5000, 1), cfg.tokenizer_path
     )
+    ensure_cache(cfg, "train", Tokenizer(cfg.tokenizer_path))
     return root, config
 
 
