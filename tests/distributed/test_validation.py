@@ -40,9 +40,10 @@ def validate(setup, launcher: list[str], runs: dict[str, tuple[str, ...]]) -> di
         out.mkdir()
     args = [[*map(str, dirs[name]), "decode.batch_size=8", *runs[name]] for name in runs]
     run(launcher + [WORKER, str(config), *one_launch(args)])
-    ranks = {n: [json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"))]
-             for n, (_, out) in dirs.items()}  # fmt: skip
-    return {name: (dirs[name][0], ranks[name]) for name in runs}
+    return {
+        name: (run_dir, [json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"))])
+        for name, (run_dir, out) in dirs.items()
+    }
 
 
 @pytest.fixture(scope="module")
